@@ -1,0 +1,31 @@
+# `make demo` and `make test` each bootstrap .venv from nothing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench plan clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0          # local CPU wheel first
+	$(PIP) install -q -c constraints.txt -e '.[dev,triton]'
+	@if $(PIP) list 2>/dev/null | grep -qi nvidia; then echo "CUDA packages were pulled in: check constraints.txt" >&2; exit 1; fi
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m rlgraph.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not slow"
+
+bench: $(STAMP)
+	$(PY) benchmarks/kernels.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis runs

@@ -1,0 +1,104 @@
+"""The two batch containers that cross every layer: `Prompts` and `Rollouts`.
+
+They are plain frozen records of tensors (plus per-row metadata such as reference answers).
+The same classes serve as annotations in an algorithm's signature (`prompts: rg.Prompts`) and as
+the runtime values the executors exchange, so there is one name per concept.
+
+Conventions (symbolic dims as in DESIGN.md):
+- prompts are *left*-padded to P tokens, responses *right*-padded to T tokens;
+- masks are `bool`; log-probs are `float32`;
+- `group[i]` is the prompt index a rollout was sampled from (rows of a group are contiguous).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+Meta = Mapping[str, Sequence[Any]]
+
+
+def _check_meta(meta: Meta, rows: int, where: str) -> None:
+    for key, values in meta.items():
+        if len(values) != rows:
+            raise ValueError(
+                f"{where}: metadata field {key!r} has {len(values)} entries, expected one per row ({rows})"
+            )
+
+
+def _take(meta: Meta, index: Sequence[int]) -> dict[str, list[Any]]:
+    return {key: [values[i] for i in index] for key, values in meta.items()}
+
+
+@attrs.frozen
+class Prompts:
+    """A batch of B prompts: `ids` i64[B,P] left-padded, `mask` bool[B,P], per-prompt `meta`."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    meta: Meta = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if self.ids.shape != self.mask.shape or self.ids.dim() != 2:
+            raise ValueError(f"Prompts: ids {tuple(self.ids.shape)} and mask {tuple(self.mask.shape)} must both be [B, P]")
+        _check_meta(self.meta, self.ids.shape[0], "Prompts")
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> Prompts:
+        index = torch.as_tensor(index, dtype=torch.long)
+        return Prompts(self.ids[index], self.mask[index], _take(self.meta, index.tolist()))
+
+
+@attrs.frozen
+class Rollouts:
+    """N = B*n sampled (or demonstrated) responses with everything the loss needs.
+
+    prompt_ids i64[N,P], prompt_mask bool[N,P], response_ids i64[N,T], mask bool[N,T],
+    logprobs f32[N,T] (sampling log-probs; zeros for demonstrations), group i64[N].
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    group: torch.Tensor
+    meta: Meta = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        rows = self.response_ids.shape[0]
+        for name in ("prompt_ids", "prompt_mask", "response_ids", "mask", "logprobs", "group"):
+            value = getattr(self, name)
+            if value.shape[0] != rows:
+                raise ValueError(f"Rollouts.{name} has {value.shape[0]} rows, expected N={rows}")
+        if self.mask.shape != self.response_ids.shape or self.logprobs.shape != self.response_ids.shape:
+            raise ValueError(
+                "Rollouts: response_ids, mask and logprobs must share [N, T]; got "
+                f"{tuple(self.response_ids.shape)}, {tuple(self.mask.shape)}, {tuple(self.logprobs.shape)}"
+            )
+        _check_meta(self.meta, rows, "Rollouts")
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> Rollouts:
+        """Rows `index` (for mini/micro-batching and data-parallel scatter)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return Rollouts(
+            self.prompt_ids[index], self.prompt_mask[index], self.response_ids[index], self.mask[index],
+            self.logprobs[index], self.group[index], _take(self.meta, index.tolist()),
+        )
+
+    @staticmethod
+    def from_demonstrations(prompts: Prompts, response_ids: torch.Tensor, mask: torch.Tensor) -> Rollouts:
+        """Teacher-forcing batch for SFT: one response per prompt, sampling log-probs zero."""
+        rows = len(prompts)
+        return Rollouts(
+            prompts.ids, prompts.mask, response_ids, mask.bool(),
+            torch.zeros(response_ids.shape, dtype=torch.float32), torch.arange(rows), dict(prompts.meta),
+        )
