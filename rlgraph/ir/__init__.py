@@ -1,0 +1,13 @@
+"""The typed dataflow IR: specs, programs, the tracer, the printer and the verifier."""
+
+from rlgraph.ir.errors import RLGraphError, SpecError, TraceError, VerifyError
+from rlgraph.ir.ops import traceable
+from rlgraph.ir.program import Program, verify
+from rlgraph.ir.specs import B, N, P, T, V, H, Dim, Layout, ModelSpec, RecordSpec, RewardSpec, TensorSpec, n
+from rlgraph.ir.trace import trace_algorithm
+
+__all__ = [
+    "RLGraphError", "SpecError", "TraceError", "VerifyError", "traceable", "Program", "verify",
+    "B", "N", "P", "T", "V", "H", "n", "Dim", "Layout", "ModelSpec", "RecordSpec", "RewardSpec", "TensorSpec",
+    "trace_algorithm",
+]

@@ -1,0 +1,68 @@
+"""The user API: `@rg.algorithm`, the `State` annotation and the primitives."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rlgraph.ir import specs as S
+from rlgraph.ir.program import Program
+from rlgraph.ir.trace import DEFAULT_ROLES, trace_algorithm
+
+
+class State:
+    """Annotation for an algorithm's first parameter: the versioned models and reward roles.
+
+    While tracing, `state.policy` is a model version (`policy@v`); `state.replace(policy=p)`
+    returns the next state. At run time the runtime holds the real models per role.
+    """
+
+
+class Algorithm:
+    """An RL algorithm: one iteration `(state, batch, **hparams) -> (state, metrics)`.
+
+    `algo.trace(**hparams)` returns the typed `Program` without running anything;
+    `print(algo.trace())` shows it like a jaxpr.
+    """
+
+    def __init__(self, fn: Callable[..., Any]):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.name = fn.__name__
+
+    def trace(self, *, roles: Mapping[str, S.Spec] | None = None, **hparams: Any) -> Program:
+        program = trace_algorithm(self.fn, roles=roles, hparams=hparams)
+        return program.verify(after="trace")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Calling the algorithm inside another traced algorithm inlines it.
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<rg.algorithm {self.name}>"
+
+
+def algorithm(fn: Callable[..., Any]) -> Algorithm:
+    """Decorator: mark a pure function `(state, batch, *, hparams) -> (state, metrics)` as an algorithm."""
+    return Algorithm(fn)
+
+
+def roles(**specs: S.Spec) -> dict[str, S.Spec]:
+    """Declare the roles of a state, e.g. `rg.roles(policy=rg.lm("policy"), reward=rg.reward_fn("reward"))`."""
+    return dict(specs)
+
+
+def lm(role: str) -> S.ModelSpec:
+    return S.ModelSpec(role, kind="lm")
+
+
+def critic(role: str = "critic") -> S.ModelSpec:
+    return S.ModelSpec(role, kind="critic")
+
+
+def reward_fn(role: str = "reward") -> S.RewardSpec:
+    return S.RewardSpec(role)
+
+
+__all__ = ["State", "Algorithm", "algorithm", "roles", "lm", "critic", "reward_fn", "DEFAULT_ROLES"]
