@@ -52,7 +52,7 @@ def _bind(prim: Primitive, args: tuple, kwargs: dict) -> inspect.BoundArguments:
         bad = [k for k in kwargs if k not in known]
         hint = ""
         if bad:
-            close = difflib.get_close_matches(bad[0], known, n=1)
+            close = difflib.get_close_matches(bad[0], known, n=1, cutoff=0.6 if len(bad[0]) > 2 else 0.0)
             hint = f"did you mean {close[0]!r}? " if close else ""
         raise TraceError(
             f"rg.{prim.name}{prim.signature}: {exc}", user_location(),

@@ -1,0 +1,16 @@
+"""Supervised fine-tuning as a graph function: maximise the log-likelihood of demonstrations.
+
+    L = -token_mean(log pi(y_t | x, y_<t))
+"""
+
+import rlgraph as rg
+from rlgraph import functional as F
+
+
+@rg.algorithm
+def sft(state: rg.State, batch: rg.Rollouts, *, micro_batch_size=None):
+    def loss(lp):                                    # lp: [N, T]
+        return -F.token_mean(lp, batch.mask)
+
+    policy = rg.update(state.policy, batch, loss, micro_batch_size=micro_batch_size)
+    return state.replace(policy=policy), {}

@@ -1,0 +1,185 @@
+"""Tiny models and the character tokenizer the tests and the CPU demo run on.
+
+Nothing here downloads: the tokenizer and the model config are shipped in `rlgraph/assets`, and
+`build_causal_lm` loads a real checkpoint only from a local directory.
+
+Rebuild the shipped assets with `python -m rlgraph.backends.local.models --write-assets`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+TOKENIZER_DIR = ASSETS / "char_tokenizer"
+TINY_CONFIG = ASSETS / "tiny_qwen2.json"
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+ALPHABET = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz"
+# "sdpa" and "eager" measured within noise of each other on the tiny model on 2 CPU threads
+# (see the report in tests/backends/test_models.py); sdpa wins as soon as sequences grow.
+ATTENTION = "sdpa"
+# Plain concatenation of the message contents: the tiny tokenizer has no role markers.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0-3 are `<pad> <bos> <eos> <unk>`, then one id per character.
+
+    Encoding prepends `<bos>` (pass `add_special_tokens=False` to skip it); decoding concatenates
+    characters with no separator; unknown characters map to `<unk>`; padding is on the left.
+
+    >>> tok = build_char_tokenizer("0123456789+=")
+    >>> tok("1+2=")["input_ids"]
+    [1, 5, 14, 6, 15]
+    """
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError(f"build_char_tokenizer: the alphabet has repeated characters: {alphabet!r}")
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in alphabet:
+        vocab[char] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        padding_side="left", clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
+        model_max_length=64,
+    )
+
+
+def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in `path` (default: the shipped character tokenizer), padding on the left."""
+    path = Path(path) if path is not None else TOKENIZER_DIR
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(
+            f"load_tokenizer: no tokenizer.json in {str(path)!r}; pass a directory written by "
+            "`tokenizer.save_pretrained(...)`, or None for the shipped character tokenizer"
+        )
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_config(tokenizer: PreTrainedTokenizerFast | None = None) -> dict[str, Any]:
+    """The shipped tiny Qwen2 config (~126k parameters) as a dict, sized to `tokenizer`."""
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer()
+    return {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def _config_from(source: str | Path | Mapping[str, Any] | None) -> tuple[PretrainedConfig, Path | None]:
+    """(config, checkpoint directory holding weights or None) for any accepted `source`."""
+    if source is None:
+        source = TINY_CONFIG
+    if isinstance(source, Mapping):
+        return _config_from_dict(dict(source), "the config dict"), None
+    path = Path(source)
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"build_causal_lm: directory {str(path)!r} has no config.json; save a model there "
+                             "with `model.save_pretrained(dir)` or pass the path of a config JSON")
+        config = _config_from_dict(json.loads(config_file.read_text()), str(config_file))
+        has_weights = any((path / name).is_file() for name in WEIGHT_FILES)
+        return config, path if has_weights else None
+    if not path.is_file():
+        raise ValueError(f"build_causal_lm: {str(path)!r} does not exist; pass a checkpoint directory, a config "
+                         "JSON file, a config dict, or None for the shipped tiny Qwen2")
+    return _config_from_dict(json.loads(path.read_text()), str(path)), None
+
+
+def _config_from_dict(fields: dict[str, Any], where: str) -> PretrainedConfig:
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"build_causal_lm: {where} has no 'model_type' field; add one such as \"qwen2\" or \"llama\"")
+    fields.pop("transformers_version", None)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def build_causal_lm(
+    source: str | Path | Mapping[str, Any] | None = None,
+    *,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = ATTENTION,
+) -> PreTrainedModel:
+    """A causal LM, in train mode, on the CPU.
+
+    `source` is a checkpoint directory (config.json + weights: loaded with `from_pretrained`, local
+    files only), a directory or file holding only a config, a config dict, or None (the shipped
+    tiny Qwen2). Without weights the parameters are drawn from a generator seeded with `seed`, so
+    the same source and seed give the same model; the global RNG state is left untouched.
+    Raises ValueError when the source is missing, has no `model_type`, or its vocabulary is
+    smaller than `tokenizer`'s.
+    """
+    config, checkpoint = _config_from(source)
+    if tokenizer is not None and config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"build_causal_lm: the config's vocab_size={config.vocab_size} is smaller than the tokenizer "
+            f"({len(tokenizer)} tokens); set vocab_size >= {len(tokenizer)} in the config"
+        )
+    if checkpoint is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(checkpoint), local_files_only=True, dtype=dtype, attn_implementation=attn_implementation
+        )
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    return model.train()
+
+
+def write_assets(alphabet: str = ALPHABET) -> None:
+    """(Re)write the shipped tokenizer directory and the tiny config next to it."""
+    tokenizer = build_char_tokenizer(alphabet)
+    tokenizer.save_pretrained(str(TOKENIZER_DIR))
+    TINY_CONFIG.write_text(json.dumps(tiny_config(tokenizer), indent=2) + "\n")
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write-assets", action="store_true", help=f"rewrite {TOKENIZER_DIR} and {TINY_CONFIG}")
+    args = parser.parse_args()
+    if not args.write_assets:
+        parser.error("nothing to do: pass --write-assets")
+    write_assets()
+    model = build_causal_lm()
+    print(f"wrote {TOKENIZER_DIR} ({len(load_tokenizer())} tokens) and {TINY_CONFIG} "
+          f"({sum(p.numel() for p in model.parameters()):,} parameters)")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,67 @@
+"""The small protocols executors implement. The runtime talks to workers only through these.
+
+A model version at run time is a `ModelRef(role, version)`; an executor holds the live weights
+of each role and refuses a stale version (the dataflow made weight versions explicit, so a stale
+read is a bug in the plan or the caller, never silently the wrong weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from rlgraph.batches import Prompts, Rollouts
+
+
+@attrs.frozen
+class ModelRef:
+    role: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.role}@{self.version}"
+
+
+@attrs.frozen
+class RewardRef:
+    role: str
+
+
+# loss_fn(micro_rows, minibatch_rows, model_output[N_micro,T], entropy or None) -> (loss, metrics)
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
+
+
+@attrs.frozen
+class UpdateConfig:
+    epochs: int = 1
+    minibatches: int = 1
+    micro_batch_size: int | None = None
+    grad_clip: float | None = 1.0
+    temperature: float = 1.0
+    shuffle: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ValueError(f"update: epochs and minibatches must be >= 1, got {self.epochs}, {self.minibatches}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"update: micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+
+class Executor(Protocol):
+    """Runs the primitives for every role it holds."""
+
+    def current(self, role: str) -> ModelRef: ...
+
+    def generate(self, model: ModelRef, prompts: Prompts, *, n: int, temperature: float, top_p: float,
+                 max_new_tokens: int | None) -> Rollouts: ...
+
+    def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool) -> Any: ...
+
+    def values(self, model: ModelRef, rollouts: Rollouts) -> torch.Tensor: ...
+
+    def score(self, reward: RewardRef, rollouts: Rollouts) -> torch.Tensor: ...
+
+    def update(self, model: ModelRef, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig) -> tuple[ModelRef, dict[str, float]]: ...

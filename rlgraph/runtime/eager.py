@@ -1,0 +1,115 @@
+"""The eager interpreter: runs a `Program` in-process, node by node.
+
+This is rlgraph's reference semantics (the `eval_jaxpr` of the project): every compiled plan is
+tested against it. Primitives go to an `Executor`; every other node is plain torch on the
+controller. An `update` node's loss program is run per micro-batch by the executor, through a
+`loss_fn` that slices the captured per-rollout values and sets the global loss normalisation.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from rlgraph.backends.protocols import Executor, LossFn, ModelRef, RewardRef, UpdateConfig
+from rlgraph.batches import Rollouts
+from rlgraph.functional.aggregate import global_counts, loss_normalization
+from rlgraph.ir import ops
+from rlgraph.ir import specs as S
+from rlgraph.ir.primitives import primitive_name
+from rlgraph.ir.program import Program
+
+
+def run_nodes(program: Program, inputs: Sequence[Any], call_primitive) -> tuple[Any, dict[str, Any]]:
+    """Evaluate `program` on positional `inputs` (placeholder order); returns `(value, metrics)`."""
+    env: dict[fx.Node, Any] = {}
+    placeholders = program.inputs
+    assert len(placeholders) == len(inputs), f"{program.name} takes {len(placeholders)} inputs, got {len(inputs)}"
+    env.update(zip(placeholders, inputs))
+    for node in program.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        if node.op == "call_method":
+            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        elif primitive_name(node) is not None:
+            env[node] = call_primitive(node, args, kwargs)
+        else:
+            info = ops.op_info(node.target)
+            env[node] = (info.impl if info else node.target)(*args, **kwargs)
+    value, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
+    return value, dict(metrics)
+
+
+class Interpreter:
+    """Runs algorithm programs against an executor (the local backend, or remote worker groups)."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+
+    def run(self, program: Program, batch: Any) -> tuple[dict[str, Any], dict[str, float]]:
+        """One iteration: returns the new state refs and the metrics as floats."""
+        inputs = []
+        for node in program.inputs:
+            spec = node.meta["spec"]
+            if isinstance(spec, S.ModelSpec):
+                inputs.append(self.executor.current(node.target))
+            elif isinstance(spec, S.RewardSpec):
+                inputs.append(RewardRef(node.target))
+            else:
+                inputs.append(batch)
+        state, metrics = run_nodes(program, inputs, self._primitive)
+        return state, flatten_metrics(metrics)
+
+    def _primitive(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        name = primitive_name(node)
+        if name == "update":
+            model, batch, *captured = args
+            config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"})
+            loss_fn = make_loss_fn(node.meta["program"], batch, captured)
+            return self.executor.update(model, batch, loss_fn, config)
+        return getattr(self.executor, name)(*args, **kwargs)
+
+
+def make_loss_fn(loss: Program, batch: Rollouts, captured: Sequence[Any]) -> LossFn:
+    """The closure an executor calls per micro-batch.
+
+    Per-rollout captured values ([N, ...]) are sliced to the micro-batch rows; scalars pass whole.
+    Aggregations inside the loss divide by the token/sequence counts of the whole mini-batch, so
+    the sum of micro-batch losses is the mini-batch loss whatever the micro-batch size.
+    """
+    rows_dim = [node.meta["spec"].shape[:1] == (S.N,) for node in loss.inputs if "lifted_from" in node.meta]
+
+    def loss_fn(micro_rows: torch.Tensor, minibatch_rows: torch.Tensor, output: torch.Tensor,
+                entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sliced = [value[micro_rows] if per_row else value for value, per_row in zip(captured, rows_dim)]
+        own = [output] if entropy is None or len(loss.inputs) - len(captured) == 1 else [output, entropy]
+        tokens, sequences = global_counts(batch.mask[minibatch_rows])
+        with loss_normalization(tokens=tokens, sequences=sequences, horizon=batch.mask.shape[1]):
+            value, metrics = run_nodes(loss, [*own, *sliced], _no_primitives)
+        return value, metrics
+
+    loss_fn.wants_entropy = len(loss.inputs) - len(captured) == 2  # type: ignore[attr-defined]
+    return loss_fn
+
+
+def _no_primitives(node: fx.Node, args: tuple, kwargs: dict) -> Any:
+    raise AssertionError(f"primitive {node.name} inside a loss program")
+
+
+def flatten_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """`{"reward": t, "policy": (ModelRef, {"loss": .., ..})}` -> `{"reward": .., "policy/loss": ..}`."""
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Mapping):
+            flat.update({f"{key}/{inner}": float(v) for inner, v in value.items()})
+        elif isinstance(value, torch.Tensor):
+            flat[key] = float(value.detach())
+        else:
+            flat[key] = float(value)
+    return flat

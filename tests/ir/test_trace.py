@@ -1,0 +1,205 @@
+"""Every tracer error names the user's file and line; spec inference gives the documented specs."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlgraph as rg
+from rlgraph.ir import specs as S
+from rlgraph.ir.errors import SpecError, TraceError
+
+HERE = Path(__file__).read_text().splitlines()
+
+
+def line_of(marker: str) -> int:
+    return next(i + 1 for i, line in enumerate(HERE) if line.rstrip().endswith(f"# {marker}"))
+
+
+def assert_points_at(exc: pytest.ExceptionInfo, marker: str) -> None:
+    text = str(exc.value)
+    assert f"test_trace.py:{line_of(marker)}" in text, text
+
+
+def test_shape_mismatch_names_dims_and_line():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=4)
+        x = ro.logprobs + ro.prompt_mask  # E-shape
+        return state, {"x": x.mean()}
+
+    with pytest.raises(SpecError) as exc:
+        bad.trace()
+    assert_points_at(exc, "E-shape")
+    assert "f32[N,T]" in str(exc.value) and "bool[N,P]" in str(exc.value)
+    assert re.search(r"\bT\b.*\bP\b|\bP\b.*\bT\b", exc.value.summary)
+
+
+def test_dtype_mismatch_names_line():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts)
+        x = torch.where(ro.logprobs, ro.logprobs, 0.0)  # E-dtype
+        return state, {"x": x.mean()}
+
+    with pytest.raises(SpecError) as exc:
+        bad.trace()
+    assert_points_at(exc, "E-dtype")
+    assert "where" in str(exc.value)
+
+
+@pytest.mark.parametrize("construct", ["if", "for", "bool", "float"])
+def test_python_control_flow_on_traced_values_is_refused(construct):
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts)
+        r = rg.score(state.reward, ro)
+        if construct == "if":
+            if r.mean() > 0:  # E-if
+                pass
+        elif construct == "for":
+            for _ in r:  # E-for
+                pass
+        elif construct == "bool":
+            bool(r)  # E-bool
+        else:
+            float(r.mean())  # E-float
+        return state, {}
+
+    with pytest.raises(TraceError) as exc:
+        bad.trace()
+    assert_points_at(exc, f"E-{construct}")
+    assert "not known while the algorithm is traced" in str(exc.value)
+    assert "fix:" in str(exc.value)
+
+
+def test_unknown_primitive_argument_suggests_the_right_one():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, m=8)  # E-arg
+        return state, {}
+
+    with pytest.raises(TraceError) as exc:
+        bad.trace()
+    assert_points_at(exc, "E-arg")
+    assert "did you mean 'n'" in str(exc.value)
+
+
+def test_missing_state_field_suggests_the_right_one():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.polcy, prompts)  # E-field
+        return state, {}
+
+    with pytest.raises(TraceError) as exc:
+        bad.trace()
+    assert_points_at(exc, "E-field")
+    assert "did you mean 'policy'" in str(exc.value)
+
+
+def test_missing_record_field_lists_fields():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts)
+        return state, {"x": ro.logprob.mean()}  # E-record
+
+    with pytest.raises(TraceError) as exc:
+        bad.trace()
+    assert_points_at(exc, "E-record")
+    assert "did you mean 'logprobs'" in str(exc.value)
+
+
+def test_wrong_argument_kind_for_a_primitive():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts)
+        again = rg.generate(state.policy, ro)  # E-kind
+        return state, {}
+
+    with pytest.raises(SpecError) as exc:
+        bad.trace()
+    assert_points_at(exc, "E-kind")
+    assert "Prompts[B,P]" in str(exc.value) and "Rollouts[N,T]" in str(exc.value)
+
+
+def test_loss_must_be_a_scalar():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts)
+
+        def loss(lp):
+            return lp * 2
+
+        return state.replace(policy=rg.update(state.policy, ro, loss)), {}
+
+    with pytest.raises(SpecError, match="must return a float scalar"):
+        bad.trace()
+
+
+def test_loss_may_not_capture_per_prompt_values():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts)
+        per_prompt = prompts.mask.float().sum(-1)  # [B]
+
+        def loss(lp):
+            return (lp.sum(-1)).mean() + per_prompt.mean()
+
+        return state.replace(policy=rg.update(state.policy, ro, loss)), {}
+
+    with pytest.raises(SpecError, match=r"f32\[B\]"):
+        bad.trace()
+
+
+def test_unknown_hyperparameter():
+    @rg.algorithm
+    def algo(state: rg.State, prompts: rg.Prompts, *, n=4):
+        return state, {}
+
+    with pytest.raises(TraceError, match="did you mean 'n'"):
+        algo.trace(nn=3)
+
+
+def test_primitive_outside_an_algorithm():
+    with pytest.raises(TraceError, match="outside an algorithm"):
+        rg.generate(None, None)
+
+
+def test_state_replace_checks_the_role():
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        return state.replace(policy=state.ref), {}
+
+    with pytest.raises(TraceError, match="expects a version of policy"):
+        bad.trace()
+
+
+def test_specs_of_primitives_and_math():
+    @rg.algorithm
+    def algo(state: rg.State, prompts: rg.Prompts, *, n=4):
+        ro = rg.generate(state.policy, prompts, n=n)
+        lp, ent = rg.logprobs(state.ref, ro, entropy=True)
+        r = rg.score(state.reward, ro)
+        per_seq = (lp * ro.mask).sum(-1)
+        return state, {"r": r.mean(), "lp": per_seq.mean(), "ent": ent.mean()}
+
+    program = algo.trace()
+    specs = {str(node.meta["spec"]) for node in program.nodes if "spec" in node.meta}
+    assert {"Rollouts[N,T]", "f32[N,T]", "f32[N]", "f32[]"} <= specs
+    metric_specs = [node.meta["spec"] for node in program.result[1].values()]
+    assert all(spec == S.TensorSpec((), torch.float32) for spec in metric_specs)
+
+
+def test_unused_roles_are_pruned_and_update_bumps_the_version():
+    @rg.algorithm
+    def algo(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts)
+        policy = rg.update(state.policy, ro, lambda lp: -(lp * ro.mask).sum() / ro.mask.sum())
+        return state.replace(policy=policy), {}
+
+    program = algo.trace()
+    assert [node.target for node in program.inputs] == ["policy", "prompts"]
+    state, metrics = program.result
+    assert str(state["policy"].meta["spec"]) == "policy@v+1"
+    assert "policy" in metrics  # update statistics are reported automatically
