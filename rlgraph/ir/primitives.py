@@ -52,7 +52,10 @@ def _bind(prim: Primitive, args: tuple, kwargs: dict) -> inspect.BoundArguments:
         bad = [k for k in kwargs if k not in known]
         hint = ""
         if bad:
-            close = difflib.get_close_matches(bad[0], known, n=1, cutoff=0.6 if len(bad[0]) > 2 else 0.0)
+            keywords = [k for k, p in prim.signature.parameters.items() if p.kind == p.KEYWORD_ONLY]
+            if len(bad[0]) <= 2:  # one-letter typos have no character overlap to rank by
+                keywords = [k for k in keywords if len(k) == len(bad[0])]
+            close = difflib.get_close_matches(bad[0], keywords, n=1, cutoff=0.6 if len(bad[0]) > 2 else 0.0)
             hint = f"did you mean {close[0]!r}? " if close else ""
         raise TraceError(
             f"rg.{prim.name}{prim.signature}: {exc}", user_location(),
