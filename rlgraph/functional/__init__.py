@@ -1,0 +1,32 @@
+"""rlgraph.functional: advantage estimators, losses, KL estimators and masked aggregations.
+
+Pure torch functions with static shapes; each is one `@traceable` op of the IR. See
+docs/functional.md for the table of formulas, sources and edge-case conventions.
+"""
+
+from rlgraph.functional.advantages import (
+    discounted_returns, gae, gpg, group_normalize, opo, reinforce_pp, reinforce_pp_baseline, remax,
+    rewards_at_last_token, rloo,
+)
+from rlgraph.functional.aggregate import (
+    LossNormalization, active_loss_normalization, global_counts, loss_normalization, masked_mean, masked_sum,
+    masked_var, masked_whiten, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_mean,
+)
+from rlgraph.functional.kl import (
+    KL_ESTIMATORS, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
+)
+from rlgraph.functional.losses import clip_cov, cispo, entropy_bonus, gpg_loss, gspo, kl_cov, ppo_clip, value_loss
+
+__all__ = [
+    # aggregate
+    "LossNormalization", "active_loss_normalization", "global_counts", "loss_normalization", "masked_mean",
+    "masked_sum", "masked_var", "masked_whiten", "seq_mean_token_mean", "seq_mean_token_sum",
+    "seq_mean_token_sum_norm", "token_mean",
+    # kl
+    "KL_ESTIMATORS", "entropy_from_logits", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_mse",
+    # advantages
+    "discounted_returns", "gae", "gpg", "group_normalize", "opo", "reinforce_pp", "reinforce_pp_baseline",
+    "remax", "rewards_at_last_token", "rloo",
+    # losses
+    "clip_cov", "cispo", "entropy_bonus", "gpg_loss", "gspo", "kl_cov", "ppo_clip", "value_loss",
+]

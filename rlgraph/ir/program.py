@@ -29,6 +29,7 @@ class Program:
     graph: fx.Graph
     kind: str = "algorithm"  # algorithm | loss
     hparams: Mapping[str, Any] = attrs.field(factory=dict)
+    annotations: Mapping[str, Any] = attrs.field(factory=dict)  # program-level facts passes add
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -121,6 +122,29 @@ def verify(program: Program, *, after: str | None = None) -> None:
         loss_spec = result[0].meta["spec"]
         if not (isinstance(loss_spec, S.TensorSpec) and loss_spec.shape == () and loss_spec.dtype.is_floating_point):
             raise VerifyError(f"loss program {program.name} must return a float scalar, got {loss_spec}{where}")
+
+
+def copy_program(program: Program, **changes: Any) -> tuple[Program, dict[fx.Node, fx.Node]]:
+    """A deep copy (graph, node meta, nested loss programs) so a pass never edits its input.
+
+    Returns the copy and the map old node -> new node.
+    """
+    graph = fx.Graph()
+    mapping: dict[fx.Node, fx.Node] = {}
+    result = graph.graph_copy(program.graph, mapping)
+    graph.output(result)
+    for old, new in mapping.items():
+        new.meta = dict(old.meta)
+        if "program" in old.meta:
+            sub, sub_map = copy_program(old.meta["program"])
+            for node in sub.graph.nodes:
+                if "lifted_from" in node.meta:
+                    node.meta["lifted_from"] = mapping.get(node.meta["lifted_from"], node.meta["lifted_from"])
+            new.meta["program"] = sub
+    fields = dict(name=program.name, graph=graph, kind=program.kind, hparams=dict(program.hparams),
+                  annotations=dict(program.annotations))
+    fields.update(changes)
+    return Program(**fields), mapping
 
 
 def is_getitem(node: fx.Node) -> bool:

@@ -209,8 +209,8 @@ class Tracer(fx.proxy.TracerBase):
         if node not in self.lifted:
             assert self.parent is not None, "a value from an unrelated graph"
             self.parent._local(node)  # make sure every level in between sees it too
-            first_op = next((n for n in self.graph.nodes if n.op != "placeholder"), None)
-            with self.graph.inserting_before(first_op):
+            last_input = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+            with self.graph.inserting_after(last_input):  # inputs first: own, then captured in order
                 placeholder = self.graph.placeholder(node.name)
             placeholder.meta["spec"] = node.meta["spec"]
             placeholder.meta["lifted_from"] = node

@@ -31,19 +31,22 @@ def run_nodes(program: Program, inputs: Sequence[Any], call_primitive) -> tuple[
     assert len(placeholders) == len(inputs), f"{program.name} takes {len(placeholders)} inputs, got {len(inputs)}"
     env.update(zip(placeholders, inputs))
     for node in program.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        args = fx.node.map_arg(node.args, env.__getitem__)
-        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-        if node.op == "call_method":
-            env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
-        elif primitive_name(node) is not None:
-            env[node] = call_primitive(node, args, kwargs)
-        else:
-            info = ops.op_info(node.target)
-            env[node] = (info.impl if info else node.target)(*args, **kwargs)
+        if node.op not in ("placeholder", "output"):
+            env[node] = run_node(node, env, call_primitive)
     value, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
     return value, dict(metrics)
+
+
+def run_node(node: fx.Node, env: dict[fx.Node, Any], call_primitive) -> Any:
+    """Evaluate one call node given the values of its inputs in `env`."""
+    args = fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if primitive_name(node) is not None:
+        return call_primitive(node, args, kwargs)
+    info = ops.op_info(node.target)
+    return (info.impl if info else node.target)(*args, **kwargs)
 
 
 class Interpreter:

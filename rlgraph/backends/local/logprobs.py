@@ -1,0 +1,70 @@
+"""Training-side log-probs of rollout responses under a causal LM (the `logprobs` primitive).
+
+One forward of the decoder body over prompt ++ response, then the LM head + log-softmax + gather
+in the chunked `rlgraph.kernels.logprob_head.token_logprobs`, so the [N*T, V] logits never exist
+at once. For a model in eval mode the result matches the generator's sampling log-probs on its
+own rollouts, which is what makes the first PPO ratio exactly 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from rlgraph.batches import Rollouts
+from rlgraph.kernels.logprob_head import token_logprobs
+
+
+def _decoder(model: PreTrainedModel) -> torch.nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if decoder is None:
+        raise ValueError(f"sequence_logprobs: cannot find the decoder body of {type(model).__name__}; "
+                         "it needs `get_decoder()` or a `.model` attribute returning final-norm hidden states")
+    return decoder
+
+
+def _head_weight(model: PreTrainedModel) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError(f"sequence_logprobs: {type(model).__name__} needs a bias-free linear LM head "
+                         "(`get_output_embeddings()` with only a weight [V, H])")
+    for field in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, field, None) not in (None, 1.0):
+            raise ValueError(f"sequence_logprobs: the config sets {field}={getattr(model.config, field)}, "
+                             "which the fused LM head does not apply; use a model without it")
+    return head.weight  # [V, H]
+
+
+def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts) -> torch.Tensor:
+    """Final-norm hidden states [N, T, H]; row r, column t is the state that predicts response token t."""
+    width = rollouts.prompt_ids.shape[1]
+    steps = rollouts.response_ids.shape[1]
+    ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1)  # [N, P+T]
+    mask = torch.cat([rollouts.prompt_mask, rollouts.mask], dim=1).long()  # [N, P+T]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
+    hidden = _decoder(model)(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             use_cache=False).last_hidden_state  # [N, P+T, H]
+    return hidden[:, width - 1 : width - 1 + steps]  # [N, T, H]
+
+
+def sequence_logprobs(
+    model: PreTrainedModel, rollouts: Rollouts, *, temperature: float = 1.0, with_entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(response_ids[r, t] | prompt, response[:t]) under softmax(logits / temperature).
+
+    Returns f32[N, T] (and, with `with_entropy`, the entropy f32[N, T] of the same distribution),
+    zero where `rollouts.mask` is False, differentiable with respect to the model's parameters.
+    The model's current mode (train/eval) is used as is.
+    """
+    if not temperature > 0.0:
+        raise ValueError(f"sequence_logprobs: temperature must be > 0, got {temperature}; "
+                         "for greedy rollouts recompute at temperature 1")
+    device = rollouts.response_ids.device
+    mask = rollouts.mask.bool()  # [N, T]
+    hidden = response_hidden_states(model, rollouts)  # [N, T, H]
+    logprobs, entropy = token_logprobs(hidden[mask], _head_weight(model), rollouts.response_ids[mask],
+                                       temperature=temperature, with_entropy=with_entropy)  # [M], [M] | None
+    full = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, logprobs.float())  # [N, T]
+    if not with_entropy:
+        return full
+    return full, torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, entropy.float())  # [N, T]

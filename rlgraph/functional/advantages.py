@@ -1,0 +1,182 @@
+"""Advantage estimators: group baselines (GRPO, RLOO, OPO, GPG), REINFORCE++, ReMax and GAE.
+
+Per-sequence estimators take outcome rewards f32[N] and return f32[N]; broadcast them over
+tokens with `adv[:, None]`. Token-level ones take token rewards f32[N,T] (see
+`rewards_at_last_token`) and return f32[N,T], 0 at masked positions.
+
+`group` is i64[N]: the prompt each rollout answers, ids in [0, N); rows of a group need not be
+contiguous. Group statistics use `index_add` / `scatter_reduce` into buffers of size N, so shapes
+never depend on the data.
+
+Edge cases, the same for every group estimator (verl differs for groups of size 1):
+- a group of size 1 has no baseline information: its advantage is 0 (verl uses mean 0, std 1,
+  so the raw reward passes through);
+- all-equal rewards in a group give exactly 0 (statistics are taken relative to the group max,
+  so the centring is exact);
+- every result is finite.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlgraph.functional.aggregate import masked_mean, masked_var, masked_whiten
+from rlgraph.ir.ops import traceable
+
+
+def _group_sum(values: Tensor, group: Tensor) -> Tensor:
+    """For each row, the sum of `values` over the row's group: [N] -> [N]."""
+    totals = values.new_zeros(values.shape[0]).index_add(0, group, values)  # [N] indexed by group id
+    return totals.index_select(0, group)  # [N]
+
+
+def _group_centered(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
+    """(r - group mean, group size) per row; exactly 0 for groups whose rewards are all equal."""
+    size = _group_sum(torch.ones_like(rewards), group)  # [N], >= 1
+    peak = rewards.new_zeros(rewards.shape[0]).scatter_reduce(0, group, rewards, "amax", include_self=False)
+    shifted = rewards - peak.index_select(0, group)  # [N], 0 at each group's max
+    return shifted - _group_sum(shifted, group) / size, size  # [N], [N]
+
+
+@traceable
+def group_normalize(rewards: Tensor, group: Tensor, *, eps: float = 1e-6, scale: bool = True) -> Tensor:
+    """GRPO: A_i = (r_i - mean_g) / (std_g + eps), unbiased std over the rollout's group g.
+
+    `scale=False` is Dr.GRPO: A_i = r_i - mean_g. Source: DeepSeekMath (GRPO), arXiv 2503.20783
+    (Dr.GRPO); verl `compute_grpo_outcome_advantage`. Singleton groups give 0 (verl: r_i).
+    """
+    centered, size = _group_centered(rewards, group)  # [N], [N]
+    if not scale:
+        return centered
+    variance = _group_sum(centered.square(), group) / (size - 1).clamp(min=1)  # [N]
+    return centered / (variance.sqrt() + eps)  # [N]
+
+
+@traceable
+def rloo(rewards: Tensor, group: Tensor) -> Tensor:
+    """RLOO: A_i = r_i - mean_{j in g, j != i} r_j = n / (n - 1) (r_i - mean_g).
+
+    Source: arXiv 2402.14740; verl `compute_rloo_outcome_advantage`. Singleton groups give 0
+    (verl: r_i).
+    """
+    centered, size = _group_centered(rewards, group)  # [N], [N]
+    return centered * size / (size - 1).clamp(min=1)  # [N]
+
+
+@traceable
+def reinforce_pp_baseline(rewards: Tensor, group: Tensor, mask: Tensor | None = None, *, eps: float = 1e-8) -> Tensor:
+    """REINFORCE++-baseline: A = whiten(r_i - mean_g) over the batch.
+
+    With `mask` bool[N,T] the whitening statistics weigh each rollout by its token count, as verl
+    does (it whitens the [N,T] broadcast); without, each rollout weighs 1. Rows with no tokens
+    give 0. Source: arXiv 2501.03262; verl `compute_reinforce_plus_plus_baseline_outcome_advantage`.
+    """
+    centered, _ = _group_centered(rewards, group)  # [N]
+    if mask is None:
+        mask = torch.ones_like(rewards, dtype=torch.bool)[:, None]  # [N, 1]
+    mask = mask.to(torch.bool)
+    tiled = centered[:, None].expand(mask.shape)  # [N, T]
+    whitened = (centered - masked_mean(tiled, mask)) * torch.rsqrt(masked_var(tiled, mask) + eps)  # [N]
+    return torch.where(mask.any(dim=-1), whitened, 0.0)  # [N]
+
+
+@traceable
+def gpg(rewards: Tensor, group: Tensor, *, f_norm: float = 1.0) -> Tensor:
+    """GPG: A_i = alpha (r_i - mean_g) / f_norm, alpha = N / max(#{i: r_i != 0}, 1).
+
+    Source: arXiv 2504.02546; verl `compute_gpg_outcome_advantage` (same alpha). Singleton groups
+    give 0 (verl: alpha r_i / f_norm).
+    """
+    centered, _ = _group_centered(rewards, group)  # [N]
+    alpha = rewards.shape[0] / torch.count_nonzero(rewards).clamp(min=1)  # []
+    return alpha * centered / f_norm  # [N]
+
+
+@traceable
+def opo(rewards: Tensor, group: Tensor, mask: Tensor) -> Tensor:
+    """OPO: A_i = r_i - b_g, b_g = sum_j |y_j| r_j / sum_j |y_j| (length-weighted group baseline).
+
+    Source: arXiv 2505.23585; verl `compute_opo_outcome_advantage`. Singleton groups give 0 (verl:
+    r_i); a group whose rows are all fully masked falls back to the plain group mean.
+    """
+    centered, _ = _group_centered(rewards, group)  # [N]
+    length = mask.to(torch.bool).sum(dim=-1).to(rewards.dtype)  # [N]
+    length_total = _group_sum(length, group)  # [N]
+    weighted = _group_sum(length * centered, group) / length_total.clamp(min=1)  # [N]
+    return centered - torch.where(length_total > 0, weighted, 0.0)  # [N]
+
+
+@traceable
+def remax(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
+    """ReMax: A_i = r_i - r_greedy(x_i), the reward of the greedy answer to the same prompt.
+
+    Source: arXiv 2310.10505; verl `compute_remax_outcome_advantage` (for outcome rewards).
+    """
+    return rewards - greedy_rewards  # [N]
+
+
+@traceable
+def rewards_at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Token rewards f32[N,T] holding the outcome reward r_i at row i's last unmasked token.
+
+    Fully masked rows are all 0.
+    """
+    mask = mask.to(torch.bool)
+    positions = torch.arange(mask.shape[-1], device=mask.device)  # [T]
+    last = torch.where(mask, positions, -1).amax(dim=-1)  # [N], -1 for empty rows
+    at_last = positions == last[:, None]  # [N, T]
+    return torch.where(at_last, rewards[:, None], 0.0)  # [N, T]
+
+
+@traceable
+def discounted_returns(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
+    """G_t = r_t + gamma G_{t'} over unmasked tokens, t' the next unmasked token: f32[N,T].
+
+    Masked tokens are skipped (the return carries across them, undiscounted, as GAE does) and
+    hold 0. verl's REINFORCE++ instead resets the return at a masked token; with trailing padding
+    the two agree.
+    """
+    mask = mask.to(torch.bool)
+    rewards = torch.where(mask, rewards, 0.0)  # [N, T]
+    running = rewards.new_zeros(rewards.shape[0])  # [N]
+    reversed_returns = []
+    for t in reversed(range(rewards.shape[-1])):
+        running = torch.where(mask[:, t], rewards[:, t] + gamma * running, running)  # [N]
+        reversed_returns.append(running)
+    returns = torch.stack(reversed_returns[::-1], dim=-1)  # [N, T]
+    return torch.where(mask, returns, 0.0)
+
+
+@traceable
+def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, eps: float = 1e-8) -> Tensor:
+    """REINFORCE++: A = masked_whiten(discounted_returns(r, mask, gamma)) over the batch: f32[N,T].
+
+    Takes token rewards f32[N,T] (KL shaping included, if any). Source: arXiv 2501.03262; verl
+    `compute_reinforce_plus_plus_outcome_advantage`.
+    """
+    return masked_whiten(discounted_returns(rewards, mask, gamma=gamma), mask, eps=eps)  # [N, T]
+
+
+@traceable
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    """GAE: delta_t = r_t + gamma V_{t'} - V_t, A_t = delta_t + gamma lam A_{t'}; returns = A + V.
+
+    t' is the next unmasked token: masked tokens (padding, tool observations) are skipped, their
+    values and rewards ignored. Returns (advantages, returns), both f32[N,T] and 0 at masked
+    positions. Source: arXiv 1506.02438; verl `compute_gae_advantage_return`, which also whitens
+    the advantages: compose `masked_whiten(advantages, mask)` for that.
+    """
+    mask = mask.to(torch.bool)
+    rewards = torch.where(mask, rewards, 0.0)  # [N, T]
+    values = torch.where(mask, values, 0.0)  # [N, T]
+    next_value = values.new_zeros(values.shape[0])  # [N]
+    advantage = values.new_zeros(values.shape[0])  # [N]
+    reversed_advantages = []
+    for t in reversed(range(values.shape[-1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # [N]
+        advantage = torch.where(mask[:, t], delta + gamma * lam * advantage, advantage)  # [N]
+        next_value = torch.where(mask[:, t], values[:, t], next_value)  # [N]
+        reversed_advantages.append(advantage)
+    advantages = torch.where(mask, torch.stack(reversed_advantages[::-1], dim=-1), 0.0)  # [N, T]
+    return advantages, torch.where(mask, advantages + values, 0.0)

@@ -1,0 +1,38 @@
+"""`fuse`: choose a fused kernel for every op the kernel registry implements.
+
+A traced op (`group_normalize`, `token_mean`, ...) whose name a registered kernel `implements`
+gets `meta["kernel"]`, in the algorithm and in every loss program; the plan prints the choice and
+the executors call the kernel through `rlgraph.kernels.registry.dispatch`. Ops without a kernel
+run as traced (plain torch).
+
+Guarantees: the program's values and specs are unchanged; only `meta["kernel"]` is added.
+"""
+
+from __future__ import annotations
+
+from rlgraph.ir import ops
+from rlgraph.ir.program import Program, copy_program
+
+
+def _registry() -> dict[str, str]:
+    """functional op name -> kernel name."""
+    try:
+        from rlgraph.kernels.registry import available_kernels
+    except ImportError:  # kernels are optional: without them nothing is fused
+        return {}
+    return {kernel.implements: kernel.name for kernel in available_kernels()}
+
+
+def _annotate(program: Program, kernels: dict[str, str]) -> None:
+    for node in program.graph.nodes:
+        info = ops.op_info(node.target) if node.op == "call_function" else None
+        if info is not None and info.name in kernels:
+            node.meta["kernel"] = kernels[info.name]
+        if "program" in node.meta:
+            _annotate(node.meta["program"], kernels)
+
+
+def fuse(program: Program, options=None) -> Program:
+    out, _ = copy_program(program)
+    _annotate(out, _registry())
+    return out.verify(after="fuse")

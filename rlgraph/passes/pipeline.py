@@ -1,0 +1,63 @@
+"""The compiler pipeline, top to bottom, and the `Compiled` result.
+
+    program --infer_specs--> --partition--> --place--> --reshard--> --fuse--> --schedule--> Plan
+
+Each pass is a pure function `(Program, CompileOptions) -> Program` that ends by verifying its
+output; `schedule` lowers to the `Plan`. Nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from rlgraph.ir.program import Program
+from rlgraph.passes.fuse import fuse
+from rlgraph.passes.infer_specs import infer_specs
+from rlgraph.passes.options import CompileOptions
+from rlgraph.passes.partition import partition
+from rlgraph.passes.place import place
+from rlgraph.passes.reshard import reshard
+from rlgraph.passes.schedule import schedule
+from rlgraph.plan.plan import Plan
+
+PIPELINE: list[tuple[str, Callable[[Program, CompileOptions], Program]]] = [
+    ("infer_specs", infer_specs),
+    ("partition", partition),
+    ("place", place),
+    ("reshard", reshard),
+    ("fuse", fuse),
+]
+
+
+@attrs.frozen
+class Compiled:
+    """A traced algorithm lowered for one mesh and placement: inspect it, then run it."""
+
+    source: Program
+    program: Program  # after every pass: placed, resharded, fused
+    plan: Plan
+    options: CompileOptions
+
+    def as_text(self) -> str:
+        return self.plan.as_text()
+
+    def cost_analysis(self) -> dict[str, dict[str, float]]:
+        return self.plan.cost_analysis()
+
+    def memory_analysis(self) -> dict[str, dict[str, dict[str, int]]]:
+        return self.plan.memory_analysis()
+
+    def to_dot(self) -> str:
+        return self.plan.to_dot()
+
+    def __str__(self) -> str:
+        return self.as_text()
+
+
+def compile_program(program: Program, options: CompileOptions) -> Compiled:
+    lowered = program
+    for _name, run_pass in PIPELINE:
+        lowered = run_pass(lowered, options)
+    return Compiled(program, lowered, schedule(lowered, options), options)

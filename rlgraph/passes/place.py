@@ -1,0 +1,118 @@
+"""`place`: map roles to worker groups (ranks + per-phase layouts) and check memory fits.
+
+Colocated: every role on every rank; the policy trains with FSDP2 over `fsdp` ranks and generates
+with `tp`-way tensor parallel replicas. Split: each named group gets its own ranks (a count, an
+explicit list, or the name of a group to share). Explicit: groups as given.
+
+Guarantees: `annotations["groups"]` holds one `Group` per role the program uses (the controller
+excepted), ranks inside the mesh, layouts dividing their group; `annotations["memory"]` holds the
+per-rank memory of every group and phase, and a placement that cannot fit raises
+`PlacementError` naming the role, the rank, what it needs and what it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rlgraph.ir.errors import RLGraphError
+from rlgraph.ir.program import Program, copy_program
+from rlgraph.passes.options import CompileOptions
+from rlgraph.passes.partition import CONTROLLER
+from rlgraph.plan.mesh import Colocated, Explicit, GenerateLayout, Group, Split, TrainLayout
+
+
+class PlacementConfigError(RLGraphError):
+    """The placement policy does not describe a valid layout for this program on this mesh."""
+
+
+def roles_used(program: Program) -> dict[str, set[str]]:
+    """role -> phases it runs (generate, infer, train, reward, math, input)."""
+    used: dict[str, set[str]] = {}
+    for node in program.graph.nodes:
+        role = node.meta.get("role")
+        if role and role != CONTROLLER:
+            used.setdefault(role, set()).add(node.meta["phase"])
+    return used
+
+
+def _check_divides(what: str, degree: int, size: int, group: str) -> None:
+    if degree < 1 or size % degree:
+        raise PlacementConfigError(f"group {group!r} has {size} ranks, which {what}={degree} does not divide")
+
+
+def _layouts(name: str, ranks: tuple[int, ...], phases: set[str], tp: int, fsdp: int | None, ckpt: bool) -> Group:
+    size = len(ranks)
+    train = generate = None
+    if "train" in phases:
+        shard = fsdp or size
+        _check_divides("fsdp", shard, size, name)
+        train = TrainLayout(shard, size // shard, ckpt)
+    if "generate" in phases:
+        _check_divides("tp", tp, size, name)
+        generate = GenerateLayout(tp, size // tp)
+    return Group(name, ranks, train, generate, infer_dp=size)
+
+
+def _colocated(used: dict[str, set[str]], placement: Colocated, size: int) -> list[Group]:
+    ranks = tuple(range(size))
+    return [_layouts(role, ranks, phases, placement.tp, placement.fsdp, placement.checkpointing)
+            for role, phases in sorted(used.items())]
+
+
+def _split(used: dict[str, set[str]], placement: Split, size: int) -> list[Group]:
+    assigned: dict[str, tuple[int, ...]] = {}
+    next_rank = 0
+    for name, spec in placement.groups.items():
+        if isinstance(spec, int):
+            assigned[name] = tuple(range(next_rank, next_rank + spec))
+            next_rank += spec
+        elif isinstance(spec, str):
+            continue
+        else:
+            assigned[name] = tuple(spec)
+    for name, spec in placement.groups.items():
+        if isinstance(spec, str):
+            if spec not in assigned:
+                raise PlacementConfigError(f"split: group {name!r} shares {spec!r}, which has no ranks of its own")
+            assigned[name] = assigned[spec]
+    for name, ranks in assigned.items():
+        outside = [rank for rank in ranks if not 0 <= rank < size]
+        if outside or not ranks:
+            raise PlacementConfigError(f"split: group {name!r} asks for ranks {list(ranks)}, but the mesh has ranks 0-{size - 1}")
+    missing = sorted(set(used) - set(assigned))
+    if missing:
+        raise PlacementConfigError(
+            f"split{dict(placement.groups)} gives no ranks to role(s) {', '.join(missing)}; "
+            f"add them or share a group, e.g. {{{missing[0]!r}: 'policy'}}"
+        )
+    return [_layouts(role, assigned[role], used[role], placement.tp, None, placement.checkpointing) for role in sorted(used)]
+
+
+def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ...]:
+    used = roles_used(program)
+    placement = options.placement
+    if isinstance(placement, Colocated):
+        groups = _colocated(used, placement, options.mesh.size)
+    elif isinstance(placement, Split):
+        groups = _split(used, placement, options.mesh.size)
+    elif isinstance(placement, Explicit):
+        groups = list(placement.groups)
+        missing = sorted(set(used) - {group.name for group in groups})
+        if missing:
+            raise PlacementConfigError(f"explicit placement has no group for role(s) {', '.join(missing)}")
+    else:
+        raise PlacementConfigError(f"unknown placement {placement!r}; use rg.colocated(), rg.split({{...}}) or rg.explicit(...)")
+    return tuple(groups)
+
+
+def place(program: Program, options: CompileOptions) -> Program:
+    from rlgraph.passes.memory_plan import plan_memory  # the memory model is its own module
+
+    groups = resolve_groups(program, options)
+    memory = plan_memory(program, groups, options)
+    out, _ = copy_program(program, annotations={**program.annotations, "groups": groups, "memory": memory})
+    return out.verify(after="place")
+
+
+def group_named(groups: Sequence[Group], name: str) -> Group:
+    return next(group for group in groups if group.name == name)

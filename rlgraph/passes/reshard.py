@@ -1,0 +1,132 @@
+"""`reshard`: make every move of data explicit.
+
+For every edge whose producer and consumer live in different layouts, insert one `transfer`
+node (a collective) and rewire the consumer to it; for every `generate`, insert `sync_weights`
+moving the model version it consumes from the training layout to the generation layout.
+
+Layouts: a value on the controller; a per-rollout value on a group, split across its data-parallel
+ranks; a scalar on a group, replicated. Collective kinds:
+- controller -> group: `scatter` (per-rollout values) or `broadcast` (scalars);
+- group -> controller: `gather`;
+- group -> another group on the same ranks, other split: `all_to_all`; on other ranks: `send_recv`.
+A field read of a record that is moved anyway is re-read at the destination instead of moved twice.
+
+Guarantees: after this pass, every edge joins equal layouts or passes through exactly one
+transfer node, and a transfer's `bytes` is the size of the value it moves.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from rlgraph.ir import specs as S
+from rlgraph.ir.primitives import primitive_name
+from rlgraph.ir.program import Program, copy_program
+from rlgraph.ir.trace import get_field
+from rlgraph.passes.options import CompileOptions
+from rlgraph.passes.partition import CONTROLLER, value_bytes
+from rlgraph.passes.place import group_named
+from rlgraph.plan.mesh import Group
+
+
+def transfer(value, *, kind, src, dst, nbytes):
+    """Target of collective nodes. In one process the value is already where it is needed."""
+    return value
+
+
+def sync_weights(model, *, src, dst, nbytes, buckets):
+    """Target of weight-sync nodes; executors that keep separate engines implement the copy."""
+    return model
+
+
+def layout_of(node: fx.Node, groups: dict[str, Group]) -> tuple:
+    role = node.meta["role"]
+    if role == CONTROLLER:
+        return (CONTROLLER,)
+    group = groups[role]
+    spec = node.meta["spec"]
+    per_row = isinstance(spec, S.RecordSpec) or (isinstance(spec, S.TensorSpec) and spec.shape[:1] in ((S.N,), (S.B,)))
+    split = group.generate.dp if node.meta.get("phase") == "generate" and group.generate else group.dp
+    return (group.ranks, split if per_row else 1)
+
+
+def collective_kind(src: tuple, dst: tuple, per_row: bool) -> str:
+    if src == (CONTROLLER,):
+        return "scatter" if per_row else "broadcast"
+    if dst == (CONTROLLER,):
+        return "gather"
+    return "all_to_all" if set(src[0]) == set(dst[0]) else "send_recv"
+
+
+def _movable(node: fx.Node) -> bool:
+    return not isinstance(node.meta.get("spec"), (S.ModelSpec, S.RewardSpec, S.StatsSpec))
+
+
+def reshard(program: Program, options: CompileOptions) -> Program:
+    out, _ = copy_program(program)
+    groups = {group.name: group for group in out.annotations["groups"]}
+    sizes = options.concrete(program.hparams.get("n"))
+    moved: dict[tuple[fx.Node, tuple], fx.Node] = {}
+    for node in list(out.graph.nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        if primitive_name(node) == "generate":
+            _insert_sync(out, node, groups, options)
+        consumer_layout = layout_of(node, groups)
+        for arg in list(node.all_input_nodes):
+            if not _movable(arg) or layout_of(arg, groups) == consumer_layout:
+                continue
+            key = (arg, consumer_layout)
+            if key not in moved:
+                moved[key] = _bring(out, arg, node, consumer_layout, groups, sizes, moved)
+            node.replace_input_with(arg, moved[key])
+    return out.verify(after="reshard")
+
+
+def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, groups, sizes, moved) -> fx.Node:
+    """A node holding `value` in `layout`: a local field read of a moved record, or a transfer."""
+    graph = program.graph
+    if value.target is get_field and (value.args[0], layout) in moved:
+        record_here = moved[(value.args[0], layout)]
+        with graph.inserting_after(record_here):
+            local = graph.create_node("call_function", get_field, (record_here, value.args[1]), {}, name=value.name)
+        local.meta.update(value.meta, role=consumer.meta["role"], phase=consumer.meta["phase"])
+        return local
+    src = layout_of(value, groups)
+    spec = value.meta["spec"]
+    per_row = layout[-1] != 1 or src[-1] != 1
+    kind = collective_kind(src, layout, per_row)
+    with graph.inserting_before(consumer):
+        node = graph.create_node(
+            "call_function", transfer, (value,),
+            {"kind": kind, "src": value.meta["role"], "dst": consumer.meta["role"], "nbytes": value_bytes(spec, sizes)},
+            name=f"{kind}_{value.name}",
+        )
+    node.meta.update(spec=spec, role=consumer.meta["role"], phase="transfer", transfer=True, source=value.meta.get("source"))
+    return node
+
+
+def _insert_sync(program: Program, generate: fx.Node, groups: dict[str, Group], options: CompileOptions) -> None:
+    from rlgraph.passes.memory_plan import model_shape, param_bytes
+
+    model = generate.args[0]
+    role = model.meta["spec"].role
+    gen_group = groups[generate.meta["role"]]
+    train_group = groups.get(role)
+    if train_group is None or train_group.train is None:
+        return  # a frozen generator already holds its weights
+    nbytes = param_bytes(model_shape(options, role), options.mesh)
+    buckets = max(1, -(-nbytes // options.bucket_bytes))
+    src = f"{role}[{train_group.train}]"
+    dst = f"{gen_group.name}[{gen_group.generate}]"
+    with program.graph.inserting_before(generate):
+        node = program.graph.create_node(
+            "call_function", sync_weights, (model,), {"src": src, "dst": dst, "nbytes": nbytes, "buckets": buckets},
+            name=f"sync_{role}",
+        )
+    node.meta.update(spec=model.meta["spec"], role=gen_group.name, phase="sync", sync=True, source=generate.meta.get("source"))
+    generate.replace_input_with(model, node)
+
+
+def group_of(program: Program, name: str) -> Group:
+    return group_named(program.annotations["groups"], name)

@@ -1,0 +1,103 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.logprobs import sequence_logprobs
+from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.batches import Prompts
+from rlgraph.data.arithmetic import Problem, to_demonstrations
+
+EOS, PAD = 2, 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return build_causal_lm(tokenizer=tokenizer, seed=0)
+
+
+def prompts_of(tokenizer, texts):
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    return Prompts(enc["input_ids"], enc["attention_mask"].bool())
+
+
+def reference_logprobs(model, rollouts, temperature=1.0):
+    """(log-probs, entropy) [N, T] from the model's own full-vocabulary logits (no chunking)."""
+    width, steps = rollouts.prompt_ids.shape[1], rollouts.response_ids.shape[1]
+    ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], 1)
+    mask = torch.cat([rollouts.prompt_mask, rollouts.mask], 1).long()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logp = (logits[:, width - 1 : width - 1 + steps].float() / temperature).log_softmax(-1)  # [N, T, V]
+    picked = logp.gather(-1, rollouts.response_ids[..., None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return picked * rollouts.mask, entropy * rollouts.mask
+
+
+ragged_texts = st.lists(st.text(alphabet="0123456789+=", min_size=1, max_size=9), min_size=1, max_size=4)
+
+
+@settings(max_examples=8)
+@given(texts=ragged_texts, seed=st.integers(0, 2**16),
+       params=st.sampled_from([SamplingParams(1.0, 1.0, 6), SamplingParams(0.7, 0.9, 6), SamplingParams(1.3, 0.5, 5)]))
+def test_matches_the_generators_sampling_logprobs(model, tokenizer, texts, seed, params):
+    """The PPO ratio is exactly 1 at the first step: recompute == sampling log-probs."""
+    ro = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(
+        prompts_of(tokenizer, texts), 3, params, generator=torch.Generator().manual_seed(seed))
+    model.eval()
+    try:
+        with torch.no_grad():
+            lp = sequence_logprobs(model, ro, temperature=params.temperature)
+    finally:
+        model.train()
+    torch.testing.assert_close(lp, ro.logprobs, atol=1e-4, rtol=1e-4)
+    assert (lp[~ro.mask] == 0).all()
+
+
+def test_greedy_rollouts_recomputed_at_temperature_one(model, tokenizer):
+    ro = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(
+        prompts_of(tokenizer, ["1+2=", "33+44="]), 1, SamplingParams(temperature=0, max_new_tokens=6))
+    with torch.no_grad():
+        lp = sequence_logprobs(model.eval(), ro)
+    model.train()
+    torch.testing.assert_close(lp, ro.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_demonstrations_match_full_logits_with_entropy(model, tokenizer):
+    demo = to_demonstrations([Problem(1, 2), Problem(50, 60), Problem(7, 93)], tokenizer)
+    model.eval()
+    try:
+        with torch.no_grad():
+            lp, entropy = sequence_logprobs(model, demo, temperature=0.8, with_entropy=True)
+            expected_lp, expected_entropy = reference_logprobs(model, demo, temperature=0.8)
+    finally:
+        model.train()
+    assert lp.shape == entropy.shape == demo.response_ids.shape
+    assert lp.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(lp, expected_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=1e-5)
+    assert (entropy[~demo.mask] == 0).all() and (entropy[demo.mask] > 0).all()
+
+
+def test_gradients_reach_every_parameter(tokenizer):
+    model = build_causal_lm(tokenizer=tokenizer, seed=1)
+    demo = to_demonstrations([Problem(1, 2), Problem(50, 60)], tokenizer)
+    lp, entropy = sequence_logprobs(model, demo, with_entropy=True)
+    (lp.sum() + entropy.sum()).backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+
+
+def test_errors(model, tokenizer):
+    demo = to_demonstrations([Problem(1, 2)], tokenizer)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sequence_logprobs(model, demo, temperature=0.0)
+    biased = build_causal_lm(seed=0)
+    biased.lm_head = torch.nn.Linear(64, 47, bias=True)
+    with pytest.raises(ValueError, match="bias-free linear LM head"):
+        sequence_logprobs(biased, demo)
