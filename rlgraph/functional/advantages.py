@@ -159,7 +159,8 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, eps: floa
 
 
 @traceable
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0) -> tuple[Tensor, Tensor]:
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[Tensor, Tensor]:
     """GAE: delta_t = r_t + gamma V_{t'} - V_t, A_t = delta_t + gamma lam A_{t'}; returns = A + V.
 
     t' is the next unmasked token: masked tokens (padding, tool observations) are skipped, their

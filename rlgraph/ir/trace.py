@@ -488,10 +488,10 @@ def _check_metrics(fn: Callable[..., Any], metrics: Mapping[str, Any]) -> None:
 
 
 def _prune_unused_roles(graph: fx.Graph) -> None:
-    """Drop roles the algorithm neither reads nor changes (their placeholder only feeds the output)."""
+    """The output state lists the roles the iteration changed; roles it never reads lose their input."""
     output = next(node for node in reversed(graph.nodes) if node.op == "output")
     state, metrics = output.args[0]
-    kept = {role: node for role, node in state.items() if not (node.op == "placeholder" and set(node.users) == {output})}
+    kept = {role: node for role, node in state.items() if node.op != "placeholder"}  # unchanged roles stay as they are
     output.args = ((kept, dict(metrics)),)
     for node in list(graph.nodes):
         if node.op == "placeholder" and not node.users:

@@ -32,7 +32,8 @@ def test_masked_statistics_by_hand():
     close(F.masked_var(VALUES, MASK), 7 / 3)
     close(F.masked_var(VALUES, MASK, unbiased=False), 14 / 9)
     scale = 1 / math.sqrt(7 / 3 + 1e-8)
-    close(F.masked_whiten(VALUES, MASK), [[(1 - 7 / 3) * scale, (2 - 7 / 3) * scale, 0.0], [(4 - 7 / 3) * scale, 0.0, 0.0]])
+    expected = [[(1 - 7 / 3) * scale, (2 - 7 / 3) * scale, 0.0], [(4 - 7 / 3) * scale, 0.0, 0.0]]
+    close(F.masked_whiten(VALUES, MASK), expected)
     shifted = F.masked_whiten(VALUES, MASK, shift_mean=False)
     close(shifted[0, 0], (1 - 7 / 3) * scale + 7 / 3)
     assert shifted[0, 2] == 0

@@ -280,3 +280,37 @@ def test_every_public_function_is_traceable():
     for name in F.__all__:
         if name not in plain:
             assert op_info(getattr(F, name)) is not None, name
+
+
+# -- through the tracer -------------------------------------------------------------------------
+
+
+def _grpo(agg=None):
+    import rlgraph as rg
+
+    @rg.algorithm
+    def grpo(state: rg.State, prompts: rg.Prompts, *, n=4):
+        ro = rg.generate(state.policy, prompts, n=n)
+        rewards = rg.score(state.reward, ro)
+        adv = F.group_normalize(rewards, ro.group)
+
+        def loss(lp):
+            kwargs = {} if agg is None else {"agg": agg}
+            value, clip_fraction, approx_kl = F.ppo_clip(lp, ro.logprobs, adv[:, None], ro.mask, **kwargs)
+            return value, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
+
+        return state.replace(policy=rg.update(state.policy, ro, loss)), {"reward": rewards.mean()}
+
+    return grpo
+
+
+def test_losses_trace_as_one_node_with_three_scalar_results():
+    text = str(_grpo().trace())
+    assert "f32[N] = group_normalize" in text
+    assert "f32[] = ppo_clip lp" in text and text.count("f32[]") >= 3
+
+
+@pytest.mark.xfail(strict=True, reason="rlgraph.ir Tracer.create_arg does not yet accept a traceable op "
+                   "(the aggregation) as an argument; remove this mark once it does")
+def test_the_aggregation_function_passes_through_the_tracer():
+    assert "seq_mean_token_mean" in str(_grpo(agg=F.seq_mean_token_mean).trace())
