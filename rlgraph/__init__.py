@@ -1,12 +1,13 @@
 """rlgraph: write an RL algorithm as a typed dataflow graph, inspect the compiled plan, run it."""
 
-from rlgraph.api import Algorithm, State, algorithm, critic, lm, reward_fn, roles
+from rlgraph.api import Algorithm, State, algorithm, compile, critic, lm, reward_fn, roles
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import Program, RLGraphError, SpecError, TraceError, VerifyError, traceable
 from rlgraph.ir.primitives import generate, logprobs, score, update, values
+from rlgraph.plan.mesh import Mesh, colocated, explicit, split
 
 __all__ = [
-    "Algorithm", "State", "algorithm", "critic", "lm", "reward_fn", "roles", "Prompts", "Rollouts",
+    "Algorithm", "State", "algorithm", "compile", "Mesh", "colocated", "split", "explicit", "critic", "lm", "reward_fn", "roles", "Prompts", "Rollouts",
     "Program", "RLGraphError", "SpecError", "TraceError", "VerifyError", "traceable",
     "generate", "logprobs", "score", "update", "values",
 ]

@@ -43,6 +43,22 @@ class Algorithm:
         return f"<rg.algorithm {self.name}>"
 
 
+def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: Mapping[str, int] | None = None,
+            models: Mapping[str, Any] | None = None, roles: Mapping[str, S.Spec] | None = None, **hparams: Any):
+    """Trace `algo` and lower it for `mesh` and `placement`; returns a `Compiled` to inspect and run.
+
+    `sizes` gives the concrete dims byte counts use (B, P, T; n comes from the hparams),
+    `models` maps roles to HF configs or presets (`"llama3-70b"`). Nothing is run.
+    """
+    from rlgraph.passes import compile_program
+    from rlgraph.passes.options import CompileOptions
+    from rlgraph.plan.mesh import Colocated, Mesh
+
+    mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh or Mesh())
+    options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}))
+    return compile_program(algo.trace(roles=roles, **hparams), options)
+
+
 def algorithm(fn: Callable[..., Any]) -> Algorithm:
     """Decorator: mark a pure function `(state, batch, *, hparams) -> (state, metrics)` as an algorithm."""
     return Algorithm(fn)
@@ -65,4 +81,4 @@ def reward_fn(role: str = "reward") -> S.RewardSpec:
     return S.RewardSpec(role)
 
 
-__all__ = ["State", "Algorithm", "algorithm", "roles", "lm", "critic", "reward_fn", "DEFAULT_ROLES"]
+__all__ = ["State", "Algorithm", "algorithm", "compile", "roles", "lm", "critic", "reward_fn", "DEFAULT_ROLES"]

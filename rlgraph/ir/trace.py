@@ -198,6 +198,8 @@ class Tracer(fx.proxy.TracerBase):
             node = self.graph.create_node("call_function", constant, (a.detach().clone(),), {}, name="const")
             node.meta["spec"] = S.TensorSpec(tuple(a.shape), a.dtype)
             return node
+        if ops.op_info(a) is not None:  # a traceable function passed as an argument (agg=F.token_mean)
+            return a
         if isinstance(a, (StateView, Prompts, Rollouts)):
             raise TraceError(f"a {type(a).__name__} cannot be an argument here", user_location())
         return super().create_arg(a)

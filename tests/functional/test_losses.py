@@ -310,7 +310,5 @@ def test_losses_trace_as_one_node_with_three_scalar_results():
     assert "f32[] = ppo_clip lp" in text and text.count("f32[]") >= 3
 
 
-@pytest.mark.xfail(strict=True, reason="rlgraph.ir Tracer.create_arg does not yet accept a traceable op "
-                   "(the aggregation) as an argument; remove this mark once it does")
 def test_the_aggregation_function_passes_through_the_tracer():
     assert "seq_mean_token_mean" in str(_grpo(agg=F.seq_mean_token_mean).trace())
