@@ -299,6 +299,10 @@ def infer(node: fx.Node) -> S.Spec:
         arg_specs = fx.node.map_arg(node.args, lambda a: a.meta["spec"])
         kwarg_specs = fx.node.map_arg(node.kwargs, lambda a: a.meta["spec"])
         return info.spec_rule(*arg_specs, **kwarg_specs)
+    if node.op == "call_function" and node.target is get_field:
+        return node.args[0].meta["spec"].field(node.args[1])
+    if node.op == "call_function" and node.target is constant:
+        return S.TensorSpec(tuple(node.args[0].shape), node.args[0].dtype)
     if node.op == "call_function" and node.target is operator.getitem and not _is_tensor(node.args[0]):
         container = node.args[0].meta["spec"]
         return container.items[node.args[1]]

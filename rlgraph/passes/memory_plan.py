@@ -60,7 +60,7 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions) -> di
             phases["generate"] = M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-sizes["N"] // replicas),
                                                    max_seq_len=seq, dtype=dtype)
         else:
-            phases.setdefault("infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype))
+            phases.setdefault("infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks)))
     return phases
 
 

@@ -39,15 +39,19 @@ def sync_weights(model, *, src, dst, nbytes, buckets):
     return model
 
 
-def layout_of(node: fx.Node, groups: dict[str, Group]) -> tuple:
+def is_per_row(spec: S.Spec) -> bool:
+    return isinstance(spec, S.RecordSpec) or (isinstance(spec, S.TensorSpec) and spec.shape[:1] in ((S.N,), (S.B,)))
+
+
+def layout_of(node: fx.Node, groups: dict[str, Group], value: fx.Node | None = None) -> tuple:
+    """Where `value` (default: the node's own result) must be for `node` to run: the controller,
+    or the node's group ranks split `dp` ways (per-row values) or replicated (split 1)."""
     role = node.meta["role"]
     if role == CONTROLLER:
         return (CONTROLLER,)
     group = groups[role]
-    spec = node.meta["spec"]
-    per_row = isinstance(spec, S.RecordSpec) or (isinstance(spec, S.TensorSpec) and spec.shape[:1] in ((S.N,), (S.B,)))
     split = group.generate.dp if node.meta.get("phase") == "generate" and group.generate else group.dp
-    return (group.ranks, split if per_row else 1)
+    return (group.ranks, split if is_per_row((value or node).meta["spec"]) else 1)
 
 
 def collective_kind(src: tuple, dst: tuple, per_row: bool) -> str:
@@ -72,8 +76,8 @@ def reshard(program: Program, options: CompileOptions) -> Program:
             continue
         if primitive_name(node) == "generate":
             _insert_sync(out, node, groups, options)
-        consumer_layout = layout_of(node, groups)
         for arg in list(node.all_input_nodes):
+            consumer_layout = layout_of(node, groups, arg)
             if not _movable(arg) or layout_of(arg, groups) == consumer_layout:
                 continue
             key = (arg, consumer_layout)
@@ -94,8 +98,7 @@ def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, g
         return local
     src = layout_of(value, groups)
     spec = value.meta["spec"]
-    per_row = layout[-1] != 1 or src[-1] != 1
-    kind = collective_kind(src, layout, per_row)
+    kind = collective_kind(src, layout, is_per_row(spec))
     with graph.inserting_before(consumer):
         node = graph.create_node(
             "call_function", transfer, (value,),

@@ -16,6 +16,7 @@ from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.printer import op_name
 from rlgraph.ir.program import Program
+from rlgraph.ir.trace import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER
 from rlgraph.plan.mesh import Colocated
@@ -103,7 +104,7 @@ def schedule(program: Program, options: CompileOptions) -> Plan:
             close()
             current = {"role": role, "phase": phase, "nodes": [], "ops": [], "detail": "", "flops": 0.0, "kernels": []}
         current["nodes"].append(node.name)
-        current["ops"].append(f"{node.name}={op_name(node)}" if node.target.__name__ != "get_field" else f"{node.name}=.{node.args[1]}")
+        current["ops"].append(f"{node.name}=.{node.args[1]}" if node.target is get_field else f"{node.name}={op_name(node)}")
         detail, flops = _detail(node, program, options, sizes)
         current["detail"] = "; ".join(text for text in (current["detail"], detail) if text)
         current["flops"] += flops

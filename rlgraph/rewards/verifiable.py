@@ -19,7 +19,8 @@ def exact_match(completions: Sequence[str], answer: Sequence[Any], **_: Any) -> 
     [1.0, 0.0]
     """
     if len(completions) != len(answer):
-        raise ValueError(f"exact_match: {len(completions)} completions but {len(answer)} answers; pass one answer per row")
+        raise ValueError(f"exact_match: {len(completions)} completions but {len(answer)} answers; "
+                         "pass one answer per row")
     return [float(str(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 

@@ -142,7 +142,8 @@ def test_impossible_eos_runs_to_max_new_tokens(model, tokenizer):
 def test_eos_mask_and_padding_invariants(model, tokenizer, texts, seed, n):
     rigged = with_eos_bias(model, 2.5)  # EOS likely but not certain: rows stop at different steps
     ro = NativeGenerator(rigged, eos_token_id=EOS, pad_token_id=PAD).generate(
-        prompts_of(tokenizer, texts), n, SamplingParams(max_new_tokens=6), generator=torch.Generator().manual_seed(seed))
+        prompts_of(tokenizer, texts), n, SamplingParams(max_new_tokens=6),
+        generator=torch.Generator().manual_seed(seed))
     lengths = ro.mask.sum(1)  # [N]
     steps = ro.response_ids.shape[1]
     assert 1 <= steps <= 6 and lengths.max() == steps

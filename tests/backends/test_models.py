@@ -20,7 +20,8 @@ def tokenizer():
 
 def test_shipped_tokenizer_layout(tokenizer):
     assert len(tokenizer) == len(SPECIAL_TOKENS) + len(ALPHABET) == 47
-    assert [tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id] == [0, 1, 2, 3]
+    special = [tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
+    assert special == [0, 1, 2, 3]
     assert tokenizer.padding_side == "left"
     assert tokenizer("1+2=")["input_ids"] == [1, 5, 14, 6, 17]
     assert tokenizer("1+2=", add_special_tokens=False)["input_ids"] == [5, 14, 6, 17]

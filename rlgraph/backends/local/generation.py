@@ -21,7 +21,8 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: float) ->
 
 def _probability(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"SamplingParams.{attribute.name} must be in (0, 1], got {value}; use 1.0 to disable nucleus sampling")
+        raise ValueError(f"SamplingParams.{attribute.name} must be in (0, 1], got {value}; "
+                         "use 1.0 to disable nucleus sampling")
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
@@ -119,7 +120,9 @@ class NativeGenerator:
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts: Prompts, n: int, params: SamplingParams, generator: torch.Generator | None) -> Rollouts:
+    def _generate(
+        self, prompts: Prompts, n: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Rollouts:
         device = self.model.device
         prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
         prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]

@@ -64,7 +64,8 @@ def sequence_logprobs(
     hidden = response_hidden_states(model, rollouts)  # [N, T, H]
     logprobs, entropy = token_logprobs(hidden[mask], _head_weight(model), rollouts.response_ids[mask],
                                        temperature=temperature, with_entropy=with_entropy)  # [M], [M] | None
-    full = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, logprobs.float())  # [N, T]
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # [N, T]
+    full = zeros.masked_scatter(mask, logprobs.float())  # [N, T]
     if not with_entropy:
         return full
-    return full, torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, entropy.float())  # [N, T]
+    return full, zeros.masked_scatter(mask, entropy.float())  # [N, T], [N, T]

@@ -30,7 +30,9 @@ ALPHABET = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz"
 ATTENTION = "sdpa"
 # Plain concatenation of the message contents: the tiny tokenizer has no role markers.
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+)
 
 
 def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
