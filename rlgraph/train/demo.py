@@ -23,7 +23,9 @@ from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorke
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data import arithmetic
 from rlgraph.rewards import exact_match
+from rlgraph.api import compile as compile_algorithm
 from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.loop import Trainer
 
 
@@ -104,9 +106,14 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
     for group in executor.models["policy"].optimizer.param_groups:
         group["lr"] = config.rl_lr
     rl_sampler = arithmetic.PromptSampler(splits.train, batch_size=config.rl_prompts, seed=config.seed + 1)
-    program = grpo.trace(n=config.rl_samples, temperature=config.temperature, max_new_tokens=config.max_new_tokens)
+    # RL runs the compiled plan (one CPU rank), not the eager interpreter: the plan is the truth.
+    compiled = compile_algorithm(grpo, mesh="cpu:1", sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens},
+                                 n=config.rl_samples, temperature=config.temperature, max_new_tokens=config.max_new_tokens)
     run_dir = Path(config.run_dir) if config.run_dir else None
-    rl_trainer = Trainer(program, interpreter, lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer), rl_sampler,
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
+    rl_trainer = Trainer(compiled.program, PlanRunner(compiled, executor), lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer), rl_sampler,
                          run_dir=run_dir)
     reward, start = 0.0, time.perf_counter()
     with _progress(console) as progress:

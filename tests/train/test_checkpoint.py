@@ -1,0 +1,44 @@
+import json
+
+import torch
+
+from rlgraph.algorithms import grpo
+from rlgraph.data import arithmetic
+from rlgraph.runtime.eager import Interpreter
+from rlgraph.train.checkpoint import latest_checkpoint
+from rlgraph.train.loop import Trainer
+from tests.helpers import SPLITS, TOKENIZER, make_executor, params_of, parity_reward
+
+
+def _trainer(run_dir):
+    executor = make_executor(reward=parity_reward)
+    sampler = arithmetic.PromptSampler(SPLITS.train, batch_size=3, seed=1)
+    program = grpo.trace(n=2, max_new_tokens=3)
+    return Trainer(program, Interpreter(executor), lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER),
+                   sampler, run_dir=run_dir, checkpoint_every=2), executor
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight, straight_exec = _trainer(tmp_path / "a")
+    list(straight.run(steps=4))
+
+    first, _ = _trainer(tmp_path / "b")
+    list(first.run(steps=3))  # checkpoint at step 2, then one step that is lost
+    resumed, resumed_exec = _trainer(tmp_path / "b")
+    assert resumed.resume() and resumed.step == 2
+    list(resumed.run(steps=2))
+
+    assert [m["reward"] for m in resumed.history] == [m["reward"] for m in straight.history]
+    for a, b in zip(params_of(straight_exec), params_of(resumed_exec)):
+        assert torch.equal(a, b)
+    assert resumed_exec.models["policy"].version == 4
+
+
+def test_checkpoints_are_complete_or_absent(tmp_path):
+    trainer, _ = _trainer(tmp_path)
+    list(trainer.run(steps=2))
+    path = latest_checkpoint(tmp_path)
+    assert path.name == "step-000002"
+    assert {p.name for p in path.iterdir()} == {"policy.safetensors", "policy.optim.pt", "run_state.pt", "meta.json"}
+    assert json.loads((path / "meta.json").read_text())["versions"] == {"policy": 2}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
