@@ -57,6 +57,11 @@ class Interpreter:
 
     def run(self, program: Program, batch: Any) -> tuple[dict[str, Any], dict[str, float]]:
         """One iteration: returns the new state refs and the metrics as floats."""
+        state, metrics = run_nodes(program, self.bind_inputs(program, batch), self._primitive)
+        return state, flatten_metrics(metrics)
+
+    def bind_inputs(self, program: Program, batch: Any) -> list[Any]:
+        """The program's inputs: the live version of each model role, reward roles, the batch."""
         inputs = []
         for node in program.inputs:
             spec = node.meta["spec"]
@@ -66,8 +71,7 @@ class Interpreter:
                 inputs.append(RewardRef(node.target))
             else:
                 inputs.append(batch)
-        state, metrics = run_nodes(program, inputs, self._primitive)
-        return state, flatten_metrics(metrics)
+        return inputs
 
     def _primitive(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         name = primitive_name(node)

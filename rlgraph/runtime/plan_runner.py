@@ -14,7 +14,6 @@ from typing import Any
 import torch.fx as fx
 
 from rlgraph.backends.protocols import Executor
-from rlgraph.ir import specs as S
 from rlgraph.passes.pipeline import Compiled
 from rlgraph.plan.plan import Offload, Stage, SyncWeights, Transfer
 from rlgraph.runtime.eager import Interpreter, flatten_metrics, run_node
@@ -31,7 +30,7 @@ class PlanRunner(Interpreter):
         """`run(batch)`, or `run(program, batch)` for the Trainer's interface (the program is the compiled one)."""
         batch = program if batch is None else batch
         lowered = self.compiled.program
-        env: dict[fx.Node, Any] = dict(zip(lowered.inputs, self._inputs(lowered, batch)))
+        env: dict[fx.Node, Any] = dict(zip(lowered.inputs, self.bind_inputs(lowered, batch)))
         for step in self.compiled.plan.steps:
             if isinstance(step, Offload):
                 continue  # one process: nothing leaves the device
@@ -43,17 +42,3 @@ class PlanRunner(Interpreter):
                 env[node] = run_node(node, env, self._primitive)
         state, metrics = fx.node.map_arg(lowered.output.args[0], env.__getitem__)
         return state, flatten_metrics(metrics)
-
-    def _inputs(self, program, batch) -> list[Any]:
-        from rlgraph.backends.protocols import RewardRef
-
-        values = []
-        for node in program.inputs:
-            spec = node.meta["spec"]
-            if isinstance(spec, S.ModelSpec):
-                values.append(self.executor.current(node.target))
-            elif isinstance(spec, S.RewardSpec):
-                values.append(RewardRef(node.target))
-            else:
-                values.append(batch)
-        return values
