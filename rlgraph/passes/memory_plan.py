@@ -58,7 +58,7 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions) -> di
         elif prim == "generate":
             replicas = group.generate.dp
             phases["generate"] = M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-sizes["N"] // replicas),
-                                                   max_seq_len=seq, dtype=dtype)
+                                                   max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])
         else:
             phases.setdefault("infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks)))
     return phases

@@ -1,35 +1,61 @@
-"""Per-rank memory estimates for training (FSDP2), generation (KV cache) and inference.
+"""Per-rank memory of training (FSDP2 + AdamW), generation (KV cache) and forward-only inference.
 
-Formulas (bytes per rank):
-- parameters / gradients: n_params * dtype / fsdp_shards; AdamW: two fp32 moments / shards;
-  mixed precision adds fp32 master weights / shards; FSDP all-gathers one layer at a time
-  (workspace = one unsharded layer).
-- activations per token per layer: ~34 * hidden bytes (bf16, no recomputation; Korthikanti et
-  al. 2022, without the attention-score term that flash attention removes) scaled to the dtype;
-  with activation checkpointing only the layer inputs stay: 2 * hidden * dtype bytes per token
-  per layer, plus one layer's full activations during recomputation.
-- log-prob head: one chunk of [chunk_tokens, V] fp32 logits (the chunked head never holds more).
-- generation: weights / tp + KV cache (sequences * seq_len * kv bytes per token / tp).
+    shape = ModelShape.from_hf_config(load_model_config("llama3-8b"))
+    need = train_memory(shape, TrainMemoryConfig(fsdp_shards=8, micro_batch_tokens=8192))
+    print(need)                                  # 23.06 GiB (params 1.87 GiB, grads 1.87 GiB, ...)
+    check_fits("policy", 0, need, DEVICE_MEMORY["h100"])
+
+Every estimate is a `MemoryBreakdown` of named byte counts at the phase's peak. The formulas, the
+sources of their constants and the measured check against a real run are in docs/memory-model.md;
+the activation constants follow the Hugging Face Llama/Qwen2 decoder layer that rlgraph trains.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import attrs
 import torch
 
-from rlgraph.plan.model_size import ModelShape
+from rlgraph.plan.mesh import DEVICE_MEMORY_GIB
+from rlgraph.plan.model_size import ModelShape, dtype_bytes
 
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+# Tokens per chunk of rlgraph's log-prob head (`rlgraph.kernels.logprob_head.DEFAULT_CHUNK`;
+# repeated here because `plan` may not import `kernels`).
 LOGIT_CHUNK_TOKENS = 1024
+# Prompt tokens a generation engine prefills at once: vLLM's chunked-prefill budget.
+PREFILL_CHUNK_TOKENS = 8192
+
+PERSISTENT = ("params", "grads", "optimizer", "master_weights", "kv_cache")
+TRANSIENT = ("activations", "logits", "workspace")
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def format_bytes(n: int) -> str:
+    """`1.50 GiB`, `12.0 MiB`, `3.0 KiB`, `12 B`."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / KiB:.1f} KiB" if n >= KiB else f"{n} B"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @attrs.frozen
 class MemoryBreakdown:
+    """Bytes one rank holds at a phase's peak, by purpose.
+
+    params / grads: model weights and their gradients in the compute dtype (this rank's shard);
+    optimizer: AdamW's two moments; master_weights: fp32 copy kept under mixed precision;
+    activations: tensors saved for backward (or a forward's working set); logits: one chunk of
+    [tokens, V] fp32 logits; kv_cache: generation K/V; workspace: transient buffers (FSDP
+    all-gathers, gradients of activations, optimizer-step temporaries, growing KV-cache copies).
+    """
+
     params: int = 0
     grads: int = 0
     optimizer: int = 0
@@ -44,87 +70,279 @@ class MemoryBreakdown:
         return sum(attrs.astuple(self))
 
     def as_dict(self) -> dict[str, int]:
+        """Every part and `total`, in bytes (what `Plan.memory` stores)."""
         return {**attrs.asdict(self), "total": self.total}
 
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other))))
+
+    def persistent(self) -> MemoryBreakdown:
+        """The parts that outlive a phase unless offloaded: weights, gradients, optimizer state, KV-cache pool."""
+        return MemoryBreakdown(**{name: getattr(self, name) for name in PERSISTENT})
+
+    def transient(self) -> MemoryBreakdown:
+        """The parts freed when the phase ends: activations, logits, workspace."""
+        return MemoryBreakdown(**{name: getattr(self, name) for name in TRANSIENT})
+
+    @staticmethod
+    def sum(parts: Iterable[MemoryBreakdown]) -> MemoryBreakdown:
+        out = MemoryBreakdown()
+        for part in parts:
+            out = out + part
+        return out
+
+    @staticmethod
+    def largest(parts: Iterable[MemoryBreakdown]) -> MemoryBreakdown:
+        """The breakdown with the largest total (an empty iterable gives zeros)."""
+        return max(parts, key=lambda part: part.total, default=MemoryBreakdown())
+
     def __str__(self) -> str:
-        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in attrs.asdict(self).items() if v)
-        return f"{self.total / 2**30:.2f} GiB ({parts})"
+        parts = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in attrs.asdict(self).items() if value)
+        return f"{format_bytes(self.total)} ({parts or 'nothing'})"
+
+
+# -- per-token constants ------------------------------------------------------------------------
+def layer_activation_bytes(shape: ModelShape, dtype: torch.dtype, *, seq_len: int = 0, fused_attention: bool = True) -> int:
+    """Bytes one decoder layer saves for backward, per token, without recomputation.
+
+    Counted from the tensors autograd keeps in the HF Llama/Qwen2 layer (e = element size):
+      2 RMSNorms  2 * (4h + 4 + 2eh)  fp32 input and rsqrt, normalized and scaled outputs
+      attention   e * 4 * q_dim       rotated q, k and v repeated to the query heads, output
+                  + 4 * heads         fp32 log-sum-exp of the fused (SDPA / flash) kernel
+                  + (4 + e) * heads * seq_len   only if the scores are materialized (4 in fp32)
+      SwiGLU MLP  4e * intermediate   gate, up, silu(gate), silu(gate) * up
+    This is Korthikanti et al. (2022)'s 34h + 5*heads*seq per layer, redone for RMSNorm, GQA,
+    rotary positions and SwiGLU; at Llama-3-8B's sizes in bf16 it is ~52h.
+    """
+    e, h = dtype_bytes(dtype), shape.hidden
+    norms = 2 * (4 * h + 4 + 2 * e * h)
+    attention = 4 * e * shape.q_dim + 4 * shape.heads
+    if not fused_attention:  # fp32 softmax output, and its cast to the compute dtype unless that is fp32
+        attention += (4 + (e if e != 4 else 0)) * shape.heads * seq_len
+    return norms + attention + 4 * e * shape.intermediate
+
+
+def head_activation_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Per token, outside the layers: final RMSNorm, the head's input rows, rotary cos/sin."""
+    e, h = dtype_bytes(dtype), shape.hidden
+    return (4 * h + 4 + 2 * e * h) + e * h + 2 * e * shape.head_dim
+
+
+def backward_transient_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Per token, the gradients of activations alive at once in a layer's backward (the SwiGLU
+    MLP's: of its product, gate and up projections, and the residual stream)."""
+    return dtype_bytes(dtype) * (3 * shape.intermediate + shape.hidden)
+
+
+def forward_working_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Per token, a forward without autograd at its widest point (the MLP): residual stream,
+    normalized input, silu(gate), up and their product."""
+    return dtype_bytes(dtype) * (2 * shape.hidden + 3 * shape.intermediate)
+
+
+# -- training -----------------------------------------------------------------------------------
+def _at_least_one(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"TrainMemoryConfig.{attribute.name} must be an int >= 1, got {value!r}")
 
 
 @attrs.frozen
 class TrainMemoryConfig:
+    """How a role trains on one rank.
+
+    `param_dtype` is the compute dtype of weights, gradients and activations; `mixed_precision`
+    keeps fp32 master weights and fp32 AdamW moments beside bf16/fp16 weights (without it the
+    moments take the parameter dtype, as `torch.optim.AdamW` does). `fsdp_shards` ranks share
+    parameters, gradients and optimizer state. `offload_optimizer` keeps AdamW state and master
+    weights in host memory (the step runs there); `offload_params` keeps sharded parameters and
+    gradients there too, leaving only the all-gathered units on the device. `fused_attention`:
+    SDPA / flash attention, which never holds the [seq, seq] scores; `fused_optimizer`:
+    `AdamW(fused=True)`, which needs no parameter-sized temporary (torch's default is `foreach`).
+    """
+
     param_dtype: torch.dtype = torch.bfloat16
     mixed_precision: bool = True
-    fsdp_shards: int = 1
+    fsdp_shards: int = attrs.field(default=1, validator=_at_least_one)
     checkpointing: bool = True
-    micro_batch_tokens: int = 4096
-    seq_len: int = 1024
-    offload: bool = False
+    micro_batch_tokens: int = attrs.field(default=4096, validator=_at_least_one)
+    seq_len: int = attrs.field(default=1024, validator=_at_least_one)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    fused_attention: bool = True
+    fused_optimizer: bool = False
+    logit_chunk_tokens: int = attrs.field(default=LOGIT_CHUNK_TOKENS, validator=_at_least_one)
+
+    @classmethod
+    def for_device(cls, device: str, **overrides: object) -> TrainMemoryConfig:
+        """fp32 without master weights on `cpu`, bf16 with fp32 master weights on accelerators."""
+        defaults = dict(param_dtype=torch.float32, mixed_precision=False) if device == "cpu" else {}
+        return cls(**{**defaults, **overrides})
+
+    @property
+    def has_master_weights(self) -> bool:
+        return self.mixed_precision and dtype_bytes(self.param_dtype) < 4
 
 
 def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
-    size, shards, n = _size(cfg.param_dtype), cfg.fsdp_shards, shape.n_params
-    per_token_layer = 2 * shape.hidden * size if cfg.checkpointing else 17 * shape.hidden * size
-    layer_params = n // max(shape.layers, 1)
-    recompute = 17 * shape.hidden * size * cfg.micro_batch_tokens if cfg.checkpointing else 0
-    return MemoryBreakdown(
-        params=n * size // shards,
-        grads=n * size // shards,
-        optimizer=0 if cfg.offload else 2 * 4 * n // shards,
-        master_weights=4 * n // shards if cfg.mixed_precision else 0,
-        activations=per_token_layer * shape.layers * cfg.micro_batch_tokens + recompute,
-        logits=2 * 4 * min(cfg.micro_batch_tokens, LOGIT_CHUNK_TOKENS) * shape.vocab,
-        workspace=layer_params * size if shards > 1 else 0,
+    """Per-rank peak of training one micro-batch: the breakdown at the largest of three moments.
+
+    State at every moment (divided by `fsdp_shards`): params and grads n*e, AdamW's 2 moments,
+    fp32 master weights n*4. On top of it:
+      head backward   every layer's saved activations, the head's own, three [chunk, V] fp32
+                      buffers and the fp32 [V, H] weight gradient of the chunked log-prob head
+      layer backward  every layer's saved activations (+ one recomputed layer when
+                      checkpointing) and the gradients of one layer's activations
+      optimizer step  one parameter-sized temporary of `foreach` AdamW (none when fused)
+    With FSDP both backward moments also hold two all-gathered units and one unit's gradients.
+    """
+    e, n, shards, tokens = dtype_bytes(cfg.param_dtype), shape.n_params, cfg.fsdp_shards, cfg.micro_batch_tokens
+    moment_bytes = 4 if cfg.has_master_weights else e
+    state = MemoryBreakdown(
+        params=0 if cfg.offload_params else _ceil_div(n * e, shards),
+        grads=0 if cfg.offload_params else _ceil_div(n * e, shards),
+        optimizer=0 if cfg.offload_optimizer else _ceil_div(2 * moment_bytes * n, shards),
+        master_weights=_ceil_div(4 * n, shards) if cfg.has_master_weights and not cfg.offload_optimizer else 0,
     )
+    per_layer = layer_activation_bytes(shape, cfg.param_dtype, seq_len=cfg.seq_len, fused_attention=cfg.fused_attention)
+    # Checkpointing keeps only each layer's input and recomputes one layer at a time in backward.
+    stored = tokens * shape.layers * (e * shape.hidden if cfg.checkpointing else per_layer)
+    gathered = _fsdp_gather_bytes(shape, e, grads=True) if shards > 1 or cfg.offload_params else 0
+    head_backward = state + MemoryBreakdown(
+        activations=stored + tokens * head_activation_bytes(shape, cfg.param_dtype),
+        logits=0 if shape.value_head else 3 * 4 * min(tokens, cfg.logit_chunk_tokens) * shape.vocab,
+        workspace=gathered + (0 if shape.value_head else 4 * shape.vocab * shape.hidden),
+    )
+    layer_backward = state + MemoryBreakdown(
+        activations=stored + (tokens * per_layer if cfg.checkpointing else 0),
+        workspace=gathered + tokens * backward_transient_bytes(shape, cfg.param_dtype),
+    )
+    step_temporary = 0 if cfg.offload_optimizer or cfg.fused_optimizer else _ceil_div(moment_bytes * n, shards)
+    step = state + MemoryBreakdown(workspace=step_temporary)
+    return MemoryBreakdown.largest([head_backward, layer_backward, step])
 
 
+def _fsdp_gather_bytes(shape: ModelShape, e: int, *, grads: bool) -> int:
+    """FSDP2 holds the current unit and the prefetched next one unsharded (plus, in backward, the
+    current unit's gradients before their reduce-scatter); the largest unit may be the embedding."""
+    return e * (shape.largest_unit_params * (2 if grads else 1) + shape.layer_params)
+
+
+# -- generation and inference ---------------------------------------------------------------
 def generate_memory(shape: ModelShape, *, tp: int, batch_sequences: int, max_seq_len: int,
-                    dtype: torch.dtype = torch.bfloat16) -> MemoryBreakdown:
+                    dtype: torch.dtype = torch.bfloat16, prompt_len: int | None = None) -> MemoryBreakdown:
+    """Per-rank peak of a `tp`-way tensor-parallel engine generating `batch_sequences` at once.
+
+    params n*e/tp; KV cache batch * max_seq_len * kv bytes per token / min(tp, kv_heads) (engines
+    replicate KV heads when tp exceeds them); prefill activations of batch * prompt_len tokens
+    (max_seq_len if not given; at most PREFILL_CHUNK_TOKENS) / tp; the sampler's fp32 logits,
+    probabilities and log-softmax of every row; one layer's K/V copy as the cache grows.
+    """
+    if tp < 1 or batch_sequences < 1 or max_seq_len < 1:
+        raise ValueError(f"generate_memory: tp, batch_sequences and max_seq_len must be >= 1, got "
+                         f"{tp}, {batch_sequences}, {max_seq_len}")
+    kv_cache = _ceil_div(batch_sequences * max_seq_len * shape.kv_cache_bytes_per_token(dtype), min(tp, shape.kv_heads))
+    prefill = min(batch_sequences * (prompt_len or max_seq_len), PREFILL_CHUNK_TOKENS)
     return MemoryBreakdown(
-        params=shape.n_params * _size(dtype) // tp,
-        kv_cache=batch_sequences * max_seq_len * shape.kv_cache_bytes_per_token(dtype) // tp,
-        logits=4 * batch_sequences * shape.vocab,
+        params=_ceil_div(shape.n_params * dtype_bytes(dtype), tp),
+        kv_cache=kv_cache,
+        activations=_ceil_div(prefill * forward_working_bytes(shape, dtype), tp),
+        logits=3 * 4 * batch_sequences * shape.vocab,
+        workspace=kv_cache // shape.layers,
     )
 
 
-def infer_memory(shape: ModelShape, *, batch_tokens: int, dtype: torch.dtype = torch.bfloat16, shards: int = 1) -> MemoryBreakdown:
+def infer_memory(shape: ModelShape, *, batch_tokens: int, dtype: torch.dtype = torch.bfloat16, shards: int = 1,
+                 micro_batch_tokens: int | None = None) -> MemoryBreakdown:
+    """Per-rank peak of a forward without gradients (reference / old-policy log-probs, values).
+
+    params n*e/shards (FSDP: plus the current and prefetched units); the forward's working set and the
+    final hidden states for the tokens processed at once (`micro_batch_tokens`, else all of
+    `batch_tokens`); one chunk of fp32 logits and their exponentials.
+    """
+    if batch_tokens < 1 or shards < 1:
+        raise ValueError(f"infer_memory: batch_tokens and shards must be >= 1, got {batch_tokens}, {shards}")
+    tokens = min(batch_tokens, micro_batch_tokens or batch_tokens)
+    e = dtype_bytes(dtype)
     return MemoryBreakdown(
-        params=shape.n_params * _size(dtype) // shards,
-        activations=4 * shape.hidden * _size(dtype) * min(batch_tokens, 8192),
-        logits=4 * min(batch_tokens, LOGIT_CHUNK_TOKENS) * shape.vocab,
+        params=_ceil_div(shape.n_params * e, shards),
+        activations=tokens * (forward_working_bytes(shape, dtype) + e * shape.hidden),
+        logits=0 if shape.value_head else 2 * 4 * min(tokens, LOGIT_CHUNK_TOKENS) * shape.vocab,
+        workspace=_fsdp_gather_bytes(shape, e, grads=False) if shards > 1 else 0,
     )
 
 
 def colocated_peak(phases: Mapping[str, MemoryBreakdown], *, offload: bool) -> MemoryBreakdown:
-    """Roles time-sharing ranks. Persistent: params (and, without offload, grads, optimizer and
-    master weights of every trainer). Transient (activations, logits, KV cache, workspace): only
-    the largest phase's at a time. With offload the trainer state leaves during other phases."""
-    persistent = MemoryBreakdown()
-    transient = MemoryBreakdown()
-    for breakdown in phases.values():
-        keep = dict(params=breakdown.params)
-        if not offload:
-            keep.update(grads=breakdown.grads, optimizer=breakdown.optimizer, master_weights=breakdown.master_weights)
-        persistent = _add(persistent, MemoryBreakdown(**keep))
-        moving = attrs.evolve(breakdown, params=0, **({} if offload else dict(grads=0, optimizer=0, master_weights=0)))
-        if moving.total > transient.total:
-            transient = moving
-    return _add(persistent, transient)
+    """Peak of roles time-sharing the same ranks, one phase at a time.
+
+    offload=True: between phases everything of the idle roles leaves the device (verl's hybrid
+    engine: trainer state to host memory, the generator's weights and KV cache released), so the
+    peak is the largest phase. offload=False: every phase's persistent parts (weights, gradients,
+    optimizer state, master weights, KV-cache pool) stay resident together, plus the largest
+    phase's transient parts. Pass each copy of the weights once: a phase that reuses another's
+    weights (a trainer's own log-prob forward) should come with params=0.
+    """
+    if offload:
+        return MemoryBreakdown.largest(phases.values())
+    persistent = MemoryBreakdown.sum(part.persistent() for part in phases.values())
+    return persistent + MemoryBreakdown.largest(part.transient() for part in phases.values())
 
 
-def _add(a: MemoryBreakdown, b: MemoryBreakdown) -> MemoryBreakdown:
-    return MemoryBreakdown(*(x + y for x, y in zip(attrs.astuple(a), attrs.astuple(b))))
+# -- capacity and the fit check -------------------------------------------------------------
+def host_memory_bytes(meminfo: str | Path = "/proc/meminfo", default: int = 24 * GiB) -> int:
+    """MemTotal of this machine from /proc/meminfo; `default` where that cannot be read."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return default
+
+
+DEVICE_MEMORY: dict[str, int] = {
+    **{name: int(gib * GiB) for name, gib in DEVICE_MEMORY_GIB.items() if name != "cpu"},
+    "cpu": host_memory_bytes(),
+}
+
+
+def device_memory(device: str, memory_bytes: int | None = None) -> int:
+    """Capacity of one `device` ("h100", "cpu", ...); `memory_bytes` overrides the table."""
+    if memory_bytes is not None:
+        return int(memory_bytes)
+    if device not in DEVICE_MEMORY:
+        raise ValueError(f"unknown device {device!r}; known: {', '.join(sorted(DEVICE_MEMORY))}, or give its memory")
+    return DEVICE_MEMORY[device]
 
 
 class PlacementError(ValueError):
-    """A role does not fit on its ranks."""
+    """A role does not fit in the memory of its ranks."""
+
+
+_FIXES = {
+    "state": "shard the training state over more ranks (more FSDP shards: rg.colocated(fsdp=...) or a larger group "
+             "in rg.split), or offload optimizer state and parameters to host memory (offload=True)",
+    "activations": "enable activation checkpointing (checkpointing=True) or use a smaller micro-batch (micro_batch_size=...)",
+    "logits": "use a smaller log-prob chunk or fewer tokens per micro-batch",
+    "kv_cache": "use more tensor parallelism for generation (tp=...), fewer sequences per generation batch, or shorter sequences",
+    "workspace": "use a smaller micro-batch (micro_batch_size=...); with FSDP, more shards shrink the optimizer step",
+}
+_FIX_OF = {"params": "state", "grads": "state", "optimizer": "state", "master_weights": "state",
+           "activations": "activations", "logits": "logits", "kv_cache": "kv_cache", "workspace": "workspace"}
 
 
 def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int) -> None:
+    """Raise `PlacementError` if `need` exceeds `capacity_bytes`; the message names the role, the
+    rank, the breakdown it needs, what the device has and the fixes for its largest parts."""
     if need.total <= capacity_bytes:
         return
+    by_fix: dict[str, int] = {}
+    for name, value in attrs.asdict(need).items():
+        by_fix[_FIX_OF[name]] = by_fix.get(_FIX_OF[name], 0) + value
+    fixes = [_FIXES[key] for key, value in sorted(by_fix.items(), key=lambda item: -item[1]) if value]
     raise PlacementError(
-        f"role {role} does not fit on rank {rank}: it needs {need} but the device has "
-        f"{capacity_bytes / 2**30:.1f} GiB.\n  fix: shard further (more FSDP ranks), enable activation checkpointing, "
-        "offload optimizer state (rg.colocated(offload=True)), use a smaller micro-batch, or more tensor parallelism for generation"
+        f"role {role} does not fit on rank {rank}: it needs {format_bytes(need.total)} but the device has "
+        f"{capacity_bytes / GiB:.1f} GiB (short by {format_bytes(need.total - capacity_bytes)}).\n"
+        f"  needs: {need}\n"
+        "  fix: " + "\n       ".join(fixes)
     )
+

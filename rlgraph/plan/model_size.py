@@ -1,4 +1,14 @@
-"""Model shapes from HF configs: parameter counts, FLOPs per token, KV-cache bytes per token."""
+"""Decoder shapes from HF configs: exact parameter counts, FLOPs per token, KV-cache bytes per token.
+
+    shape = ModelShape.from_hf_config(load_model_config("llama3-8b"))
+    shape.n_params                               # 8_030_261_248
+    shape.flops_per_token(4096, training=True)   # ~5.1e10
+    shape.kv_cache_bytes_per_token()             # 131_072 (bf16)
+
+Covers the Llama / Qwen2 / Qwen3 / Mistral family: token embedding, `layers` x (RMSNorm,
+attention with grouped-query heads and rotary positions, RMSNorm, SwiGLU MLP), final RMSNorm, and
+an LM head (tied or not) or a scalar value head (a critic). Pure arithmetic, nothing is built.
+"""
 
 from __future__ import annotations
 
@@ -8,49 +18,133 @@ from typing import Any
 import attrs
 import torch
 
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"ModelShape.{attribute.name} must be a positive int, got {value!r}")
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of `dtype` (`torch.bfloat16` -> 2)."""
+    return dtype.itemsize
+
 
 @attrs.frozen
 class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+    """The sizes that fix a decoder's parameters, FLOPs and KV cache.
+
+    `qkv_bias`: biases on the q/k/v projections (Qwen2); `o_bias`: on the output projection (Llama
+    with `attention_bias`); `mlp_bias`: on the three MLP projections; `qk_norm`: per-head RMSNorm
+    of q and k (Qwen3); `value_head`: a scalar head with a bias replaces the LM head (a critic, as
+    HF's `*ForTokenClassification(num_labels=1)`).
+    """
+
+    hidden: int = attrs.field(validator=_positive)
+    layers: int = attrs.field(validator=_positive)
+    heads: int = attrs.field(validator=_positive)
+    kv_heads: int = attrs.field(validator=_positive)
+    head_dim: int = attrs.field(validator=_positive)
+    intermediate: int = attrs.field(validator=_positive)
+    vocab: int = attrs.field(validator=_positive)
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
     value_head: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelShape: {self.heads} attention heads are not a multiple of {self.kv_heads} kv heads")
+
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | Any) -> ModelShape:
-        get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
-        missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size") if get(key) is None]
+    def from_hf_config(cls, config: Mapping[str, Any] | Any, *, value_head: bool = False) -> ModelShape:
+        """From a `config.json` dict or a `transformers.PretrainedConfig` of a Llama/Qwen2/Qwen3/Mistral model."""
+        if not isinstance(config, Mapping):
+            config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+        kind = config.get("model_type", "unknown")
+        missing = [key for key in _REQUIRED if config.get(key) is None]
         if missing:
-            raise ValueError(f"model config lacks {', '.join(missing)}; need a Llama/Qwen2/Mistral-style config")
-        heads = get("num_attention_heads")
+            raise ValueError(
+                f"model config (model_type={kind!r}) lacks {', '.join(missing)}; rlgraph's memory model needs a "
+                f"Llama/Qwen2/Mistral-style config.json with {', '.join(_REQUIRED)}"
+            )
+        if any(config.get(key) for key in _MOE_FIELDS):
+            raise ValueError(f"model config (model_type={kind!r}) is a mixture of experts, which the memory model "
+                             "does not size; give a dense Llama/Qwen2/Mistral-style config")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"model config (model_type={kind!r}): hidden_size={hidden} is not divisible by "
+                                 f"num_attention_heads={heads}; give head_dim")
+            head_dim = hidden // heads
+        attention_bias = bool(config.get("attention_bias", False))
         return cls(
-            hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
-            kv_heads=get("num_key_value_heads") or heads, head_dim=get("head_dim") or get("hidden_size") // heads,
-            intermediate=get("intermediate_size"), vocab=get("vocab_size"),
-            tie_embeddings=bool(get("tie_word_embeddings", False)),
-            qkv_bias=get("model_type") == "qwen2" or bool(get("attention_bias", False)),
+            hidden=hidden, layers=config["num_hidden_layers"], heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+            intermediate=config["intermediate_size"], vocab=config["vocab_size"],
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=kind == "qwen2" or attention_bias, o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)), qk_norm=kind == "qwen3", value_head=value_head,
         )
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer: q/k/v/o projections (+ biases), SwiGLU MLP (+ biases), two RMSNorms."""
+        h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        mlp = 3 * h * inter + (2 * inter + h if self.mlp_bias else 0)
+        return attention + mlp + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """The output head: a scalar value head with bias, nothing when tied, else a [V, H] matrix."""
+        if self.value_head:
+            return self.hidden + 1
+        return 0 if self.tie_embeddings else self.vocab * self.hidden
 
     @property
     def n_params(self) -> int:
-        """Exact for Llama/Qwen2 decoders: embeddings, attention, SwiGLU MLP, RMSNorms, LM head."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attention = self.hidden * q + 2 * self.hidden * kv + q * self.hidden + ((q + 2 * kv) if self.qkv_bias else 0)
-        mlp = 3 * self.hidden * self.intermediate
-        per_layer = attention + mlp + 2 * self.hidden
-        embeddings = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-        return self.layers * per_layer + embeddings + self.hidden + (self.hidden + 1 if self.value_head else 0)
+        """Exact for HF Llama/Qwen2/Qwen3/Mistral (`sum(p.numel() for p in model.parameters())`)."""
+        return self.embedding_params + self.layers * self.layer_params + self.hidden + self.head_params
 
-    def flops_per_token(self, seq_len: int, *, training: bool) -> float:
-        """Forward ~ 2 * params + 4 * layers * seq * hidden (attention scores and values); training = 3x."""
-        forward = 2 * self.n_params + 4 * self.layers * seq_len * self.heads * self.head_dim
-        return float(3 * forward if training else forward)
+    @property
+    def largest_unit_params(self) -> int:
+        """The largest FSDP unit when each decoder layer is one unit and the embedding another."""
+        return max(self.layer_params, self.embedding_params, self.head_params)
+
+    def flops_per_token(self, seq_len: int, *, training: bool, recompute: bool = False) -> float:
+        """Matmul FLOPs per token with `seq_len` tokens of context.
+
+        forward = 2 * (matmul parameters) + 4 * layers * seq_len * q_dim
+        The first term is one multiply-add per weight (the input embedding is a lookup, not a
+        matmul; tied embeddings still count once, for the head); the second is QK^T and AV over
+        the full [seq, seq] score matrix, as PaLM (Chowdhery et al. 2022, App. B) and Megatron
+        (Narayanan et al. 2021) count it; causal kernels skip about half of it. Training is 3x the
+        forward (backward = 2x), 4x with activation recomputation.
+        """
+        matmul_params = self.n_params - self.embedding_params + (self.embedding_params if self.tie_embeddings and not self.value_head else 0)
+        forward = 2 * matmul_params + 4 * self.layers * seq_len * self.q_dim
+        return float(forward * ((4 if recompute else 3) if training else 1))
 
     def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        """K and V of every layer for one token: 2 * layers * kv_heads * head_dim * element size."""
+        return 2 * self.layers * self.kv_dim * dtype_bytes(dtype)

@@ -1,4 +1,12 @@
-"""Well-known public model configs, by name, for plans of models far larger than this machine."""
+"""Well-known public model configs by name, to plan for models far larger than this machine.
+
+    load_model_config("llama3-70b")           # a preset
+    load_model_config("ckpt/config.json")     # a config file
+    load_model_config("ckpt/")                # a directory holding config.json
+
+The presets copy the architecture fields of the models' published `config.json`; nothing is
+downloaded. `tiny-qwen2` is the ~126k-parameter model the tests and the CPU demo build.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +14,63 @@ import json
 from pathlib import Path
 from typing import Any
 
-_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+_TINY_QWEN2 = Path(__file__).resolve().parent.parent / "assets" / "tiny_qwen2.json"
+
+
+def _qwen2(**fields: Any) -> dict[str, Any]:
+    return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
+                rope_theta=1_000_000.0, use_sliding_window=False, attention_dropout=0.0, **fields)
+
+
+def _llama3(**fields: Any) -> dict[str, Any]:
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
+                rope_theta=500_000.0, max_position_embeddings=8192, vocab_size=128256, tie_word_embeddings=False,
+                attention_bias=False, mlp_bias=False, num_key_value_heads=8, head_dim=128, **fields)
+
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    "llama3-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
-    "llama3-70b": dict(model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False),
+    "qwen2.5-0.5b": _qwen2(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                           intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                           max_position_embeddings=32768),
+    "qwen2.5-7b": _qwen2(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                         intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+                         max_position_embeddings=131072),
+    "llama3-8b": _llama3(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336),
+    "llama3-70b": _llama3(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672),
 }
 
 
+def preset_names() -> list[str]:
+    """Every name `get_preset` accepts."""
+    return (["tiny-qwen2"] if _TINY_QWEN2.is_file() else []) + sorted(PRESETS)
+
+
 def get_preset(name: str) -> dict[str, Any]:
-    if name == "tiny-qwen2":
-        return json.loads((_ASSETS / "tiny_qwen2.json").read_text())
+    """A fresh copy of the named config dict."""
+    if name == "tiny-qwen2" and _TINY_QWEN2.is_file():
+        return json.loads(_TINY_QWEN2.read_text())
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: tiny-qwen2, {', '.join(sorted(PRESETS))}")
-    return dict(PRESETS[name])
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}. "
+                         "Or pass a config.json path or a directory holding one")
+    return json.loads(json.dumps(PRESETS[name]))
 
 
 def load_model_config(source: str | Path) -> dict[str, Any]:
-    """A preset name, a config.json path, or a directory holding config.json."""
+    """A preset name, a `config.json` path, or a directory holding `config.json`."""
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    if path.suffix == ".json" and path.exists():
-        return json.loads(path.read_text())
-    if str(source).endswith(".json"):
-        raise ValueError(f"model config {source} does not exist")
+        if not path.is_file():
+            raise ValueError(f"model directory {str(source)!r} has no config.json")
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"model config {str(path)!r} is not valid JSON: {error}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"model config {str(path)!r} holds a {type(config).__name__}, not a JSON object")
+        return config
+    if isinstance(source, Path) or path.suffix == ".json" or "/" in str(source):
+        raise ValueError(f"model config {str(source)!r} does not exist; give a preset "
+                         f"({', '.join(preset_names())}), a config.json path or a directory holding one")
     return get_preset(str(source))

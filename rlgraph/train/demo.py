@@ -24,6 +24,7 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data import arithmetic
 from rlgraph.rewards import exact_match
 from rlgraph.api import compile as compile_algorithm
+from rlgraph.plan.mesh import colocated
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.loop import Trainer
@@ -107,7 +108,7 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
         group["lr"] = config.rl_lr
     rl_sampler = arithmetic.PromptSampler(splits.train, batch_size=config.rl_prompts, seed=config.seed + 1)
     # RL runs the compiled plan (one CPU rank), not the eager interpreter: the plan is the truth.
-    compiled = compile_algorithm(grpo, mesh="cpu:1", sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens},
+    compiled = compile_algorithm(grpo, mesh="cpu:1", placement=colocated(offload=False, checkpointing=False), sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens},
                                  n=config.rl_samples, temperature=config.temperature, max_new_tokens=config.max_new_tokens)
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is not None:

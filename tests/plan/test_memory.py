@@ -1,0 +1,218 @@
+"""The memory model: hand-computed small cases, monotonicity properties, the fit check, and a measured step."""
+
+import importlib.util
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from rlgraph.plan import memory as M
+from rlgraph.plan.memory import MemoryBreakdown, TrainMemoryConfig
+from rlgraph.plan.model_size import ModelShape
+from rlgraph.plan.presets import get_preset
+
+# 1272 parameters: embedding 10*8 (tied head) + 2 layers x 592 (q 64, k 32, v 32, o 64, MLP 384, norms 16) + norm 8.
+SMALL = ModelShape(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10, tie_embeddings=True)
+FP32 = TrainMemoryConfig(param_dtype=torch.float32, mixed_precision=False, checkpointing=False, micro_batch_tokens=10, seq_len=10)
+
+
+def test_small_shape_has_the_hand_counted_parameters():
+    assert SMALL.layer_params == 592 and SMALL.n_params == 1272
+
+
+def test_train_memory_by_hand_fp32():
+    # Per token per layer: norms 2*(4*8 + 4 + 2*4*8) = 200, attention 4*4*8 + 4*2 = 136, MLP 4*4*16 = 256.
+    assert M.layer_activation_bytes(SMALL, torch.float32) == 592
+    # Head: final norm 100 + its input rows 32 + rotary cos/sin 2*4*4 = 164.
+    assert M.head_activation_bytes(SMALL, torch.float32) == 164
+    # The head's backward is the peak: 10 tokens x (2 x 592 + 164) activations, 3 x [10, 10] fp32 logits,
+    # the fp32 [10, 8] head gradient; the layers' backward holds 11840 + 10 x 4 x (3*16 + 8) = 14080 < 15000.
+    assert M.train_memory(SMALL, FP32) == MemoryBreakdown(
+        params=4 * 1272, grads=4 * 1272, optimizer=2 * 4 * 1272, activations=13480, logits=1200, workspace=320)
+    assert M.train_memory(SMALL, FP32).total == 35352
+
+
+def test_train_memory_by_hand_with_checkpointing():
+    # Layer inputs 10 x 2 x 4*8 = 640 stay; backward recomputes one layer (10 x 592) beside the
+    # activation gradients (10 x 224): 8800 > the head's 640 + 1640 + 1200 + 320.
+    need = M.train_memory(SMALL, attrs.evolve(FP32, checkpointing=True))
+    assert (need.activations, need.logits, need.workspace) == (640 + 5920, 0, 2240)
+
+
+def test_train_memory_by_hand_bf16_mixed_precision_fsdp():
+    cfg = TrainMemoryConfig(param_dtype=torch.bfloat16, fsdp_shards=2, checkpointing=False, micro_batch_tokens=10)
+    need = M.train_memory(SMALL, cfg)
+    # State / 2: bf16 params and grads, fp32 moments and master weights.
+    assert (need.params, need.grads, need.optimizer, need.master_weights) == (1272, 1272, 5088, 2544)
+    # bf16 layer: norms 2*(32 + 4 + 32) = 136, attention 2*4*8 + 8 = 72, MLP 4*2*16 = 128 -> 336; head 100.
+    # FSDP: two unsharded units and one unit's grads, 2 x (2*592 + 592) bytes; + the fp32 head gradient 320.
+    assert (need.activations, need.logits, need.workspace) == (10 * (2 * 336 + 100), 1200, 3552 + 320)
+
+
+def test_the_optimizer_step_can_be_the_peak():
+    need = M.train_memory(SMALL, attrs.evolve(FP32, micro_batch_tokens=1))
+    assert need == MemoryBreakdown(params=5088, grads=5088, optimizer=10176, workspace=5088)  # foreach AdamW temporary
+    fused = M.train_memory(SMALL, attrs.evolve(FP32, micro_batch_tokens=1, fused_optimizer=True))
+    assert fused.workspace == 320 and fused.logits == 3 * 4 * 1 * 10  # now the head's backward is the peak
+
+
+def test_offload_removes_state_from_the_device():
+    need = M.train_memory(SMALL, attrs.evolve(FP32, offload_optimizer=True, offload_params=True))
+    assert need.params == need.grads == need.optimizer == need.master_weights == 0
+
+
+def test_generate_memory_by_hand():
+    need = M.generate_memory(SMALL, tp=1, batch_sequences=2, max_seq_len=5, dtype=torch.float32, prompt_len=3)
+    # KV: 2 rows x 5 tokens x (K,V x 2 layers x 4 x 4 bytes); prefill 6 tokens x 4*(2*8 + 3*16); sampler 3 x [2, 10] fp32.
+    assert need == MemoryBreakdown(params=5088, kv_cache=640, activations=1536, logits=240, workspace=320)
+    split = M.generate_memory(SMALL, tp=2, batch_sequences=2, max_seq_len=5, dtype=torch.float32, prompt_len=3)
+    assert (split.params, split.kv_cache, split.activations) == (2544, 640, 768)  # 1 kv head: replicated, not split
+
+
+def test_infer_memory_by_hand():
+    need = M.infer_memory(SMALL, batch_tokens=20, dtype=torch.float32)
+    assert need == MemoryBreakdown(params=5088, activations=20 * (256 + 32), logits=2 * 4 * 20 * 10)
+    sharded = M.infer_memory(SMALL, batch_tokens=20, dtype=torch.float32, shards=2, micro_batch_tokens=5)
+    assert (sharded.params, sharded.activations, sharded.workspace) == (2544, 5 * 288, 4 * (592 + 592))
+
+
+def test_colocated_peak_by_hand():
+    train = MemoryBreakdown(params=10, grads=10, optimizer=20, activations=50, workspace=5)
+    generate = MemoryBreakdown(params=10, kv_cache=30, activations=20, logits=4)
+    phases = {"policy.train": train, "rollout.generate": generate}
+    assert M.colocated_peak(phases, offload=True) == train
+    assert M.colocated_peak(phases, offload=False) == MemoryBreakdown(
+        params=20, grads=10, optimizer=20, kv_cache=30, activations=50, workspace=5)
+    assert M.colocated_peak({}, offload=False).total == 0
+
+
+def test_breakdown_helpers_and_text():
+    a = MemoryBreakdown(params=3 * M.GiB, activations=512 * M.MiB)
+    assert (a + a).total == 2 * a.total and MemoryBreakdown.sum([a, a, a]).params == 9 * M.GiB
+    assert a.persistent() + a.transient() == a and MemoryBreakdown.largest([a, a + a]) == a + a
+    assert a.as_dict()["total"] == a.total
+    assert str(a) == "3.50 GiB (params 3.00 GiB, activations 512.0 MiB)"
+    assert str(MemoryBreakdown()) == "0 B (nothing)"
+
+
+def test_train_config_defaults_per_device_and_validation():
+    assert M.TrainMemoryConfig.for_device("cpu").param_dtype == torch.float32
+    assert not M.TrainMemoryConfig.for_device("cpu").has_master_weights
+    assert M.TrainMemoryConfig.for_device("h100").has_master_weights
+    with pytest.raises(ValueError, match="fsdp_shards must be an int >= 1"):
+        TrainMemoryConfig(fsdp_shards=0)
+
+
+def test_device_capacities(tmp_path):
+    assert M.DEVICE_MEMORY["h100"] == M.DEVICE_MEMORY["a100"] == 80 * M.GiB and M.DEVICE_MEMORY["h200"] == 141 * M.GiB
+    (tmp_path / "meminfo").write_text("MemTotal:       24576000 kB\nMemFree: 1 kB\n")
+    assert M.host_memory_bytes(tmp_path / "meminfo") == 24576000 * 1024
+    assert M.host_memory_bytes(tmp_path / "absent", default=7) == 7
+    assert M.device_memory("cpu", 5 * M.GiB) == 5 * M.GiB
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        M.device_memory("tpu")
+
+
+# -- the fit check ------------------------------------------------------------------------------
+def test_infeasible_placement_names_role_rank_need_and_have():
+    shape = ModelShape.from_hf_config(get_preset("llama3-70b"))
+    need = M.train_memory(shape, TrainMemoryConfig(fsdp_shards=8, micro_batch_tokens=4096))
+    with pytest.raises(M.PlacementError) as error:
+        M.check_fits("policy", 3, need, M.DEVICE_MEMORY["h100"])
+    text = str(error.value)
+    assert text.startswith(f"role policy does not fit on rank 3: it needs {M.format_bytes(need.total)} "
+                           "but the device has 80.0 GiB (short by")
+    assert f"needs: {need}" in text and "optimizer 65.71 GiB" in text
+    assert "fix: shard the training state over more ranks" in text and "offload" in text
+    assert "activation checkpointing" not in text  # the step's temporary, not activations, is the peak here
+    assert isinstance(error.value, ValueError)
+
+
+def test_fixes_start_with_the_largest_part():
+    need = MemoryBreakdown(params=1 * M.GiB, activations=90 * M.GiB)
+    with pytest.raises(M.PlacementError, match=r"fix: enable activation checkpointing .*\n +shard the training state"):
+        M.check_fits("policy", 0, need, 80 * M.GiB)
+    M.check_fits("policy", 0, need, 91 * M.GiB)  # fits: no error
+
+
+# -- properties ---------------------------------------------------------------------------------
+@st.composite
+def shapes(draw, min_layers=1):
+    kv_heads = draw(st.integers(1, 8))
+    heads = kv_heads * draw(st.integers(1, 8))
+    return ModelShape(hidden=draw(st.integers(8, 8192)), layers=draw(st.integers(min_layers, 96)), heads=heads,
+                      kv_heads=kv_heads, head_dim=draw(st.sampled_from([16, 64, 128])),
+                      intermediate=draw(st.integers(8, 32768)), vocab=draw(st.integers(2, 256_000)),
+                      tie_embeddings=draw(st.booleans()), qkv_bias=draw(st.booleans()), value_head=draw(st.booleans()))
+
+
+configs = st.builds(
+    TrainMemoryConfig, param_dtype=st.sampled_from([torch.float32, torch.bfloat16]), mixed_precision=st.booleans(),
+    fsdp_shards=st.integers(1, 64), checkpointing=st.booleans(), micro_batch_tokens=st.integers(1, 65536),
+    seq_len=st.integers(1, 8192), offload_optimizer=st.booleans(), offload_params=st.booleans(),
+    fused_attention=st.booleans(), fused_optimizer=st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes(), configs, st.integers(2, 64), st.integers(1, 8))
+def test_more_shards_never_need_more_per_rank(shape, cfg, shards, factor):
+    """From 2 shards up (one shard has no all-gather buffers at all)."""
+    fewer = M.train_memory(shape, attrs.evolve(cfg, fsdp_shards=shards))
+    more = M.train_memory(shape, attrs.evolve(cfg, fsdp_shards=shards * factor))
+    assert more.total <= fewer.total
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes(min_layers=2), configs)
+def test_checkpointing_never_needs_more_activation_bytes(shape, cfg):
+    """With two or more layers (checkpointing a single layer keeps its input as well)."""
+    plain = M.train_memory(shape, attrs.evolve(cfg, checkpointing=False))
+    checkpointed = M.train_memory(shape, attrs.evolve(cfg, checkpointing=True))
+    assert checkpointed.activations <= plain.activations and checkpointed.total <= plain.total
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes(), configs, st.integers(1, 65536))
+def test_more_tokens_never_need_less(shape, cfg, extra):
+    assert M.train_memory(shape, cfg).total <= M.train_memory(shape, attrs.evolve(cfg, micro_batch_tokens=cfg.micro_batch_tokens + extra)).total
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes(), configs, st.integers(1, 1024), st.integers(1, 8192), st.integers(1, 8), st.booleans())
+def test_offload_never_raises_the_colocated_peak(shape, cfg, sequences, seq_len, tp, with_ref):
+    phases = {"policy.train": M.train_memory(shape, cfg),
+              "policy.generate": M.generate_memory(shape, tp=tp, batch_sequences=sequences, max_seq_len=seq_len)}
+    if with_ref:
+        phases["ref.infer"] = M.infer_memory(shape, batch_tokens=sequences * seq_len)
+    offloaded = M.colocated_peak(phases, offload=True)
+    resident = M.colocated_peak(phases, offload=False)
+    assert max(part.total for part in phases.values()) == offloaded.total <= resident.total
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes(), st.integers(1, 1024), st.integers(1, 8192), st.integers(1, 8), st.integers(1, 8))
+def test_more_tensor_parallelism_never_needs_more_per_rank(shape, sequences, seq_len, tp, factor):
+    fewer = M.generate_memory(shape, tp=tp, batch_sequences=sequences, max_seq_len=seq_len)
+    more = M.generate_memory(shape, tp=tp * factor, batch_sequences=sequences, max_seq_len=seq_len)
+    assert more.total <= fewer.total
+
+
+# -- measured -----------------------------------------------------------------------------------
+def _memory_check():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_check.py"
+    spec = importlib.util.spec_from_file_location("memory_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_estimate_is_within_25_percent_of_a_measured_training_step(checkpointing):
+    """Two AdamW steps of the tiny demo model on 64 demonstrations, every live tensor counted."""
+    check = _memory_check()
+    batch, tokenizer = check.demonstrations(64)
+    row = check.measure_train_step(batch, tokenizer, checkpointing=checkpointing)
+    assert abs(row.error) <= 0.25, f"estimate {row.estimate} vs measured {row.measured} bytes"
