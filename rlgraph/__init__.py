@@ -5,9 +5,10 @@ from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import Program, RLGraphError, SpecError, TraceError, VerifyError, traceable
 from rlgraph.ir.primitives import generate, logprobs, score, update, values
 from rlgraph.plan.mesh import Mesh, colocated, explicit, split
+from rlgraph.functional.estimator import estimator
 
 __all__ = [
-    "Algorithm", "State", "algorithm", "compile", "Mesh", "colocated", "split", "explicit", "critic", "lm", "reward_fn", "roles", "Prompts", "Rollouts",
+    "Algorithm", "State", "algorithm", "compile", "estimator", "Mesh", "colocated", "split", "explicit", "critic", "lm", "reward_fn", "roles", "Prompts", "Rollouts",
     "Program", "RLGraphError", "SpecError", "TraceError", "VerifyError", "traceable",
     "generate", "logprobs", "score", "update", "values",
 ]

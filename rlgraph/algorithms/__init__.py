@@ -1,9 +1,22 @@
 """The algorithm library: each algorithm is a short pure function over the primitives."""
 
+from rlgraph.algorithms.cispo import cispo
+from rlgraph.algorithms.dapo import dapo
+from rlgraph.algorithms.dr_grpo import dr_grpo
 from rlgraph.algorithms.evaluate import evaluate
 from rlgraph.algorithms.grpo import grpo
+from rlgraph.algorithms.gspo import gspo
+from rlgraph.algorithms.ppo import ppo
+from rlgraph.algorithms.reinforce_pp import reinforce_pp, reinforce_pp_baseline
+from rlgraph.algorithms.remax import remax
+from rlgraph.algorithms.rloo import rloo
 from rlgraph.algorithms.sft import sft
 
-ALGORITHMS = {"grpo": grpo, "sft": sft, "evaluate": evaluate}
+ALGORITHMS = {
+    "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline, "remax": remax, "gspo": gspo, "cispo": cispo, "dapo": dapo,
+    "ppo": ppo, "sft": sft, "evaluate": evaluate,
+}
 
-__all__ = ["grpo", "sft", "evaluate", "ALGORITHMS"]
+__all__ = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "cispo", "dapo", "ppo", "sft",
+           "evaluate", "ALGORITHMS"]

@@ -12,6 +12,7 @@ from rlgraph.functional.aggregate import (
     LossNormalization, active_loss_normalization, global_counts, loss_normalization, masked_mean, masked_sum,
     masked_var, masked_whiten, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_mean,
 )
+from rlgraph.functional.estimator import ESTIMATORS, estimator, get_estimator, register_estimator
 from rlgraph.functional.kl import (
     KL_ESTIMATORS, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
 )
@@ -22,6 +23,8 @@ __all__ = [
     "LossNormalization", "active_loss_normalization", "global_counts", "loss_normalization", "masked_mean",
     "masked_sum", "masked_var", "masked_whiten", "seq_mean_token_mean", "seq_mean_token_sum",
     "seq_mean_token_sum_norm", "token_mean",
+    # estimator
+    "ESTIMATORS", "estimator", "get_estimator", "register_estimator",
     # kl
     "KL_ESTIMATORS", "entropy_from_logits", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_mse",
     # advantages

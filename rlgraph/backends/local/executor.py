@@ -28,7 +28,11 @@ class StaleVersionError(RuntimeError):
 
 @attrs.define
 class LMWorker:
-    """A language-model role. `optimizer=None` makes it frozen (a reference model)."""
+    """A model role. `optimizer=None` makes it frozen (a reference model).
+
+    `kind="critic"` marks a value model (`rlgraph.backends.local.critic.Critic`): `values` and its
+    updates use `model.values(rollouts)` in place of the log-probs.
+    """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None = None
@@ -90,6 +94,8 @@ class LocalExecutor:
 
     def values(self, model: ModelRef, rollouts: Rollouts) -> torch.Tensor:
         worker = self._live(model)
+        if worker.kind != "critic":
+            raise ValueError(f"role {model.role!r} is a {worker.kind} model; values need a critic (LMWorker(kind='critic'))")
         with torch.no_grad():
             return worker.model.values(rollouts)
 
@@ -139,10 +145,13 @@ def train_epochs(worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: Upd
             optimizer.zero_grad(set_to_none=True)
             step: dict[str, float] = {}
             for micro in split_rows(minibatch, size=config.micro_batch_size or len(minibatch)):
-                output = sequence_logprobs(model, batch.select(micro), temperature=config.temperature,
-                                           with_entropy=wants_entropy)
-                lp, entropy = output if wants_entropy else (output, None)
-                loss, metrics = loss_fn(micro, minibatch, lp, entropy)
+                if worker.kind == "critic":
+                    output, entropy = model.values(batch.select(micro)), None  # [n, T] values, with gradients
+                else:
+                    output = sequence_logprobs(model, batch.select(micro), temperature=config.temperature,
+                                               with_entropy=wants_entropy)
+                    output, entropy = output if wants_entropy else (output, None)
+                loss, metrics = loss_fn(micro, minibatch, output, entropy)
                 loss.backward()
                 for key, value in {"loss": loss, **metrics}.items():
                     step[key] = step.get(key, 0.0) + float(value.detach())

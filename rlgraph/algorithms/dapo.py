@@ -1,0 +1,37 @@
+"""DAPO (Yu et al., 2025, arXiv 2503.14476), without dynamic sampling (see docs/algorithms.md).
+
+    r'_i = r_i + R_len(|y_i|),  R_len = clamp(((L_max - L_cache) - |y|) / L_cache, -1, 0)   (overlong shaping)
+    A_i  = (r'_i - mean(r'_group)) / std(r'_group)
+    L    = token_mean( max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high)) ),  eps_high > eps_low  (clip-higher)
+"""
+
+import torch
+from torch import Tensor
+
+import rlgraph as rg
+from rlgraph import functional as F
+from rlgraph.ir.ops import traceable
+
+
+@traceable
+def overlong_penalty(mask: Tensor, *, max_length: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong punishment f32[N]: 0 up to max_length - buffer tokens, then linear to -1."""
+    length = mask.to(torch.bool).sum(dim=-1).to(torch.float32)  # [N]
+    return ((max_length - buffer - length) / buffer).clamp(-1.0, 0.0)  # [N]
+
+
+@rg.algorithm
+def dapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0.28, max_new_tokens=20,
+         overlong_buffer=4, overlong_coef=1.0, temperature=1.0, epochs=1, micro_batch_size=None):
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    r = rg.score(state.reward, ro)                                     # [N]
+    shaped = r + overlong_coef * overlong_penalty(ro.mask, max_length=max_new_tokens, buffer=overlong_buffer)  # [N]
+    adv = F.group_normalize(shaped, ro.group)[:, None]                 # [N, 1]
+
+    def loss(lp):                                                      # lp: [N, T], with gradients
+        value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip_low,
+                                                 clip_high=clip_high, agg=F.token_mean)
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+
+    policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
+    return state.replace(policy=policy), {"reward": r.mean(), "shaped_reward": shaped.mean()}

@@ -1,0 +1,27 @@
+"""Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783).
+
+GRPO without its two length/difficulty biases: no division by the group std, and a constant
+normaliser in place of each response's length.
+
+    A_i = r_i - mean(r_group)
+    L   = sum_{i,t} max(-A_i rho_it, -A_i clip(rho_it, 1-eps_low, 1+eps_high)) / (G * T_max)
+"""
+
+import rlgraph as rg
+from rlgraph import functional as F
+
+
+@rg.algorithm
+def dr_grpo(state: rg.State, prompts: rg.Prompts, *, n=8, clip=0.2, clip_high=None, temperature=1.0,
+            max_new_tokens=None, epochs=1, micro_batch_size=None):
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    r = rg.score(state.reward, ro)                                     # [N]
+    adv = F.group_normalize(r, ro.group, scale=False)[:, None]         # [N, 1]
+
+    def loss(lp):                                                      # lp: [N, T], with gradients
+        value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip, clip_high=clip_high,
+                                                 agg=F.seq_mean_token_sum_norm)
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+
+    policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
+    return state.replace(policy=policy), {"reward": r.mean()}

@@ -1,0 +1,39 @@
+"""PPO for language models with a learned critic (Schulman et al., 2017, arXiv 1707.06347;
+RLHF form of Ouyang et al., 2022, as verl's `gae` estimator).
+
+    r_t    = r [t = last] - beta (log pi_old - log pi_ref)_t          (KL in the reward, fixed beta)
+    A_t    = whiten( sum_l (gamma lam)^l delta_{t+l} ),  delta_t = r_t + gamma V_{t+1} - V_t
+    R_t    = A_t (before whitening) + V_t
+    L_pi   = token_mean( max(-A rho, -A clip(rho, 1-eps, 1+eps)) )
+    L_V    = 0.5 token_mean( max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) )
+"""
+
+import rlgraph as rg
+from rlgraph import functional as F
+
+
+@rg.algorithm
+def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, kl=0.0, gamma=1.0, lam=0.95,
+        temperature=1.0, max_new_tokens=None, epochs=1, micro_batch_size=None):
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    r = rg.score(state.reward, ro)                                     # [N]
+    token_rewards = F.rewards_at_last_token(r, ro.mask)                # [N, T]
+    if kl:
+        ref = rg.logprobs(state.ref, ro, temperature=temperature)      # [N, T]
+        token_rewards = token_rewards - kl * F.kl_k1(ro.logprobs, ref)  # [N, T]
+    old_values = rg.values(state.critic, ro)                           # [N, T]
+    adv, returns = F.gae(token_rewards, old_values, ro.mask, gamma=gamma, lam=lam)  # [N, T], [N, T]
+    adv = F.masked_whiten(adv, ro.mask)                                # [N, T]
+
+    def policy_loss(lp):                                               # lp: [N, T], with gradients
+        value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+
+    def critic_loss(values):                                           # values: [N, T], with gradients
+        value, clip_frac = F.value_loss(values, old_values, returns, ro.mask, clip=value_clip)
+        return value, {"clip_frac": clip_frac}
+
+    policy = rg.update(state.policy, ro, policy_loss, epochs=epochs, temperature=temperature,
+                       micro_batch_size=micro_batch_size)
+    critic = rg.update(state.critic, ro, critic_loss, epochs=epochs, micro_batch_size=micro_batch_size)
+    return state.replace(policy=policy, critic=critic), {"reward": r.mean(), "value": F.masked_mean(old_values, ro.mask)}

@@ -1,0 +1,25 @@
+"""RLOO (Ahmadian et al., 2024, "Back to Basics", arXiv 2402.14740): leave-one-out group baseline.
+
+    A_i = r_i - 1/(n-1) sum_{j in group, j != i} r_j
+    L   = token_mean( max(-A_i rho_it, -A_i clip(rho_it, 1-eps, 1+eps)) )
+
+As verl's `rloo` estimator: the advantage replaces GRPO's, the PPO-clip loss stays.
+"""
+
+import rlgraph as rg
+from rlgraph import functional as F
+
+
+@rg.algorithm
+def rloo(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2, temperature=1.0, max_new_tokens=None,
+         epochs=1, micro_batch_size=None):
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    r = rg.score(state.reward, ro)                                     # [N]
+    adv = F.rloo(r, ro.group)[:, None]                                 # [N, 1]
+
+    def loss(lp):                                                      # lp: [N, T], with gradients
+        value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+
+    policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
+    return state.replace(policy=policy), {"reward": r.mean()}

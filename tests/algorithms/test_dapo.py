@@ -1,0 +1,19 @@
+import torch
+
+from rlgraph.algorithms import dapo
+from rlgraph.algorithms.dapo import overlong_penalty
+from tests.algorithms._steps import two_steps
+
+
+def test_overlong_penalty_is_zero_then_linear_down_to_minus_one():
+    lengths = torch.tensor([0, 6, 7, 8, 10, 12])
+    mask = torch.arange(12)[None, :] < lengths[:, None]  # [6, 12]
+    torch.testing.assert_close(overlong_penalty(mask, max_length=10, buffer=4),
+                               torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+
+
+def test_dapo_shapes_rewards_clips_higher_and_averages_over_tokens():
+    text, metrics = two_steps(dapo, n=4, max_new_tokens=4, overlong_buffer=2)
+    assert "overlong_penalty[max_length=4 buffer=2]" in text
+    assert "ppo_clip[clip_low=0.2 clip_high=0.28 agg=token_mean]" in text
+    assert metrics["shaped_reward"] <= metrics["reward"] and "policy/clip_frac" in metrics
