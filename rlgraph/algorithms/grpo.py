@@ -4,8 +4,6 @@
     L   = token_mean( -min(rho * A, clip(rho, 1-eps_low, 1+eps_high) * A) + beta * KL_k3(pi || pi_ref) )
 """
 
-import torch
-
 import rlgraph as rg
 from rlgraph import functional as F
 
@@ -20,11 +18,9 @@ def grpo(state: rg.State, prompts: rg.Prompts, *, n=8, clip=0.2, clip_high=None,
     high = clip if clip_high is None else clip_high
 
     def loss(lp):                                                      # lp: [N, T], with gradients
-        ratio = torch.exp(lp - ro.logprobs)                            # [N, T]
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + high) * adv)  # [N, T]
-        per_token = -surrogate + kl * F.kl_k3(lp, ref) if kl else -surrogate           # [N, T]
-        clipped = ((ratio < 1 - clip) | (ratio > 1 + high)).float()    # [N, T]
-        return F.token_mean(per_token, ro.mask), {"clip_frac": F.token_mean(clipped, ro.mask)}
+        surrogate, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip, clip_high=high)
+        total = surrogate + kl * F.token_mean(F.kl_k3(lp, ref), ro.mask) if kl else surrogate  # []
+        return total, {"clip_frac": clip_frac, "approx_kl": approx_kl}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
     return state.replace(policy=policy), {"reward": r.mean()}

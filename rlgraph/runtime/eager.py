@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from rlgraph.backends.protocols import Executor, LossFn, ModelRef, RewardRef, UpdateConfig
 from rlgraph.batches import Rollouts
-from rlgraph.functional.aggregate import global_counts, loss_normalization
+from rlgraph.functional.aggregate import active_loss_normalization, global_counts, loss_normalization
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
@@ -45,8 +45,27 @@ def run_node(node: fx.Node, env: dict[fx.Node, Any], call_primitive) -> Any:
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     if primitive_name(node) is not None:
         return call_primitive(node, args, kwargs)
+    if "kernel" in node.meta:
+        return call_kernel(node.meta["kernel"], args, kwargs)
     info = ops.op_info(node.target)
     return (info.impl if info else node.target)(*args, **kwargs)
+
+
+# Kernels cannot read the loss-normalisation context (they import only torch and triton), so the
+# runtime hands them the global counts of the mini-batch explicitly.
+_COUNTED_KERNELS = {"fused_ppo_clip"}
+
+
+def call_kernel(name: str, args: tuple, kwargs: dict) -> Any:
+    """Run the fused kernel the `fuse` pass chose for a node (Triton on CUDA, torch reference on CPU)."""
+    from rlgraph.kernels.registry import dispatch
+
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if name in _COUNTED_KERNELS:
+        counts = active_loss_normalization()
+        if counts is not None:
+            kwargs = dict(kwargs, tokens=counts.tokens, sequences=counts.sequences, horizon=counts.horizon)
+    return dispatch(name, device)(*args, **kwargs)
 
 
 class Interpreter:

@@ -11,25 +11,13 @@ GRPO = """\
       e:f32[N,1] = getitem[index=(:, None)] d
       f:f32[N,T] = a.logprobs
       g:bool[N,T] = a.mask
-      h:policy@v+1 i:stats{loss,grad_norm,clip_frac} = update[epochs=1 minibatches=1 micro_batch_size=None grad_clip=1.0 temperature=1.0 shuffle=False] policy a f e g
+      h:policy@v+1 i:stats{loss,grad_norm,clip_frac,approx_kl} = update[epochs=1 minibatches=1 micro_batch_size=None grad_clip=1.0 temperature=1.0 shuffle=False] policy a f e g
       loss =
         { lambda lp:f32[N,T] ; f:f32[N,T] e:f32[N,1] g:bool[N,T] .
-          let j:f32[N,T] = sub lp f
-              k:f32[N,T] = exp j
-              l:f32[N,T] = mul k e
-              m:f32[N,T] = clamp k 0.8 1.2
-              n:f32[N,T] = mul m e
-              o:f32[N,T] = minimum l n
-              p:f32[N,T] = neg o
-              q:bool[N,T] = lt k 0.8
-              r:bool[N,T] = gt k 1.2
-              s:bool[N,T] = or q r
-              t:f32[N,T] = float s
-              u:f32[] = token_mean p g
-              v:f32[] = token_mean t g
-          in (u, {clip_frac=v}) }
-      w:f32[] = mean b
-  in (state{policy=h}, {reward=w, policy=i}) }"""
+          let j:f32[] k:f32[] l:f32[] = ppo_clip[clip_low=0.2 clip_high=0.2] lp f e g
+          in (j, {clip_frac=k, approx_kl=l}) }
+      m:f32[] = mean b
+  in (state{policy=h}, {reward=m, policy=i}) }"""
 
 
 def test_grpo_prints_like_a_jaxpr():
