@@ -10,6 +10,7 @@ RLHF form of Ouyang et al., 2022, as verl's `gae` estimator).
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 
 @rg.algorithm
@@ -17,10 +18,7 @@ def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, 
         temperature=1.0, max_new_tokens=None, epochs=1, micro_batch_size=None):
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
-    token_rewards = F.rewards_at_last_token(r, ro.mask)                # [N, T]
-    if kl:
-        ref = rg.logprobs(state.ref, ro, temperature=temperature)      # [N, T]
-        token_rewards = token_rewards - kl * F.kl_k1(ro.logprobs, ref)  # [N, T]
+    token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
     old_values = rg.values(state.critic, ro)                           # [N, T]
     adv, returns = F.gae(token_rewards, old_values, ro.mask, gamma=gamma, lam=lam)  # [N, T], [N, T]
     adv = F.masked_whiten(adv, ro.mask)                                # [N, T]

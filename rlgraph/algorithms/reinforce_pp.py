@@ -15,6 +15,7 @@ the group mean is subtracted before whitening and the KL moves to the loss as k3
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 
 @rg.algorithm
@@ -22,10 +23,7 @@ def reinforce_pp(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, kl=0.0,
                  max_new_tokens=None, epochs=1, micro_batch_size=None):
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
-    token_rewards = F.rewards_at_last_token(r, ro.mask)                # [N, T]
-    if kl:
-        ref = rg.logprobs(state.ref, ro, temperature=temperature)      # [N, T]
-        token_rewards = token_rewards - kl * F.kl_k1(ro.logprobs, ref)  # [N, T]
+    token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
     adv = F.reinforce_pp(token_rewards, ro.mask, gamma=gamma)          # [N, T]
 
     def loss(lp):                                                      # lp: [N, T], with gradients

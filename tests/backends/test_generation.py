@@ -7,22 +7,9 @@ from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, n
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.batches import Prompts
 
+from tests.backends.conftest import prompts_of
+
 EOS, PAD = 2, 0
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_causal_lm(tokenizer=tokenizer, seed=0)
-
-
-def prompts_of(tokenizer, texts):
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
-    return Prompts(enc["input_ids"], enc["attention_mask"].bool(), {"text": list(texts)})
 
 
 def with_eos_bias(model, bias):

@@ -9,22 +9,9 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.batches import Prompts
 from rlgraph.data.arithmetic import Problem, to_demonstrations
 
+from tests.backends.conftest import prompts_of
+
 EOS, PAD = 2, 0
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return build_causal_lm(tokenizer=tokenizer, seed=0)
-
-
-def prompts_of(tokenizer, texts):
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
-    return Prompts(enc["input_ids"], enc["attention_mask"].bool())
 
 
 def reference_logprobs(model, rollouts, temperature=1.0):
