@@ -1,0 +1,243 @@
+"""Checkers for compiled plans: structural invariants, reshard round trips, compiled == eager.
+
+    rgt.assert_plan_invariants(compiled)                 # any compiled algorithm, any placement
+    rgt.assert_reshard_round_trip(((0, 1, 2, 3), 4), ((4, 5, 6, 7), 2), value)
+    rgt.assert_compiled_matches_eager(grpo, executor=rgt.tiny_executor, batches=[rgt.tiny_prompts(4)], n=4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from hypothesis import given, settings as Settings, strategies as st
+
+from rlgraph.batches import Prompts, Rollouts
+from rlgraph.ir import specs as S
+from rlgraph.ir.trace import get_field
+from rlgraph.passes.partition import value_bytes
+from rlgraph.passes.pipeline import Compiled
+from rlgraph.passes.reshard import is_per_row, layout_of, transfer
+from rlgraph.plan.plan import Stage
+from rlgraph.runtime import collectives as C
+from rlgraph.testing.counterexample import Counterexample, PropertyFailure
+
+_PLAN = "plan invariants"
+
+
+def _fail(prop: str, what: str, message: str, **details: Any) -> None:
+    raise PropertyFailure(Counterexample(prop, what, None, details, message, ()))
+
+
+# -- plan invariants --------------------------------------------------------------------------------
+
+
+def step_of_each_node(compiled: Compiled) -> dict[str, int]:
+    """Program node name -> index of the plan step that runs it."""
+    position: dict[str, int] = {}
+    for node in compiled.program.graph.nodes:
+        if "step" in node.meta:
+            position[node.name] = node.meta["step"]
+    for step in compiled.plan.steps:
+        if isinstance(step, Stage):
+            for name in step.nodes:
+                if name in position:
+                    _fail(_PLAN, compiled.plan.algorithm, f"node {name} is run by two steps: {position[name]} and {step.index}")
+                position[name] = step.index
+    return position
+
+
+def assert_plan_invariants(compiled: Compiled) -> None:
+    """What every plan must satisfy, whatever the algorithm, mesh and placement:
+
+    1. steps are numbered in order and every program node is run by exactly one step;
+    2. acyclic: no step runs before a step that produces one of its inputs;
+    3. every edge between two layouts passes through exactly one collective (none is useless,
+       none is chained), and its kind is the one the two layouts call for;
+    4. bytes add up: a transfer moves exactly the bytes of its value at the plan's sizes, and the
+       collective, simulated over per-rank shards, delivers the value whole and back again.
+    """
+    plan, program = compiled.plan, compiled.program
+    name = plan.algorithm
+    if [step.index for step in plan.steps] != list(range(len(plan.steps))):
+        _fail(_PLAN, name, "steps are not numbered 0..k in order", steps=[step.index for step in plan.steps])
+    position = step_of_each_node(compiled)
+    calls = [node for node in program.graph.nodes if node.op not in ("placeholder", "output")]
+    missing = [node.name for node in calls if node.name not in position]
+    if missing:
+        _fail(_PLAN, name, f"node(s) {', '.join(missing)} are run by no step of the plan", missing=missing)
+    for node in calls:
+        for arg in node.all_input_nodes:
+            if arg.name in position and position[arg.name] > position[node.name]:
+                _fail(_PLAN, name, f"step {position[node.name]} runs {node.name} before step {position[arg.name]} "
+                      f"produces its input {arg.name}", node=node.name, input=arg.name)
+    _check_collectives(compiled)
+
+
+def _movable(node) -> bool:
+    return not isinstance(node.meta.get("spec"), (S.ModelSpec, S.RewardSpec, S.StatsSpec))
+
+
+def _check_collectives(compiled: Compiled) -> None:
+    program, name = compiled.program, compiled.plan.algorithm
+    groups = {group.name: group for group in program.annotations["groups"]}
+    sizes = compiled.options.concrete(program.hparams.get("n"))
+    steps = {step.index: step for step in compiled.plan.steps}
+    for node in program.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.target is transfer:
+            source = node.args[0]
+            src, dst = layout_of(source, groups), layout_of(node, groups, source)
+            if source.target is transfer:
+                _fail(_PLAN, name, f"{node.name}: two collectives in a row on one edge", transfer=node.name)
+            if src == dst:
+                _fail(_PLAN, name, f"{node.name} moves {source.name} to the layout it is already in: {src}", transfer=node.name)
+            kind = node.kwargs["kind"]
+            wanted = C.expected_kind(src, dst, is_per_row(source.meta["spec"]))
+            if kind != wanted:
+                _fail(_PLAN, name, f"{node.name} is a {kind}, but moving {source.name} from {src} to {dst} is a {wanted}")
+            nbytes = value_bytes(source.meta["spec"], sizes)
+            step = steps[node.meta["step"]]
+            if step.bytes != nbytes:
+                _fail(_PLAN, name, f"step {step.index} says {step.bytes} bytes, but {source.name}:{source.meta['spec']} "
+                      f"is {nbytes} bytes at {sizes}", step=step.text())
+            _round_trip_or_fail(src, dst, stand_in(source.meta["spec"]), kind, f"{node.name} ({step.text()})", name)
+            continue
+        for arg in node.all_input_nodes:
+            if not _movable(arg) or arg.target is transfer:
+                continue
+            if layout_of(arg, groups) != layout_of(node, groups, arg):
+                _fail(_PLAN, name, f"{arg.name} -> {node.name} crosses from {layout_of(arg, groups)} to "
+                      f"{layout_of(node, groups, arg)} without a collective", edge=(arg.name, node.name))
+
+
+def stand_in(spec: S.Spec, rows: int = 7, length: int = 3) -> Any:
+    """A small value of `spec` (N = B = `rows`, every other dim `length`) with distinct entries."""
+    if isinstance(spec, S.RecordSpec):
+        if spec.kind == "Prompts":
+            ids = torch.arange(rows * length).reshape(rows, length)
+            return Prompts(ids, torch.ones(rows, length, dtype=torch.bool))
+        ids = torch.arange(rows * length).reshape(rows, length)
+        return Rollouts(ids, torch.ones(rows, length, dtype=torch.bool), ids + 1, ids % 2 == 0,
+                        ids.float() / 10, torch.arange(rows))
+    shape = [rows if size in (S.N, S.B) else length for size in spec.shape]
+    count = 1
+    for size in shape:
+        count *= size
+    return torch.arange(count).reshape(shape).to(spec.dtype)
+
+
+def _round_trip_or_fail(src: tuple, dst: tuple, value: Any, kind: str, what: str, name: str) -> None:
+    problem = reshard_problem(src, dst, value, kind)
+    if problem:
+        _fail(_PLAN, name, f"{what}: {problem}", src=src, dst=dst)
+
+
+def reshard_problem(src: tuple, dst: tuple, value: Any, kind: str | None = None, per_row: bool | None = None) -> str | None:
+    """None if moving `value` from `src` to `dst` (and back) delivers exactly the right shards."""
+    rows_of = C._rows(value)
+    per_row = rows_of is not None if per_row is None else per_row
+    kind = kind or C.expected_kind(src, dst, per_row)
+    try:
+        there, sent = C.move(C.shard(value, src), src, dst, kind, per_row=per_row)
+        back, _ = C.move(there, dst, src, C.expected_kind(dst, src, per_row), per_row=per_row)
+    except C.CollectiveError as exc:
+        return str(exc)
+    want_there = C.shard(value, dst)
+    for rank, piece in want_there.items():
+        if not C._same(piece, there.get(rank)):
+            return f"after the {kind}, {rank} does not hold its shard of the value"
+    if not C._same(C.unshard(back, src), value):
+        return f"{kind} there and back does not give the value back"
+    if sent > C._nbytes(value):
+        return f"the {kind} sends {sent} bytes, more than the whole value ({C._nbytes(value)})"
+    return None
+
+
+# -- reshard round trip -----------------------------------------------------------------------------
+
+
+def assert_reshard_round_trip(src: tuple | None = None, dst: tuple | None = None, value: Any = None, *,
+                              mesh_size: int = 8, settings: Settings | None = None) -> None:
+    """Moving a value between two layouts with the collective the compiler would pick, and back,
+    gives every rank exactly its shard and the value back whole.
+
+    With `src`, `dst` and `value` given, checks that one case; otherwise runs hypothesis over
+    layouts on `mesh_size` ranks and per-row values with ragged row counts.
+    """
+    if src is not None and dst is not None and value is not None:
+        problem = reshard_problem(src, dst, value)
+        if problem:
+            _fail("reshard round trip", "reshard", problem, src=src, dst=dst, value=value)
+        return
+    from rlgraph.testing.checks import _run
+    from rlgraph.testing.strategies import layouts
+
+    @given(layouts(mesh_size), layouts(mesh_size), st.integers(0, 12), st.integers(1, 3))
+    def prop(a: tuple, b: tuple, rows: int, cols: int) -> None:
+        if a == b:
+            return
+        value = torch.arange(rows * cols).reshape(rows, cols)
+        problem = reshard_problem(a, b, value)
+        if problem:
+            _fail("reshard round trip", "reshard", problem, src=a, dst=b, value=value.tolist())
+
+    _run(prop, settings)
+
+
+# -- compiled == eager ------------------------------------------------------------------------------
+
+
+def _parameters(executor: Any) -> dict[str, list[torch.Tensor]]:
+    models = getattr(executor, "models", {})
+    return {role: [p.detach().clone() for p in worker.model.parameters()] for role, worker in models.items()}
+
+
+def assert_compiled_matches_eager(algorithm: Any, *, executor: Callable[[], Any], batches: Sequence[Any],
+                                  mesh: str = "cpu:1", placement: Any = None, sizes: Mapping[str, int] | None = None,
+                                  roles: Mapping[str, S.Spec] | None = None, rtol: float = 1e-5, atol: float = 1e-6,
+                                  **hparams: Any) -> list[dict[str, float]]:
+    """Running the compiled plan gives the eager interpreter's numbers, step for step.
+
+    `executor()` must build identical fresh executors (same seeds); each run gets its own. The
+    metrics of every step must agree to `rtol`/`atol` (fused kernels differ from plain ops by
+    float rounding only), and so must every parameter of every model afterwards. Returns the
+    compiled run's metrics.
+    """
+    import rlgraph as rg
+    from rlgraph.runtime.eager import Interpreter
+    from rlgraph.runtime.plan_runner import PlanRunner
+
+    first = batches[0]
+    sizes = dict(sizes or {"B": len(first), "P": first.ids.shape[1] if isinstance(first, Prompts) else 8,
+                           "T": hparams.get("max_new_tokens") or 8})
+    compiled = rg.compile(algorithm, mesh=mesh, placement=placement or rg.colocated(offload=False, checkpointing=False),
+                          sizes=sizes, roles=roles, **hparams)
+    runs = []
+    for runner in ("eager", "compiled"):
+        ex = executor()
+        interpreter = Interpreter(ex) if runner == "eager" else PlanRunner(compiled, ex)
+        program = compiled.source
+        metrics = [interpreter.run(program, batch)[1] for batch in batches]
+        runs.append((metrics, _parameters(ex)))
+    (eager_metrics, eager_params), (plan_metrics, plan_params) = runs
+    what = getattr(algorithm, "name", repr(algorithm))
+    for step, (eager, plan) in enumerate(zip(eager_metrics, plan_metrics)):
+        if eager.keys() != plan.keys():
+            _fail("compiled == eager", what, f"step {step}: metrics {sorted(plan)} != eager {sorted(eager)}")
+        for key in eager:
+            if key.startswith("time/"):
+                continue
+            if not torch.isclose(torch.tensor(plan[key], dtype=torch.float64), torch.tensor(eager[key], dtype=torch.float64),
+                                 rtol=rtol, atol=atol, equal_nan=True):
+                _fail("compiled == eager", what, f"step {step}: {key} = {plan[key]!r} compiled, {eager[key]!r} eager",
+                      step=step, metric=key, plan=compiled.as_text())
+    for role in eager_params:
+        for index, (a, b) in enumerate(zip(eager_params[role], plan_params[role])):
+            if not torch.allclose(a, b, rtol=rtol, atol=atol):
+                worst = float((a - b).abs().max())
+                _fail("compiled == eager", what, f"{role} parameter {index} differs by up to {worst:.3g} after "
+                      f"{len(batches)} step(s)", role=role)
+    return plan_metrics

@@ -1,0 +1,35 @@
+"""Hypothesis settings profiles: `fast` for CI, `thorough` for a nightly run.
+
+    rlgraph.testing.load_profile()            # reads HYPOTHESIS_PROFILE, default "fast"
+    HYPOTHESIS_PROFILE=thorough make test     # the nightly command (docs/testing.md)
+
+`fast` runs 25 examples per property (the whole rlgraph suite stays within its CI budget);
+`thorough` runs 500 and keeps no deadline. Both suppress the too-slow health check: RL
+properties build tensors and sometimes models, which hypothesis would otherwise flag.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+PROFILES = {
+    "fast": dict(max_examples=25),
+    "thorough": dict(max_examples=500),
+}
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def register_profiles() -> None:
+    for name, options in PROFILES.items():
+        settings.register_profile(name, **options, **_COMMON)
+    settings.register_profile("ci", parent=settings.get_profile("fast"))  # the old name of `fast`
+
+
+def load_profile(name: str | None = None) -> str:
+    """Register and load `name` (default: $HYPOTHESIS_PROFILE, else "fast"); returns the name loaded."""
+    register_profiles()
+    chosen = name or os.environ.get("HYPOTHESIS_PROFILE", "fast")
+    settings.load_profile(chosen)
+    return chosen

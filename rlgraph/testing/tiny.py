@@ -1,0 +1,58 @@
+"""A tiny, seeded, CPU-sized world to run algorithms in tests: models, rewards, prompts.
+
+`tiny_executor()` builds the local executor with the shipped character tokenizer and a small
+randomly initialised Qwen2 per model role (a value-head critic for "critic"), so a property such
+as compiled == eager runs in seconds. Two calls with the same arguments build identical workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from rlgraph.backends.local.critic import build_critic
+from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
+from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.batches import Prompts
+from rlgraph.data import arithmetic
+
+
+def length_parity_reward(completions: list[str], **_) -> list[float]:
+    """A verifiable reward that varies on an untrained model (exact match is all zeros there)."""
+    return [float(len(text) % 2) for text in completions]
+
+
+def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: float = 0.1, optimizer: str = "sgd",
+                  reward: Callable[..., list[float]] = length_parity_reward, max_new_tokens: int = 4) -> LocalExecutor:
+    """A local executor holding `roles` (policy and critic train; others, e.g. ref, are frozen).
+
+    SGD by default, so a step is exactly the gradient: comparisons between two runs see the
+    gradient's differences instead of Adam's normalised signs.
+    """
+    tokenizer = load_tokenizer()
+    models: dict[str, LMWorker] = {}
+    for index, role in enumerate(roles):
+        if role == "critic":
+            module = build_critic(tokenizer=tokenizer, seed=seed + 1)
+            models[role] = LMWorker(module, _optimizer(optimizer, module, lr), kind="critic")
+        elif role == "policy":
+            module = build_causal_lm(tokenizer=tokenizer, seed=seed)
+            models[role] = LMWorker(module, _optimizer(optimizer, module, lr))
+        else:
+            models[role] = LMWorker(build_causal_lm(tokenizer=tokenizer, seed=seed + 2 + index))
+    return LocalExecutor(models, {"reward": RewardWorker(reward)}, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def _optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(module.parameters(), lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(module.parameters(), lr=lr)
+    raise ValueError(f"tiny_executor: optimizer must be 'sgd' or 'adamw', got {name!r}")
+
+
+def tiny_prompts(count: int = 4, offset: int = 0, *, seed: int = 0) -> Prompts:
+    """`count` arithmetic prompts ("12+7=") from the demo task's training split."""
+    splits = arithmetic.make_splits(seed=seed)
+    return arithmetic.to_prompts(splits.train[offset:offset + count], load_tokenizer())
