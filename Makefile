@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench plan clean
+.PHONY: demo test test-fast test-thorough bench plan clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow"
+
+# The nightly run: every property with 500 examples instead of 25 (docs/testing.md).
+test-thorough: $(STAMP)
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -n 2 --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/kernels.py

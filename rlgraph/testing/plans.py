@@ -15,7 +15,6 @@ from hypothesis import given, settings as Settings, strategies as st
 
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import specs as S
-from rlgraph.ir.trace import get_field
 from rlgraph.passes.partition import value_bytes
 from rlgraph.passes.pipeline import Compiled
 from rlgraph.passes.reshard import is_per_row, layout_of, transfer

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rlgraph.functional as F
+import rlgraph.testing as rgt
 from rlgraph.ir.ops import op_info
 
 from ._batches import random_batch
@@ -103,15 +104,13 @@ def test_group_normalize_matches_a_loop_over_groups(batch):
     close(F.group_normalize(rewards, group), _reference_group_normalize(rewards, group), rtol=1e-4, atol=1e-4)
 
 
-@given(grouped_rewards(), st.sampled_from(sorted(GROUP_ESTIMATORS)), st.integers(0, 2**31 - 1))
-def test_group_estimators_are_permutation_equivariant(batch, name, seed):
-    rewards, group, mask = batch
+@pytest.mark.parametrize("name", sorted(GROUP_ESTIMATORS))
+def test_group_estimators_are_permutation_equivariant_and_padding_invariant(name):
     estimator = GROUP_ESTIMATORS[name]
-    n = rewards.shape[0]
-    gen = torch.Generator().manual_seed(seed)
-    rows, labels = torch.randperm(n, generator=gen), torch.randperm(n, generator=gen)
-    expected = estimator(rewards, group, mask)
-    close(estimator(rewards[rows], labels[group][rows], mask[rows]), expected[rows], rtol=1e-5, atol=1e-6)
+    ragged = rgt.rollout_batches(equal_groups=False, groups=(1, 4))  # plain torch estimators take any group sizes
+    rgt.assert_group_permutation_equivariant(lambda b: estimator(b.rewards, b.group, b.mask), batches=ragged,
+                                             contiguous=False)
+    rgt.assert_padding_invariant(lambda b: estimator(b.rewards, b.group, b.mask), batches=ragged, strict=True)
 
 
 @given(grouped_rewards(), st.sampled_from(sorted(GROUP_ESTIMATORS)))

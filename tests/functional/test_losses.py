@@ -6,9 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rlgraph.functional as F
+import rlgraph.testing as rgt
 from rlgraph.ir.ops import op_info
 
-from ._batches import batch_shapes, random_batch, split_rows
+from ._batches import batch_shapes, random_batch
 
 AGGREGATIONS = [F.token_mean, F.seq_mean_token_sum, F.seq_mean_token_mean, F.seq_mean_token_sum_norm]
 LOG = math.log
@@ -178,21 +179,17 @@ def _rows(batch, rows):
     return {key: value[rows] for key, value in batch.items()}
 
 
-@given(batch_shapes(), st.sampled_from(sorted(LOSSES)), st.sampled_from(AGGREGATIONS), st.booleans())
-def test_micro_batch_losses_metrics_and_gradients_sum_to_the_full_batch(shape, name, agg, token_adv):
-    seed, n, t, pieces = shape
-    batch = random_batch(seed, n, t, token_adv=token_adv)
-    lp = batch["lp"].requires_grad_(True)
-    full = LOSSES[name](batch, agg)
-    full_grad = grad_of(full[0], lp)
-    tokens, sequences = F.global_counts(batch["mask"])
-    totals = [0] * len(full)
-    for rows in split_rows(n, seed, pieces):
-        with F.loss_normalization(tokens, sequences, horizon=t):
-            totals = [total + part for total, part in zip(totals, LOSSES[name](_rows(batch, rows), agg))]
-    for total, expected in zip(totals, full):
-        torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(grad_of(totals[0], lp), full_grad, rtol=1e-5, atol=1e-8)
+def as_dict(b, token_adv=True):
+    """The names these tests use, from an `rlgraph.testing.RolloutBatch`."""
+    return dict(lp=b.logprobs, old_lp=b.old_logprobs, adv=b.advantages if token_adv else b.advantages[:, :1],
+                mask=b.mask, values=b.values, old_values=b.old_values, returns=b.returns, entropy=-b.ref_logprobs)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("agg", AGGREGATIONS, ids=lambda agg: agg.__name__)
+def test_micro_batch_losses_metrics_and_gradients_sum_to_the_full_batch(name, agg):
+    token_adv = AGGREGATIONS.index(agg) % 2 == 0  # sequence-level advantages ([N, 1]) for half the cases
+    rgt.assert_microbatch_invariant(lambda b: LOSSES[name](as_dict(b, token_adv), agg))
 
 
 @given(batch_shapes(), st.sampled_from(sorted(ALL_LOSSES)), st.sampled_from(AGGREGATIONS), st.integers(0, 3))

@@ -1,0 +1,74 @@
+"""Plan invariants over random algorithms and placements, reshard round trips, compiled == eager."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import rlgraph as rg
+import rlgraph.testing as rgt
+from rlgraph.algorithms import grpo
+from rlgraph.passes.reshard import transfer
+from rlgraph.runtime import collectives as C
+
+SIZES = {"B": 8, "P": 16, "T": 16}
+
+
+@settings(max_examples=30)
+@given(rgt.algorithms(), rgt.meshes(), st.data())
+def test_every_random_algorithm_compiles_to_a_plan_with_the_invariants(generated, mesh, data):
+    placement = data.draw(rgt.placements(mesh, generated.model_roles), label="placement")
+    compiled = rg.compile(generated.algorithm, mesh=mesh, placement=placement, roles=generated.roles, sizes=SIZES,
+                          **generated.hparams)
+    rgt.assert_plan_invariants(compiled)
+
+
+def test_a_plan_missing_a_collective_is_caught():
+    compiled = rg.compile(grpo, mesh="gpu:8", placement=rg.split({"policy": 4, "rollout": 4, "ref": "policy"}),
+                          sizes=SIZES, n=4, kl=0.01)
+    rgt.assert_plan_invariants(compiled)
+    graph = compiled.program.graph
+    node = next(n for n in graph.nodes if n.target is transfer)
+    node.replace_all_uses_with(node.args[0])  # the consumer now reads the value where it is not
+    graph.erase_node(node)
+    with pytest.raises(rgt.PropertyFailure, match="without a collective|run by no step"):
+        rgt.assert_plan_invariants(compiled)
+
+
+def test_reshard_round_trips_between_any_two_layouts():
+    rgt.assert_reshard_round_trip()
+
+
+def test_reshard_round_trip_of_rollouts_across_groups():
+    from rlgraph.testing.plans import stand_in
+    from rlgraph.ir import specs as S
+
+    rgt.assert_reshard_round_trip(((0, 1, 2, 3), 4), ((4, 5, 6, 7), 2), stand_in(S.ROLLOUTS, rows=9))
+
+
+def test_collectives_scatter_gather_and_refuse_the_wrong_kind():
+    value = torch.arange(10).reshape(5, 2)
+    placed = C.shard(value, ("controller",))
+    on_group, sent = C.move(placed, ("controller",), ((0, 1, 2, 3), 2), "scatter")
+    assert torch.equal(on_group[0], value[:3]) and torch.equal(on_group[1], value[:3]) and torch.equal(on_group[2], value[3:])
+    assert sent == value.numel() * value.element_size()
+    with pytest.raises(C.CollectiveError, match="that is a all_to_all"):
+        C.move(on_group, ((0, 1, 2, 3), 2), ((0, 1, 2, 3), 4), "send_recv")
+    regrouped, sent = C.move(on_group, ((0, 1, 2, 3), 2), ((0, 1, 2, 3), 4), "all_to_all")
+    assert torch.equal(C.unshard(regrouped, ((0, 1, 2, 3), 4)), value)
+    assert sent < value.numel() * value.element_size()  # rows already on a rank stay there
+
+
+@pytest.mark.slow
+@settings(max_examples=6)
+@given(rgt.algorithms(kl=False))
+def test_random_algorithms_run_the_same_compiled_and_eager(generated):
+    rgt.assert_compiled_matches_eager(
+        generated.algorithm, executor=lambda: rgt.tiny_executor(generated.model_roles), roles=generated.roles,
+        batches=[rgt.tiny_prompts(2, offset=2 * i) for i in range(2)], **generated.hparams)
+
+
+def test_grpo_compiled_matches_eager_with_micro_batches():
+    metrics = rgt.assert_compiled_matches_eager(
+        grpo, executor=rgt.tiny_executor, batches=[rgt.tiny_prompts(4, offset=4 * i) for i in range(2)],
+        n=4, max_new_tokens=4, micro_batch_size=4)
+    assert len(metrics) == 2 and "policy/loss" in metrics[0]
