@@ -129,7 +129,7 @@ def rollout_batches(draw, *, groups: tuple[int, int] = (1, 3), group_size: tuple
     counterexamples short; the checkers find those fields by a probe call.
     """
     cols = draw(st.integers(*length))
-    row = _row(cols, length[1], rewards or reward_values(), holes, log_ratio, fields)
+    row = _row(cols, length[1], reward_values() if rewards is None else rewards, holes, log_ratio, fields)
     if equal_groups:  # drawn full width and cut, so shrinking the size keeps later draws aligned
         size = draw(st.integers(*group_size))
         block = st.lists(row, min_size=group_size[1], max_size=group_size[1]).map(lambda rows: rows[:size])

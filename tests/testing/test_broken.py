@@ -57,6 +57,10 @@ def test_a_loss_that_averages_per_micro_batch_is_caught_with_a_minimal_counterex
     full, parts = ns["full"], ns["parts"]
     assert not torch.isclose(sum(parts), full)
     assert torch.equal(ns["batch"].mask, batch.mask) and torch.equal(ns["batch"].advantages, batch.advantages)
+    # The message names the property, the function and the numbers, then the snippet.
+    text = str(failure_of(rgt.assert_microbatch_invariant, per_micro_batch_mean_loss))
+    assert text.startswith("micro-batch invariance fails for per_micro_batch_mean_loss: out: sum over micro-batches")
+    assert "paste into a test to reproduce:" in text and "RolloutBatch.of(" in text and "micro_batches = [[0], [1]]" in text
 
 
 def test_the_correct_loss_passes_where_the_broken_one_fails():
@@ -79,12 +83,6 @@ def test_an_estimator_that_reads_padding_is_caught_with_a_minimal_counterexample
 
 def test_the_correct_estimator_passes_where_the_broken_one_fails():
     rgt.check_estimator(lambda b: F.group_normalize(b.rewards, b.group))
-
-
-def test_a_failure_message_names_the_property_the_function_and_the_numbers():
-    text = str(failure_of(rgt.assert_microbatch_invariant, per_micro_batch_mean_loss))
-    assert text.startswith("micro-batch invariance fails for per_micro_batch_mean_loss: out: sum over micro-batches")
-    assert "paste into a test to reproduce:" in text and "RolloutBatch.of(" in text and "micro_batches = [[0], [1]]" in text
 
 
 def test_an_exception_in_the_checked_function_is_a_counterexample():
