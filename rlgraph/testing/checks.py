@@ -256,8 +256,21 @@ def check_loss(loss: BatchFn, **kwargs: Any) -> None:
     assert_padding_invariant(loss, **{k: v for k, v in kwargs.items() if k in ("batches", "settings")})
 
 
-def check_estimator(estimator: BatchFn, **kwargs: Any) -> None:
-    """Padding invariance and group-permutation equivariance of an advantage estimator."""
+def check_estimator(estimator: BatchFn | str, **kwargs: Any) -> None:
+    """Padding invariance and group-permutation equivariance of an advantage estimator.
+
+    `estimator` is a function of a `RolloutBatch`, or an `@rg.estimator` (the op or its registered
+    name), which is called as `est(b.rewards, b.group, n=b.n)` on equal-size groups.
+    """
+    if isinstance(estimator, str) or hasattr(estimator, "per_group"):
+        from rlgraph.functional.estimator import get_estimator
+
+        op = get_estimator(estimator) if isinstance(estimator, str) else estimator
+
+        def estimator(b: RolloutBatch) -> torch.Tensor:
+            return op(b.rewards, b.group, n=b.n)
+
+        estimator.__qualname__ = getattr(op, "__name__", "estimator")
     assert_padding_invariant(estimator, **kwargs)
     assert_group_permutation_equivariant(estimator, **kwargs)
 

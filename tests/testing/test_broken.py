@@ -97,3 +97,20 @@ def test_microbatch_losses_runs_each_piece_under_the_global_counts():
     batch = RolloutBatch.of(group=[0, 0], mask=[[True, True], [True, False]], advantages=[[1.0, 1.0], [1.0, 0.0]])
     parts = microbatch_losses(lambda b: F.token_mean(-b.advantages, b.mask), batch, [[0], [1]])
     assert [float(p) for p in parts] == pytest.approx([-2 / 3, -1 / 3])
+
+
+def test_check_estimator_takes_a_registered_estimator_by_name():
+    @F.estimator(name="testing_leave_one_out")
+    def leave_one_out(r):
+        return r - (r.sum() - r) / max(r.shape[0] - 1, 1)
+
+    rgt.check_estimator("testing_leave_one_out")
+    rgt.check_estimator(leave_one_out)
+
+    @F.estimator(name="testing_first_sample_baseline")
+    def first_sample_baseline(r):  # not equivariant: the baseline depends on which sample comes first
+        return r - r[0]
+
+    failure = failure_of(rgt.check_estimator, "testing_first_sample_baseline")
+    assert failure.counterexample.prop == "group-permutation equivariance"
+    assert failure.counterexample.batch.N <= 4 and failure.counterexample.batch.T == 1  # shrunk small
