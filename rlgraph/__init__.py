@@ -3,13 +3,13 @@
 from rlgraph.api import Algorithm, State, algorithm, compile, critic, lm, reward_fn, roles
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import Program, RLGraphError, SpecError, TraceError, VerifyError, traceable
-from rlgraph.ir.primitives import generate, logprobs, score, update, values
+from rlgraph.ir.primitives import filter_groups, generate, logprobs, score, update, values
 from rlgraph.plan.mesh import Mesh, colocated, explicit, split
 from rlgraph.functional.estimator import estimator
 
 __all__ = [
     "Algorithm", "State", "algorithm", "compile", "estimator", "Mesh", "colocated", "split", "explicit", "critic", "lm", "reward_fn", "roles", "Prompts", "Rollouts",
     "Program", "RLGraphError", "SpecError", "TraceError", "VerifyError", "traceable",
-    "generate", "logprobs", "score", "update", "values",
+    "filter_groups", "generate", "logprobs", "score", "update", "values",
 ]
 __version__ = "0.1.0"

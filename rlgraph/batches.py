@@ -33,6 +33,22 @@ def _take(meta: Meta, index: Sequence[int]) -> dict[str, list[Any]]:
     return {key: [values[i] for i in index] for key, values in meta.items()}
 
 
+def _pad(tensor: torch.Tensor, width: int, value: Any, *, left: bool = False) -> torch.Tensor:
+    """[R, w] -> [R, width], filled with `value` on the right (or the left)."""
+    extra = tensor.new_full((tensor.shape[0], width - tensor.shape[1]), value)
+    return torch.cat([extra, tensor] if left else [tensor, extra], dim=1)
+
+
+def _first_appearance(group: torch.Tensor) -> torch.Tensor:
+    """Group ids renumbered 0, 1, ... in order of first appearance: [7, 7, 2, 2, 7] -> [0, 0, 1, 1, 0]."""
+    ids, inverse = torch.unique(group, return_inverse=True)
+    first = torch.full((len(ids),), len(group), dtype=torch.long).scatter_reduce(
+        0, inverse, torch.arange(len(group)), "amin")  # [G]: first row of each id
+    rank = torch.empty_like(first)
+    rank[first.argsort()] = torch.arange(len(ids))
+    return rank[inverse]  # [R]
+
+
 @attrs.frozen
 class Prompts:
     """A batch of B prompts: `ids` i64[B,P] left-padded, `mask` bool[B,P], per-prompt `meta`."""
@@ -92,6 +108,37 @@ class Rollouts:
         return Rollouts(
             self.prompt_ids[index], self.prompt_mask[index], self.response_ids[index], self.mask[index],
             self.logprobs[index], self.group[index], _take(self.meta, index.tolist()),
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Rollouts], *, pad_id: int = 0) -> Rollouts:
+        """The rows of `parts`, in order, as one batch.
+
+        Responses are right-padded to the longest T and prompts left-padded to the longest P
+        (padding has mask False, log-prob 0 and id `pad_id`). Group ids are renumbered 0, 1, ...
+        in order of first appearance, and groups of different parts never merge, so concatenating
+        whole contiguous groups gives contiguous ids. Every part must carry the same meta fields.
+        """
+        if not parts:
+            raise ValueError("Rollouts.concat: need at least one batch")
+        keys = list(parts[0].meta)
+        for part in parts[1:]:
+            if set(part.meta) != set(keys):
+                raise ValueError(f"Rollouts.concat: meta fields differ: {sorted(keys)} vs {sorted(part.meta)}")
+        steps = max(part.response_ids.shape[1] for part in parts)
+        width = max(part.prompt_ids.shape[1] for part in parts)
+        groups, offset = [], 0
+        for part in parts:
+            groups.append(_first_appearance(part.group) + offset)  # [R]
+            offset += len(torch.unique(part.group))
+        return Rollouts(
+            torch.cat([_pad(part.prompt_ids, width, pad_id, left=True) for part in parts]),          # [N, P]
+            torch.cat([_pad(part.prompt_mask, width, False, left=True) for part in parts]),          # [N, P]
+            torch.cat([_pad(part.response_ids, steps, pad_id) for part in parts]),                  # [N, T]
+            torch.cat([_pad(part.mask, steps, False) for part in parts]),                           # [N, T]
+            torch.cat([_pad(part.logprobs, steps, 0.0) for part in parts]),                         # [N, T]
+            torch.cat(groups),                                                                      # [N]
+            {key: [value for part in parts for value in part.meta[key]] for key in keys},
         )
 
     @staticmethod

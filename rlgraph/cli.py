@@ -1,4 +1,4 @@
-"""The `rlgraph` command line: `rlgraph demo`, `rlgraph trace <algorithm>`."""
+"""The `rlgraph` command line: `rlgraph demo [--algorithm ppo]`, `rlgraph trace <algorithm>`, `rlgraph plan <algorithm>`."""
 
 from __future__ import annotations
 
@@ -25,9 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="SFT then GRPO on the arithmetic task, on CPU")
+    demo = sub.add_parser("demo", help="SFT then RL (GRPO by default) on the arithmetic task, on CPU")
+    demo.add_argument("--algorithm", default="grpo", help="the RL algorithm: grpo, ppo, dapo, rloo, ... (rlgraph.algorithms)")
+    demo.add_argument("-p", "--param", action="append", default=[], help="RL hyper-parameter key=value, e.g. lam=1.0")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--rl-seconds", type=float, default=120.0)
+    demo.add_argument("--rl-lr", type=float, default=1e-4)
+    demo.add_argument("--critic-lr", type=float, default=1e-4, help="PPO's critic")
     demo.add_argument("--run-dir", default="runs/demo")
 
     trace = sub.add_parser("trace", help="print an algorithm's typed program")
@@ -48,9 +52,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from rlgraph.train.demo import DemoConfig, run_demo
+        from rlgraph.train.demo import RL_ALGORITHMS, DemoConfig, run_demo
 
-        run_demo(DemoConfig(seed=args.seed, rl_seconds=args.rl_seconds, run_dir=args.run_dir))
+        if args.algorithm not in RL_ALGORITHMS:
+            raise SystemExit(f"rlgraph: unknown RL algorithm {args.algorithm!r}; known: {', '.join(RL_ALGORITHMS)}")
+        run_demo(DemoConfig(algorithm=args.algorithm, hparams=_hparams(args.param), seed=args.seed, rl_seconds=args.rl_seconds,
+                            rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir))
         return 0
     if args.command == "plan":
         return _plan(args)

@@ -1,8 +1,13 @@
-"""DAPO (Yu et al., 2025, arXiv 2503.14476), without dynamic sampling (see docs/algorithms.md).
+"""DAPO (Yu et al., 2025, arXiv 2503.14476): dynamic sampling, clip-higher, token-level loss,
+soft overlong punishment.
 
+    keep groups with 0 < acc < 1; refill from fresh prompts until B groups   (dynamic sampling)
     r'_i = r_i + R_len(|y_i|),  R_len = clamp(((L_max - L_cache) - |y|) / L_cache, -1, 0)   (overlong shaping)
     A_i  = (r'_i - mean(r'_group)) / std(r'_group)
     L    = token_mean( max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high)) ),  eps_high > eps_low  (clip-higher)
+
+Dynamic sampling filters on the verifier's reward, as the paper does; the refill loop (generate +
+score + the keep test on fresh prompts) is `rg.filter_groups`, printed in the plan as a loop.
 """
 
 import torch
@@ -22,9 +27,12 @@ def overlong_penalty(mask: Tensor, *, max_length: int, buffer: int) -> Tensor:
 
 @rg.algorithm
 def dapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0.28, max_new_tokens=20,
-         overlong_buffer=4, overlong_coef=1.0, temperature=1.0, epochs=1, micro_batch_size=None):
+         overlong_buffer=4, overlong_coef=1.0, dynamic_sampling=True, max_rounds=4, temperature=1.0, epochs=1,
+         micro_batch_size=None):
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
+    if dynamic_sampling:                                               # a hyper-parameter, not a traced value
+        ro, r = rg.filter_groups(ro, r, F.group_has_variance(r, ro.group), max_rounds=max_rounds)  # [N]: B groups kept
     shaped = r + overlong_coef * overlong_penalty(ro.mask, max_length=max_new_tokens, buffer=overlong_buffer)  # [N]
     adv = F.group_normalize(shaped, ro.group)[:, None]                 # [N, 1]
 

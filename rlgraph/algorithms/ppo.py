@@ -15,7 +15,7 @@ from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 @rg.algorithm
 def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, kl=0.0, gamma=1.0, lam=0.95,
-        temperature=1.0, max_new_tokens=None, epochs=1, micro_batch_size=None):
+        temperature=1.0, max_new_tokens=None, epochs=1, minibatches=1, micro_batch_size=None):
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
@@ -31,7 +31,8 @@ def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, 
         value, clip_frac = F.value_loss(values, old_values, returns, ro.mask, clip=value_clip)
         return value, {"clip_frac": clip_frac}
 
-    policy = rg.update(state.policy, ro, policy_loss, epochs=epochs, temperature=temperature,
+    policy = rg.update(state.policy, ro, policy_loss, epochs=epochs, minibatches=minibatches, temperature=temperature,
                        micro_batch_size=micro_batch_size)
-    critic = rg.update(state.critic, ro, critic_loss, epochs=epochs, micro_batch_size=micro_batch_size)
+    critic = rg.update(state.critic, ro, critic_loss, epochs=epochs, minibatches=minibatches,
+                       micro_batch_size=micro_batch_size)
     return state.replace(policy=policy, critic=critic), {"reward": r.mean(), "value": F.masked_mean(old_values, ro.mask)}

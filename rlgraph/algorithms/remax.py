@@ -17,8 +17,8 @@ def remax(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, temperature=1.
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens)     # Rollouts[B, T']
     r = rg.score(state.reward, ro)                                     # [N]
-    greedy_r = rg.score(state.reward, greedy)                          # [B] (the tracer prints [N]: see docs/algorithms.md)
-    adv = F.remax(r, greedy_r[ro.group])[:, None]                      # [N, 1]
+    greedy_r = rg.score(state.reward, greedy)                          # [B]
+    adv = F.remax(r, greedy_r[ro.group])[:, None]                      # [N, 1]: each sample gets its prompt's baseline
 
     def loss(lp):                                                      # lp: [N, T], with gradients
         value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)

@@ -5,7 +5,7 @@ docs/functional.md for the table of formulas, sources and edge-case conventions.
 """
 
 from rlgraph.functional.advantages import (
-    discounted_returns, gae, gpg, group_normalize, opo, reinforce_pp, reinforce_pp_baseline, remax,
+    discounted_returns, gae, gpg, group_has_variance, group_normalize, opo, reinforce_pp, reinforce_pp_baseline, remax,
     rewards_at_last_token, rloo,
 )
 from rlgraph.functional.aggregate import (
@@ -28,7 +28,7 @@ __all__ = [
     # kl
     "KL_ESTIMATORS", "entropy_from_logits", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_mse",
     # advantages
-    "discounted_returns", "gae", "gpg", "group_normalize", "opo", "reinforce_pp", "reinforce_pp_baseline",
+    "discounted_returns", "gae", "gpg", "group_has_variance", "group_normalize", "opo", "reinforce_pp", "reinforce_pp_baseline",
     "remax", "rewards_at_last_token", "rloo",
     # losses
     "clip_cov", "cispo", "entropy_bonus", "gpg_loss", "gspo", "kl_cov", "ppo_clip", "value_loss",

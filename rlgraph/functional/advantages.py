@@ -54,6 +54,18 @@ def group_normalize(rewards: Tensor, group: Tensor, *, eps: float = 1e-6, scale:
 
 
 @traceable
+def group_has_variance(rewards: Tensor, group: Tensor) -> Tensor:
+    """bool[N]: True for rows whose group's rewards are not all equal (DAPO's dynamic-sampling test).
+
+    Exactly the groups whose `group_normalize` advantages are not all 0; singleton groups give
+    False. Source: DAPO, arXiv 2503.14476 (keep prompts with 0 < accuracy < 1). Use it as the
+    `keep` of `rg.filter_groups`.
+    """
+    centered, _ = _group_centered(rewards, group)  # [N], exactly 0 for all-equal groups
+    return _group_sum(centered.abs(), group) > 0  # [N]
+
+
+@traceable
 def rloo(rewards: Tensor, group: Tensor) -> Tensor:
     """RLOO: A_i = r_i - mean_{j in g, j != i} r_j = n / (n - 1) (r_i - mean_g).
 

@@ -76,8 +76,8 @@ def estimator(fn: Callable[..., Tensor] | None = None, *, name: str | None = Non
         def batched(rewards: Tensor, group: Tensor, *per_row: Tensor, n: int, **hparams: Any) -> Tensor:
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{op_name}: n must be the group size, a positive int; got {n!r}")
-            if rewards.device.type == "meta":
-                n = S.witness_size(S.n)  # tracing: N is the witness of B*n, so group with the witness of n
+            if rewards.device.type == "meta" and n > 1:
+                n = S.witness_size(S.n)  # tracing: N is the witness of B*n, so group with the witness of n (n=1: [B] rows)
             rows = rewards.shape[0]
             if rows % n:
                 raise ValueError(f"{op_name}: {rows} rows do not split into groups of n={n}; pass the n given to rg.generate")

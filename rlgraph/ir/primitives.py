@@ -1,9 +1,14 @@
 """The primitives: the only ops with side effects on workers.
 
-`generate`, `logprobs`, `values`, `score` and `update`. Each is declared once here with its
-signature (checked at trace time), its spec rule and a one-line meaning; executors register how to
-run them (`rlgraph.runtime`). Calling a primitive outside an `@rg.algorithm` is an error: they
-only make sense as steps of a traced dataflow.
+`generate`, `logprobs`, `values`, `score` and `update` run on workers; `filter_groups` runs on the
+controller and is the one primitive with a loop (it re-runs its *refill region* on fresh prompts).
+Each is declared once here with its signature (checked at trace time), its spec rule and a
+one-line meaning; executors register how to run them (`rlgraph.runtime`). Calling a primitive
+outside an `@rg.algorithm` is an error: they only make sense as steps of a traced dataflow.
+
+Rows: `generate(..., n=1)` gives `Rollouts[B,T]` (one row per prompt), any other `n` gives
+`Rollouts[N,T]`; the per-rollout results of `logprobs`, `values` and `score` have the rows of
+their rollouts, so a per-prompt value mixed with a per-sample one fails at trace time.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 import torch.fx as fx
 
 from rlgraph.ir import ops
@@ -65,8 +71,12 @@ def _bind(prim: Primitive, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     return bound
 
 
-def declare(spec_rule: Callable[..., S.Spec]):
-    """Turn a signature-only function into a primitive recorded by the active tracer."""
+def declare(spec_rule: Callable[..., S.Spec], *, returns: int | None = None):
+    """Turn a signature-only function into a primitive recorded by the active tracer.
+
+    `returns=k`: the user gets the first k outputs of a tuple-valued primitive; the rest (its
+    statistics) stay in the program and become metrics.
+    """
 
     def wrap(template: Callable[..., Any]):
         prim = Primitive(template.__name__, inspect.signature(template), spec_rule, (template.__doc__ or "").strip())
@@ -80,7 +90,8 @@ def declare(spec_rule: Callable[..., S.Spec]):
             bound = _bind(prim, args, kwargs)
             positional = [v for k, v in bound.arguments.items() if prim.signature.parameters[k].kind != inspect.Parameter.KEYWORD_ONLY]
             keyword = {k: v for k, v in bound.arguments.items() if prim.signature.parameters[k].kind == inspect.Parameter.KEYWORD_ONLY}
-            return ops.ACTIVE_TRACERS[-1].record_op(primitive, tuple(positional), keyword)
+            outputs = ops.ACTIVE_TRACERS[-1].record_op(primitive, tuple(positional), keyword)
+            return outputs if returns is None else outputs[:returns]
 
         primitive.__name__ = primitive.__qualname__ = prim.name
         primitive.__doc__ = template.__doc__
@@ -104,11 +115,17 @@ def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens) -> 
         raise TraceError(f"rg.generate: n must be a positive int (samples per prompt), got {n!r}", user_location())
     if temperature < 0 or not 0 < top_p <= 1:
         raise TraceError(f"rg.generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}", user_location())
-    return S.ROLLOUTS
+    return rollouts_spec(S.B if n == 1 else S.N)
+
+
+def rollouts_spec(rows: S.Dim) -> S.RecordSpec:
+    """`Rollouts[rows,T]`: the fields of `S.ROLLOUTS` with `rows` as their first dim."""
+    fields = tuple((name, attrs.evolve(spec, shape=(rows, *spec.shape[1:]))) for name, spec in S.ROLLOUTS.fields)
+    return S.RecordSpec("Rollouts", fields, rows)
 
 
 def _scored_batch(prim: str, model: Any, batch: Any, model_kind: str) -> None:
-    _expect(model, S.ModelSpec, f"a model version (state.<role>)", prim, "the model")
+    _expect(model, S.ModelSpec, "a model version (state.<role>)", prim, "the model")
     if model.kind != model_kind:
         raise SpecError(f"rg.{prim}: {model} is a {model.kind} model; rg.{prim} needs a {model_kind} model", user_location())
     _expect(batch, S.RecordSpec, "Rollouts[N,T]", prim, "the batch")
@@ -119,25 +136,46 @@ def _scored_batch(prim: str, model: Any, batch: Any, model_kind: str) -> None:
 
 def _logprobs_spec(model, rollouts, *, temperature, entropy) -> S.Spec:
     _scored_batch("logprobs", model, rollouts, "lm")
-    token = S.f32(S.N, S.T)
+    token = S.f32(rollouts.rows, S.T)
     return S.TupleSpec((token, token)) if entropy else token
 
 
 def _values_spec(model, rollouts) -> S.Spec:
     _scored_batch("values", model, rollouts, "critic")
-    return S.f32(S.N, S.T)
+    return S.f32(rollouts.rows, S.T)
 
 
 def _score_spec(reward, rollouts) -> S.Spec:
     _expect(reward, S.RewardSpec, "a reward role such as state.reward", "score", "the reward")
     _expect(rollouts, S.RecordSpec, "Rollouts[N,T]", "score", "the rollouts")
-    return S.f32(S.N)
+    return S.f32(rollouts.rows)
 
 
 def _update_spec(model, batch, *captures, stats=(), **config) -> S.Spec:
     _expect(model, S.ModelSpec, "a trainable model version (state.policy or state.critic)", "update", "the model")
     _expect(batch, S.RecordSpec, "Rollouts[N,T]", "update", "the batch")
     return S.TupleSpec((model.next(), S.StatsSpec(tuple(stats))))
+
+
+FILTER_STATS = ("rounds", "kept_groups", "filled_groups")
+
+
+def _filter_groups_spec(rollouts, rewards, keep, *, max_rounds) -> S.Spec:
+    _expect(rollouts, S.RecordSpec, "Rollouts[N,T]", "filter_groups", "the rollouts")
+    if rollouts.kind != "Rollouts":
+        raise SpecError(f"rg.filter_groups: expects Rollouts[N,T] first, got {rollouts}", user_location())
+    rows = rollouts.rows
+    for what, spec, ok, example in (
+        ("the rewards", rewards, lambda d: d.is_floating_point, "r = rg.score(state.reward, ro)"),
+        ("keep", keep, lambda d: d == torch.bool, "keep = F.group_has_variance(r, ro.group)"),
+    ):
+        if not (isinstance(spec, S.TensorSpec) and spec.shape == (rows,) and ok(spec.dtype)):
+            kind = "bool" if what == "keep" else "float"
+            raise SpecError(f"rg.filter_groups: {what} must be a {kind} tensor [{rows}], one per rollout, got {spec}",
+                            user_location(), fix=example)
+    if not isinstance(max_rounds, int) or max_rounds < 1:
+        raise TraceError(f"rg.filter_groups: max_rounds must be a positive int, got {max_rounds!r}", user_location())
+    return S.TupleSpec((rollouts, rewards, S.StatsSpec(FILTER_STATS)))
 
 
 # -- the primitives -----------------------------------------------------------------------------
@@ -194,3 +232,72 @@ def _update_primitive(model, batch, *captures, stats=(), epochs=1, minibatches=1
 PRIMITIVES["update"] = attrs.evolve(PRIMITIVES.pop("_update_primitive"), name="update", doc=update.__doc__.strip())
 _update_primitive.__rlgraph_op__ = ops.OpInfo("update", _update_primitive.__rlgraph_op__.impl, _update_spec)
 _update_primitive.__name__ = "update"
+
+
+@declare(_filter_groups_spec, returns=2)
+def filter_groups(rollouts, rewards, keep, *, max_rounds=4):
+    """Keep the groups whose `keep` is True and refill the batch to B groups from fresh prompts.
+
+    `keep` is bool[N], constant within a group (e.g. `F.group_has_variance(r, ro.group)`). The
+    *refill region* (every step before this one that depends on the prompts: generate, score,
+    keep's math) re-runs on a fresh batch of prompts until B groups are kept or `max_rounds`
+    rounds have run; then the first B kept groups are returned, topped up with dropped groups
+    when short. Same specs out as in: `(Rollouts[N,T], f32[N])`, groups renumbered 0..B-1. Its
+    statistics (`filter/rounds`, `filter/kept_groups`, `filter/filled_groups`) become metrics.
+    """
+
+
+# -- the refill loop of filter_groups ---------------------------------------------------------
+
+
+@attrs.frozen
+class RefillLoop:
+    """What `filter_groups` re-runs on fresh prompts, by node name.
+
+    `nodes`: the filter's ancestors that depend on the prompts input `prompts`, in program order
+    (generate, score, keep's math; in a lowered program also the transfers between them). Nodes
+    that do not depend on the prompts (model versions, weight syncs, constants) run once.
+    """
+
+    filter: str
+    prompts: str
+    nodes: tuple[str, ...]
+    max_rounds: int
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` depends on, directly or not (itself excluded)."""
+    found: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.all_input_nodes)
+    return found
+
+
+def refill_region(filter_node: fx.Node) -> list[fx.Node]:
+    """The refill region of a `filter_groups` node, in program order (see `RefillLoop`)."""
+    upstream = ancestors(filter_node)
+    on_prompts: set[fx.Node] = set()
+    for node in filter_node.graph.nodes:
+        if node is filter_node:
+            break
+        if _is_prompts(node) or any(arg in on_prompts for arg in node.all_input_nodes):
+            on_prompts.add(node)
+    return [node for node in filter_node.graph.nodes if node in upstream and node in on_prompts and node.op != "placeholder"]
+
+
+def refill_loops(graph: fx.Graph) -> tuple[RefillLoop, ...]:
+    """One `RefillLoop` per `filter_groups` node of `graph`, in program order."""
+    prompts = next((node.name for node in graph.nodes if _is_prompts(node)), "")
+    return tuple(
+        RefillLoop(node.name, prompts, tuple(n.name for n in refill_region(node)), node.kwargs["max_rounds"])
+        for node in graph.nodes if primitive_name(node) == "filter_groups"
+    )
+
+
+def _is_prompts(node: fx.Node) -> bool:
+    spec = node.meta.get("spec")
+    return node.op == "placeholder" and isinstance(spec, S.RecordSpec) and spec.kind == "Prompts"

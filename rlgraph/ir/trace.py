@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import itertools
 import operator
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,6 +26,7 @@ from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import SpecError, TraceError, user_location
+from rlgraph.ir.primitives import RefillLoop, ancestors, primitive_name, refill_loops
 from rlgraph.ir.program import Program, constant
 
 
@@ -443,13 +445,67 @@ def trace_algorithm(fn: Callable[..., Any], *, roles: Mapping[str, S.Spec] | Non
         metrics = dict(metrics)
         for node in list(tracer.graph.nodes):
             if isinstance(node.meta.get("spec"), S.StatsSpec):
-                role = node.args[0].args[0].meta["spec"].role
-                metrics.setdefault(role, tracer.wrap(node))
+                metrics.setdefault(_stats_key(node.args[0]), tracer.wrap(node))
         _check_metrics(fn, metrics)
         outputs = {role: tracer.create_arg(handle) for role, handle in new_state.roles.items()}
         tracer.graph.output((outputs, {key: tracer.create_arg(item) for key, item in metrics.items()}))
     _prune_unused_roles(tracer.graph)
-    return Program(fn.__name__, tracer.graph, "algorithm", hparams)
+    loops = _check_refill_loops(tracer.graph, fn)
+    return Program(fn.__name__, tracer.graph, "algorithm", hparams, {"loops": loops} if loops else {})
+
+
+def _stats_key(producer: fx.Node) -> str:
+    """The metrics key of a primitive's statistics: its model's role (`policy/loss`) or `filter`."""
+    if primitive_name(producer) == "filter_groups":
+        return "filter"
+    return producer.args[0].meta["spec"].role
+
+
+def _check_refill_loops(graph: fx.Graph, fn: Callable[..., Any]) -> tuple[RefillLoop, ...]:
+    """The refill loops of the program, refusing what a re-run on fresh prompts would get wrong."""
+    filters = [node for node in graph.nodes if primitive_name(node) == "filter_groups"]
+    if len(filters) > 1:
+        raise TraceError("an algorithm may call rg.filter_groups once; this one calls it again",
+                         filters[1].meta.get("source"), fix="filter once, with one keep mask combining the conditions")
+    loops = refill_loops(graph)
+    for loop, node in zip(loops, filters):
+        if not loop.prompts:
+            raise TraceError("rg.filter_groups refills the batch from fresh prompts, so the algorithm's batch "
+                             "must be rg.Prompts", node.meta.get("source"),
+                             fix=f"def {fn.__name__}(state: rg.State, prompts: rg.Prompts, *, ...)")
+        for before in itertools.takewhile(lambda n: n is not node, graph.nodes):
+            if primitive_name(before) == "update":  # a re-run would repeat it, or generate with stale weights
+                raise TraceError("rg.update runs before rg.filter_groups: the refill loop re-runs generation after "
+                                 "it, which would repeat the update or use the old weights", before.meta.get("source"),
+                                 fix="update after filtering, on the rollouts rg.filter_groups returns")
+        _refuse_unfiltered_uses(graph, loop, node)
+    return loops
+
+
+def _refuse_unfiltered_uses(graph: fx.Graph, loop: RefillLoop, filter_node: fx.Node) -> None:
+    """A value of the refill region may feed only the region and the filter (or dead code)."""
+    live = ancestors(next(node for node in reversed(graph.nodes) if node.op == "output"))
+    region = set(loop.nodes)
+    for inside in (node for node in graph.nodes if node.name in region):
+        for user in inside.users:
+            if user is not filter_node and user.name not in region and (user in live or user.op == "output"):
+                raise _unfiltered_use(inside, user, filter_node)
+
+
+def _unfiltered_use(value: fx.Node, user: fx.Node, filter_node: fx.Node) -> TraceError:
+    where = user.meta.get("source")
+    if user.op == "output":
+        state, metrics = user.args[0]
+        key = next((k for k, v in {**state, **metrics}.items() if v is value), value.name)
+        where, what = filter_node.meta.get("source"), f"the output {key!r}"
+    else:
+        what = "this line"
+    return TraceError(
+        f"{what} uses a value computed before rg.filter_groups ({value.name}:{value.meta['spec']}); it belongs to the "
+        "unfiltered first round and is recomputed when the batch is refilled", where,
+        fix="use the rollouts and rewards rg.filter_groups returns (compute other values from them after "
+        "filtering), or pass the value through the filter",
+    )
 
 
 def _bind_hparams(fn: Callable[..., Any], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -522,9 +578,10 @@ def trace_loss(update_op: Callable[..., Any], model: Any, batch: Any, loss: Call
         )
     child = Tracer(parent)
     with child:
-        inputs = [child.placeholder(params[0].name, S.f32(S.N, S.T))]
+        rows = batch.spec.rows if isinstance(getattr(batch, "spec", None), S.RecordSpec) else S.N
+        inputs = [child.placeholder(params[0].name, S.f32(rows, S.T))]
         if len(params) == 2:
-            inputs.append(child.placeholder(params[1].name, S.f32(S.N, S.T)))
+            inputs.append(child.placeholder(params[1].name, S.f32(rows, S.T)))
         result = loss(*inputs)
         value, metrics = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
         if not isinstance(value, TracedValue) or value.spec.shape != () or not value.spec.dtype.is_floating_point:
@@ -541,10 +598,10 @@ def trace_loss(update_op: Callable[..., Any], model: Any, batch: Any, loss: Call
     captures = list(child.lifted)
     for node in captures:
         spec = node.meta["spec"]
-        if not isinstance(spec, S.TensorSpec) or (spec.shape and spec.shape[0] != S.N):
+        if not isinstance(spec, S.TensorSpec) or (spec.shape and spec.shape[0] != rows):
             raise SpecError(
                 f"the loss closure {loss.__name__} uses {node.name}:{spec}; an update's loss may only use "
-                "per-rollout values [N, ...] and scalars, which are split with the micro-batches",
+                f"per-rollout values [{rows}, ...] and scalars, which are split with the micro-batches",
                 _definition_site(loss),
             )
     stats = ("loss", "grad_norm", *metrics)

@@ -43,7 +43,7 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions) -> di
     phases: dict[str, M.MemoryBreakdown] = {}
     for node in program.graph.nodes:
         prim = primitive_name(node)
-        if prim is None or node.meta.get("role") != group.name or prim == "score":
+        if prim is None or node.meta.get("role") != group.name or prim in ("score", "filter_groups"):
             continue
         shape = model_shape(options, node.args[0].meta["spec"].role)
         rows = -(-sizes["N"] // group.dp)

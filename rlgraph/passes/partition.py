@@ -1,7 +1,8 @@
 """`partition`: assign every node to a role (the worker group that runs it) and a phase.
 
 Primitives run on the role of their model (`generate` on the policy's generator, `rollout`,
-when the placement has one); `score` with a reward function runs on the controller. Field reads
+when the placement has one); `score` with a reward function and `filter_groups` run on the
+controller. Field reads
 stay with their record. Any other op runs where its inputs already are, choosing the location
 that moves the fewest bytes (ties go to the controller, which holds the metrics).
 
@@ -19,7 +20,8 @@ from rlgraph.ir.trace import get_field
 from rlgraph.passes.options import CompileOptions
 
 CONTROLLER = "controller"
-PHASES = {"generate": "generate", "logprobs": "infer", "values": "infer", "score": "reward", "update": "train"}
+PHASES = {"generate": "generate", "logprobs": "infer", "values": "infer", "score": "reward", "update": "train",
+          "filter_groups": "filter"}
 
 
 def value_bytes(spec: S.Spec, sizes: dict[str, int]) -> int:
@@ -38,6 +40,8 @@ def generator_role(role: str, options: CompileOptions) -> str:
 
 
 def _role_of_primitive(node: fx.Node, name: str, options: CompileOptions) -> str:
+    if name == "filter_groups":
+        return CONTROLLER  # it holds the kept groups across refill rounds
     model = node.args[0].meta["spec"]
     if name == "generate":
         return generator_role(model.role, options)
@@ -68,7 +72,8 @@ def partition(program: Program, options: CompileOptions) -> Program:
         elif prim is not None:
             node.meta.update(role=_role_of_primitive(node, prim, options), phase=PHASES[prim])
         elif node.target is get_field or (isinstance(node.args[0], fx.Node) and not isinstance(node.args[0].meta["spec"], S.TensorSpec)):
-            node.meta.update(role=node.args[0].meta["role"], phase=node.args[0].meta["phase"])
+            phase = node.args[0].meta["phase"]  # reads of the filter's results are controller math, not more filtering
+            node.meta.update(role=node.args[0].meta["role"], phase="math" if phase == "filter" else phase)
         else:
             node.meta.update(role=_cheapest(node, sizes), phase="math")
     return out.verify(after="partition")

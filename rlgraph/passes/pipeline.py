@@ -1,6 +1,6 @@
 """The compiler pipeline, top to bottom, and the `Compiled` result.
 
-    program --infer_specs--> --partition--> --place--> --reshard--> --fuse--> --schedule--> Plan
+    program --infer_specs--> --partition--> --place--> --reshard--> --fuse--> --loops--> --schedule--> Plan
 
 Each pass is a pure function `(Program, CompileOptions) -> Program` that ends by verifying its
 output; `schedule` lowers to the `Plan`. Nothing here runs a model.
@@ -15,6 +15,7 @@ import attrs
 from rlgraph.ir.program import Program
 from rlgraph.passes.fuse import fuse
 from rlgraph.passes.infer_specs import infer_specs
+from rlgraph.passes.loops import loops
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import partition
 from rlgraph.passes.place import place
@@ -28,6 +29,7 @@ PIPELINE: list[tuple[str, Callable[[Program, CompileOptions], Program]]] = [
     ("place", place),
     ("reshard", reshard),
     ("fuse", fuse),
+    ("loops", loops),
 ]
 
 

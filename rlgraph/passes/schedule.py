@@ -2,7 +2,8 @@
 
 Consecutive nodes of one role and phase form a stage; each transfer and weight sync is its own
 step; colocated groups that both generate and train get offload/onload points around
-generation. Program order is kept (it respects data dependencies by construction); the plan's
+generation. A refill loop (`filter_groups`) becomes a `Loop` over the steps of its region; no
+stage mixes nodes inside and outside a loop, so a step either re-runs whole or not at all. Program order is kept (it respects data dependencies by construction); the plan's
 steps name the program nodes they run, so an executor walking the plan runs exactly the program.
 """
 
@@ -20,12 +21,23 @@ from rlgraph.ir.trace import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER
 from rlgraph.plan.mesh import Colocated
-from rlgraph.plan.plan import Offload, Plan, Stage, SyncWeights, Transfer
+from rlgraph.plan.plan import Loop, Offload, Plan, Stage, SyncWeights, Transfer
 
 
 def _stage_key(node: fx.Node) -> tuple[str, str]:
     phase = node.meta["phase"]
     return node.meta["role"], ("controller" if phase == "math" and node.meta["role"] == CONTROLLER else phase)
+
+
+def _loop_steps(program: Program, steps: list) -> tuple[Loop, ...]:
+    """The plan's loops: the steps that run each refill region's nodes, and the filter's step."""
+    step_of: dict[str, int] = {}
+    for step in steps:
+        if isinstance(step, Stage):
+            step_of.update({name: step.index for name in step.nodes})
+    step_of.update({node.name: node.meta["step"] for node in program.graph.nodes if "step" in node.meta})
+    return tuple(Loop(tuple(sorted({step_of[name] for name in loop.nodes})), step_of[loop.filter], loop.prompts,
+                      loop.max_rounds) for loop in program.annotations.get("loops", ()))
 
 
 def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dict[str, int]) -> tuple[str, float]:
@@ -35,15 +47,19 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     groups = {group.name: group for group in program.annotations["groups"]}
     if prim is None or prim == "score":
         return "", 0.0
+    if prim == "filter_groups":
+        return f"keep the groups where keep is True; refill to B={sizes['B']} groups from fresh prompts", 0.0
     group = groups[node.meta["role"]]
     role = node.args[0].meta["spec"].role
     shape = model_shape(options, role)
     tokens = sizes["N"] * (sizes["P"] + sizes["T"])
     if prim == "generate":
         layout = group.generate
-        per_replica = -(-sizes["N"] // layout.dp)
-        return (f"{sizes['N']} samples ({sizes['B']} prompts x n={sizes['n']}), <= {sizes['T']} new tokens; "
-                f"{layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
+        samples = sizes["B"] * node.kwargs["n"]  # this generate's own n (a greedy baseline has n=1)
+        per_replica = -(-samples // layout.dp)
+        flops = shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * samples * (sizes["P"] + sizes["T"])
+        return (f"{samples} samples ({sizes['B']} prompts x n={node.kwargs['n']}), <= {sizes['T']} new tokens; "
+                f"{layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), flops
     if prim in ("logprobs", "values"):
         return f"forward only, {-(-sizes['N'] // group.dp)} sequences/rank", shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
     kwargs = node.kwargs
@@ -67,6 +83,7 @@ def _kernels(node: fx.Node) -> list[str]:
 def schedule(program: Program, options: CompileOptions) -> Plan:
     sizes = options.concrete(program.hparams.get("n"))
     memory = program.annotations["memory"]
+    region = {name for loop in program.annotations.get("loops", ()) for name in loop.nodes}
     steps: list = []
     current: dict | None = None
 
@@ -100,9 +117,11 @@ def schedule(program: Program, options: CompileOptions) -> Plan:
         role, phase = _stage_key(node)
         if isinstance(options.placement, Colocated) and options.placement.offload and phase in ("generate", "train"):
             _offload_points(steps, close, role, phase, memory, offloaded)
-        if current is None or (current["role"], current["phase"]) != (role, phase):
+        looped = node.name in region  # a stage is wholly inside a refill loop or wholly outside
+        if current is None or (current["role"], current["phase"], current["looped"]) != (role, phase, looped):
             close()
-            current = {"role": role, "phase": phase, "nodes": [], "ops": [], "detail": "", "flops": 0.0, "kernels": []}
+            current = {"role": role, "phase": phase, "looped": looped, "nodes": [], "ops": [], "detail": "", "flops": 0.0,
+                       "kernels": []}
         current["nodes"].append(node.name)
         current["ops"].append(f"{node.name}=.{node.args[1]}" if node.target is get_field else f"{node.name}={op_name(node)}")
         detail, flops = _detail(node, program, options, sizes)
@@ -112,7 +131,7 @@ def schedule(program: Program, options: CompileOptions) -> Plan:
     close()
     notes = ("offload/onload: optimizer state and gradients leave the device while the colocated generator runs",) if isinstance(options.placement, Colocated) and options.placement.offload else ()
     return Plan(program.name, options.mesh, _placement_text(options), program.annotations["groups"],
-                {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, notes)
+                {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, notes, _loop_steps(program, steps))
 
 
 def _name_step(node: fx.Node, step) -> None:

@@ -1,5 +1,5 @@
 """Render a plan as a Graphviz diagram: one cluster per worker group, steps as nodes in order,
-collectives as labelled edges between groups."""
+collectives as labelled edges between groups, refill loops as dashed back edges."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rlgraph.plan.plan import Plan
 
-_PHASE_COLOURS = {"generate": "#cfe8ff", "infer": "#e6f5d0", "train": "#ffd9b3", "reward": "#f2e0ff", "controller": "#eeeeee"}
+_PHASE_COLOURS = {"generate": "#cfe8ff", "infer": "#e6f5d0", "train": "#ffd9b3", "reward": "#f2e0ff", "controller": "#eeeeee",
+                  "filter": "#fde2e4"}
 
 
 def _quote(text: str) -> str:
@@ -39,6 +40,9 @@ def plan_to_dot(plan: Plan) -> str:
         lines.append(f"  subgraph cluster_{group} {{ label={_quote(f'{group} ({ranks})')}; style=dashed; {' '.join(names)}; }}")
     for before, after in zip(plan.steps, plan.steps[1:]):
         lines.append(f"  s{before.index} -> s{after.index};")
+    for loop in plan.loops:  # the refill loop: back from the filter to the first step it re-runs
+        label = f"refill on fresh {loop.prompts}, <= {loop.max_rounds} rounds"
+        lines.append(f"  s{loop.filter_step} -> s{loop.steps[0]} [style=dashed, constraint=false, label={_quote(label)}];")
     lines.append("}")
     return "\n".join(lines)
 

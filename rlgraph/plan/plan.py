@@ -3,7 +3,8 @@
 A plan is the ordered list of steps one iteration executes: stages (a group of ranks running
 program nodes in one phase), transfers (an explicit collective moving one value between
 layouts, with its bytes), weight syncs (train layout -> generation layout, bucketed) and
-offload/onload points. Plus the groups (ranks and layouts), the concrete sizes the byte counts
+offload/onload points; and the loops over some of those steps (`rg.filter_groups` re-running
+generation and scoring on fresh prompts until the batch is full). Plus the groups (ranks and layouts), the concrete sizes the byte counts
 were computed for, and the peak memory per rank of every group and phase.
 """
 
@@ -95,6 +96,32 @@ Step = Stage | Transfer | SyncWeights | Offload
 _STEP_TYPES = {cls.__name__: cls for cls in (Stage, Transfer, SyncWeights, Offload)}
 
 
+def _ranges(indices: tuple[int, ...]) -> str:
+    """(1, 2, 3, 5) -> "1-3, 5"."""
+    parts: list[list[int]] = []
+    for index in indices:
+        if parts and index == parts[-1][1] + 1:
+            parts[-1][1] = index
+        else:
+            parts.append([index, index])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
+
+
+@attrs.frozen
+class Loop:
+    """A refill loop (`rg.filter_groups`): `steps` re-run on a fresh batch of prompts (input
+    `prompts`) until `filter_step` has kept B groups or `max_rounds` rounds have run."""
+
+    steps: tuple[int, ...]
+    filter_step: int
+    prompts: str
+    max_rounds: int
+
+    def text(self, groups: int | str = "B") -> str:
+        return (f"loop: steps {_ranges(self.steps)} repeat on fresh {self.prompts} until {groups} groups are kept "
+                f"(filter_groups at step {self.filter_step}, <= {self.max_rounds} rounds; bytes and FLOP above are per round)")
+
+
 @attrs.frozen
 class Plan:
     algorithm: str
@@ -105,6 +132,7 @@ class Plan:
     steps: tuple[Step, ...]
     memory: Mapping[str, Mapping[str, Mapping[str, int]]]  # group -> phase -> {part: bytes, "total": ..}
     notes: tuple[str, ...] = ()
+    loops: tuple[Loop, ...] = ()
 
     # -- reading ---------------------------------------------------------------------------
     def group(self, name: str) -> Group:
@@ -129,6 +157,7 @@ class Plan:
             lines.append(f"  {group.name:<9} {group.ranks_text():<12} {layouts:<40} {peak}")
         lines.append("steps:")
         lines.extend("  " + step.text().replace("\n", "\n  ") for step in self.steps)
+        lines.extend(loop.text(f"B={self.sizes['B']}" if "B" in self.sizes else "B") for loop in self.loops)
         lines.append("memory per rank (peak over phases):")
         for name, phases in self.memory.items():
             for phase, parts in phases.items():
@@ -169,7 +198,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        types = {**_STEP_TYPES, "Plan": Plan, "Mesh": Mesh, "Group": Group, "TrainLayout": TrainLayout,
+        types = {**_STEP_TYPES, "Plan": Plan, "Loop": Loop, "Mesh": Mesh, "Group": Group, "TrainLayout": TrainLayout,
                  "GenerateLayout": GenerateLayout}
 
         def decode(value: Any) -> Any:

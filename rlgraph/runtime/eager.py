@@ -8,20 +8,21 @@ controller. An `update` node's loss program is run per micro-batch by the execut
 
 from __future__ import annotations
 
-import operator
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from rlgraph.backends.protocols import Executor, LossFn, ModelRef, RewardRef, UpdateConfig
+from rlgraph.backends.protocols import Executor, LossFn, RewardRef, UpdateConfig
 from rlgraph.batches import Rollouts
 from rlgraph.functional.aggregate import active_loss_normalization, global_counts, loss_normalization
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.primitives import primitive_name
+from rlgraph.ir.primitives import RefillLoop, primitive_name
 from rlgraph.ir.program import Program
+from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
 
 
 def run_nodes(program: Program, inputs: Sequence[Any], call_primitive) -> tuple[Any, dict[str, Any]]:
@@ -74,10 +75,36 @@ class Interpreter:
     def __init__(self, executor: Executor):
         self.executor = executor
 
-    def run(self, program: Program, batch: Any) -> tuple[dict[str, Any], dict[str, float]]:
-        """One iteration: returns the new state refs and the metrics as floats."""
-        state, metrics = run_nodes(program, self.bind_inputs(program, batch), self._primitive)
+    def run(self, program: Program, batch: Any, *, more_prompts: MorePrompts | None = None
+            ) -> tuple[dict[str, Any], dict[str, float]]:
+        """One iteration: returns the new state refs and the metrics as floats.
+
+        `more_prompts()` returns a fresh `Prompts` batch; only `rg.filter_groups` asks for one,
+        when it re-runs its refill region (`program.annotations["loops"]`) to fill the batch.
+        """
+        loops = program.annotations.get("loops", ())
+        require_prompt_source(loops, program, more_prompts)
+        env: dict[fx.Node, Any] = dict(zip(program.inputs, self.bind_inputs(program, batch)))
+        filters = {loop.filter: loop for loop in loops}
+        for node in program.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            if node.name in filters:
+                rerun = functools.partial(self._rerun_region, program, filters[node.name], env)
+                env[node] = run_filter(node, env, rerun, more_prompts)
+            else:
+                env[node] = run_node(node, env, self._primitive)
+        state, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
         return state, flatten_metrics(metrics)
+
+    def _rerun_region(self, program: Program, loop: RefillLoop, env: dict[fx.Node, Any], prompts: Any) -> dict[fx.Node, Any]:
+        """`env` with the loop's region re-run on `prompts` (the first round's values stay in `env`)."""
+        nodes = {node.name: node for node in program.graph.nodes}
+        fresh = dict(env)
+        fresh[nodes[loop.prompts]] = prompts
+        for name in loop.nodes:
+            fresh[nodes[name]] = run_node(nodes[name], fresh, self._primitive)
+        return fresh
 
     def bind_inputs(self, program: Program, batch: Any) -> list[Any]:
         """The program's inputs: the live version of each model role, reward roles, the batch."""
@@ -94,6 +121,7 @@ class Interpreter:
 
     def _primitive(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         name = primitive_name(node)
+        assert name != "filter_groups", "filter_groups runs through run_filter, with its refill loop"
         if name == "update":
             model, batch, *captured = args
             config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"})
@@ -109,7 +137,8 @@ def make_loss_fn(loss: Program, batch: Rollouts, captured: Sequence[Any]) -> Los
     Aggregations inside the loss divide by the token/sequence counts of the whole mini-batch, so
     the sum of micro-batch losses is the mini-batch loss whatever the micro-batch size.
     """
-    rows_dim = [node.meta["spec"].shape[:1] == (S.N,) for node in loss.inputs if "lifted_from" in node.meta]
+    rows = loss.inputs[0].meta["spec"].shape[:1]  # the model output's rows: (N,), or (B,) for n=1 rollouts
+    rows_dim = [node.meta["spec"].shape[:1] == rows for node in loss.inputs if "lifted_from" in node.meta]
 
     def loss_fn(micro_rows: torch.Tensor, minibatch_rows: torch.Tensor, output: torch.Tensor,
                 entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

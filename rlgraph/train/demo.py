@@ -1,8 +1,11 @@
-"""The demo run: a tiny Qwen2 learns two-number addition, SFT warm start then GRPO, on CPU.
+"""The demo run: a tiny Qwen2 learns two-number addition, SFT warm start then RL, on CPU.
 
-Everything runs through traced algorithms (`sft`, `grpo`, `evaluate`) and the interpreter; this
-module only wires the roles, the data and the clock. Defaults follow the configuration measured
-with a hand-written loop in shared/ENV-NOTES.md, so the gap to those figures is rlgraph's overhead.
+Everything runs through traced algorithms (`sft`, the RL algorithm, `evaluate`) and the
+interpreter; this module only wires the roles, the data and the clock. The RL algorithm is any
+of `rlgraph.algorithms` (GRPO by default; PPO gets a critic initialised from the warm-started
+policy; DAPO refills its batch from the same prompt sampler). Defaults follow the configuration
+measured with a hand-written loop in shared/ENV-NOTES.md, so the gap to those figures is
+rlgraph's overhead.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rlgraph.algorithms import evaluate, grpo, sft
+from rlgraph.algorithms import ALGORITHMS, evaluate, sft
+from rlgraph.backends.local.critic import build_critic
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data import arithmetic
@@ -30,8 +34,16 @@ from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.loop import Trainer
 
 
+# Demo-specific hyper-parameters: answers are <= 4 tokens (3 digits + EOS) of max_new_tokens=5, so
+# DAPO's overlong punishment starts at the 5th token (a response that never stopped).
+DEMO_HPARAMS: dict[str, dict[str, Any]] = {"dapo": {"overlong_buffer": 1}}
+RL_ALGORITHMS = tuple(name for name in ALGORITHMS if name not in ("sft", "evaluate"))
+
+
 @attrs.frozen
 class DemoConfig:
+    algorithm: str = "grpo"
+    hparams: dict[str, Any] = attrs.field(factory=dict)  # the RL algorithm's, over DEMO_HPARAMS
     seed: int = 0
     sft_batch: int = 128
     sft_lr: float = 2e-3
@@ -41,6 +53,7 @@ class DemoConfig:
     rl_prompts: int = 32
     rl_samples: int = 8
     rl_lr: float = 1e-4
+    critic_lr: float = 1e-4       # PPO only
     rl_seconds: float = 120.0
     rl_max_steps: int | None = None
     temperature: float = 1.0
@@ -51,6 +64,7 @@ class DemoConfig:
 
 @attrs.frozen
 class DemoResult:
+    algorithm: str
     sft_steps: int
     sft_seconds: float
     rl_steps: int
@@ -58,7 +72,8 @@ class DemoResult:
     dev_after_sft: float
     test_before_rl: float
     test_after_rl: float
-    samples_per_second: float
+    samples_per_second: float     # rollouts generated (DAPO's dropped groups included) per second of RL
+    trained_per_second: float     # rollouts the updates trained on per second of RL
     final_reward: float
 
 
@@ -71,7 +86,20 @@ def build_roles(config: DemoConfig) -> tuple[LocalExecutor, Any]:
     return executor, tokenizer
 
 
+def add_critic(executor: LocalExecutor, config: DemoConfig) -> None:
+    """PPO's critic: the warm-started policy's backbone (as verl initialises it) plus a value head."""
+    critic = build_critic(tokenizer=executor.tokenizer, seed=config.seed + 1)
+    critic.backbone.load_state_dict(executor.models["policy"].model.state_dict())
+    executor.models["critic"] = LMWorker(critic, torch.optim.AdamW(critic.parameters(), lr=config.critic_lr), kind="critic")
+
+
 def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) -> DemoResult:
+    if config.algorithm not in RL_ALGORITHMS:
+        raise ValueError(f"demo: unknown RL algorithm {config.algorithm!r}; choose one of {', '.join(RL_ALGORITHMS)}")
+    fixed = sorted({"n", "temperature", "max_new_tokens"} & set(config.hparams))
+    if fixed:
+        raise ValueError(f"demo: set {', '.join(fixed)} through DemoConfig (rl_samples, temperature, max_new_tokens), "
+                         "not hparams: the demo sizes its batches and figures from them")
     console = console or Console()
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
@@ -84,57 +112,70 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
     def accuracy(prompts) -> float:
         return interpreter.run(eval_program, prompts)[1]["accuracy"]
 
-    # 1. SFT warm start, stopped once the dev split shows some signal.
-    sampler = arithmetic.PromptSampler(splits.train, batch_size=config.sft_batch, seed=config.seed)
-    sft_trainer = Trainer(sft.trace(), interpreter, lambda: arithmetic.to_demonstrations(sampler.next_batch(), tokenizer), sampler)
     console.print(f"[bold]rlgraph demo[/]: {sum(p.numel() for p in executor.models['policy'].model.parameters()):,}-parameter "
                   f"Qwen2 learns A+B (A, B in [0, 99]); held-out {len(splits.test)} problems, greedy exact match")
+    sft_steps, sft_seconds, dev_acc = _warm_start(config, interpreter, splits, tokenizer, lambda: accuracy(dev), console)
+    before = accuracy(test)
+    console.print(f"SFT: {sft_steps} steps in {sft_seconds:.1f} s, dev {dev_acc:.1%}; "
+                  f"held-out accuracy before RL: [bold]{before:.1%}[/]")
+    rl_trainer, rl_seconds, reward = _reinforce(config, executor, splits, tokenizer, console)
+    after = accuracy(test)
+    if rl_trainer.run_dir is not None:
+        rl_trainer.save()
+    generated = sum(metrics.get("filter/rounds", 1.0) for metrics in rl_trainer.history) * config.rl_prompts * config.rl_samples
+    result = DemoResult(
+        algorithm=config.algorithm, sft_steps=sft_steps, sft_seconds=sft_seconds, rl_steps=rl_trainer.step,
+        rl_seconds=rl_seconds, dev_after_sft=dev_acc, test_before_rl=before, test_after_rl=after,
+        samples_per_second=generated / max(rl_seconds, 1e-9),
+        trained_per_second=rl_trainer.step * config.rl_prompts * config.rl_samples / max(rl_seconds, 1e-9),
+        final_reward=reward,
+    )
+    _report(console, result, rl_trainer.run_dir)
+    return result
+
+
+def _warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer, dev_accuracy, console: Console):
+    """SFT until the dev split shows some signal (RL needs some to start from); (steps, seconds, dev acc)."""
+    sampler = arithmetic.PromptSampler(splits.train, batch_size=config.sft_batch, seed=config.seed)
+    sft_trainer = Trainer(sft.trace(), interpreter, lambda: arithmetic.to_demonstrations(sampler.next_batch(), tokenizer), sampler)
     dev_acc, start = 0.0, time.perf_counter()
     with _progress(console) as progress:
         task = progress.add_task("SFT", total=config.sft_max_steps, info="")
         for metrics in sft_trainer.run(steps=config.sft_max_steps):
             if sft_trainer.step % config.sft_eval_every == 0:
-                dev_acc = accuracy(dev)
+                dev_acc = dev_accuracy()
             progress.update(task, advance=1, info=f"loss {metrics['policy/loss']:.3f}  dev acc {dev_acc:.1%}")
             if dev_acc >= config.sft_target:
                 break
-    sft_seconds = time.perf_counter() - start
-    before = accuracy(test)
-    console.print(f"SFT: {sft_trainer.step} steps in {sft_seconds:.1f} s, dev {dev_acc:.1%}; "
-                  f"held-out accuracy before RL: [bold]{before:.1%}[/]")
+    return sft_trainer.step, time.perf_counter() - start, dev_acc
 
-    # 2. GRPO from the verifier alone.
+
+def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, console: Console):
+    """The RL phase through the compiled plan; returns (trainer, seconds, smoothed reward)."""
     for group in executor.models["policy"].optimizer.param_groups:
         group["lr"] = config.rl_lr
-    rl_sampler = arithmetic.PromptSampler(splits.train, batch_size=config.rl_prompts, seed=config.seed + 1)
+    hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams,
+               "n": config.rl_samples, "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}
     # RL runs the compiled plan (one CPU rank), not the eager interpreter: the plan is the truth.
-    compiled = compile_algorithm(grpo, mesh="cpu:1", placement=colocated(offload=False, checkpointing=False), sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens},
-                                 n=config.rl_samples, temperature=config.temperature, max_new_tokens=config.max_new_tokens)
+    compiled = compile_algorithm(ALGORITHMS[config.algorithm], mesh="cpu:1", placement=colocated(offload=False, checkpointing=False),
+                                 sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
+    if any(node.target == "critic" for node in compiled.source.inputs):
+        add_critic(executor, config)
+    rl_sampler = arithmetic.PromptSampler(splits.train, batch_size=config.rl_prompts, seed=config.seed + 1)
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
-    rl_trainer = Trainer(compiled.program, PlanRunner(compiled, executor), lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer), rl_sampler,
-                         run_dir=run_dir)
-    reward, start = 0.0, time.perf_counter()
+    rl_trainer = Trainer(compiled.program, PlanRunner(compiled, executor), lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer),
+                         rl_sampler, run_dir=run_dir)
+    reward, start, label = 0.0, time.perf_counter(), config.algorithm.upper()
     with _progress(console) as progress:
-        task = progress.add_task("GRPO", total=config.rl_seconds, info="")
+        task = progress.add_task(label, total=config.rl_seconds, info="")
         for metrics in rl_trainer.run(steps=config.rl_max_steps, seconds=config.rl_seconds):
             reward = 0.9 * reward + 0.1 * metrics["reward"] if rl_trainer.step > 1 else metrics["reward"]
             progress.update(task, completed=min(time.perf_counter() - start, config.rl_seconds),
                             info=f"step {rl_trainer.step}  reward {reward:.2f}")
-    rl_seconds = time.perf_counter() - start
-    after = accuracy(test)
-    if run_dir is not None:
-        rl_trainer.save()
-    result = DemoResult(
-        sft_steps=sft_trainer.step, sft_seconds=sft_seconds, rl_steps=rl_trainer.step, rl_seconds=rl_seconds,
-        dev_after_sft=dev_acc, test_before_rl=before, test_after_rl=after,
-        samples_per_second=rl_trainer.step * config.rl_prompts * config.rl_samples / max(rl_seconds, 1e-9),
-        final_reward=reward,
-    )
-    _report(console, result, run_dir)
-    return result
+    return rl_trainer, time.perf_counter() - start, reward
 
 
 def _progress(console: Console) -> Progress:
@@ -143,12 +184,14 @@ def _progress(console: Console) -> Progress:
 
 
 def _report(console: Console, result: DemoResult, run_dir: Path | None) -> None:
+    label = result.algorithm.upper()
     table = Table(title="held-out accuracy (200 problems, greedy)")
     table.add_column("before RL (after SFT)")
-    table.add_column("after GRPO")
+    table.add_column(f"after {label}")
     table.add_row(f"{result.test_before_rl:.1%}", f"{result.test_after_rl:.1%}")
     console.print(table)
-    console.print(f"GRPO: {result.rl_steps} steps in {result.rl_seconds:.0f} s, "
-                  f"{result.samples_per_second:,.0f} samples/s")
+    trained = f" ({result.trained_per_second:,.0f} trained on)" if result.trained_per_second != result.samples_per_second else ""
+    console.print(f"{label}: {result.rl_steps} steps in {result.rl_seconds:.0f} s, "
+                  f"{result.samples_per_second:,.0f} samples/s{trained}")
     if run_dir is not None:
         (run_dir / "summary.json").write_text(json.dumps(attrs.asdict(result), indent=1))

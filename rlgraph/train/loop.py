@@ -20,7 +20,8 @@ from rlgraph.train.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 
 @attrs.define
 class Trainer:
-    """`program` runs once per step on the batch `next_batch()` returns.
+    """`program` runs once per step on the batch `next_batch()` returns (and on more of them when
+    the program's `rg.filter_groups` refills its batch).
 
     `sampler` (anything with `state_dict`/`load_state_dict`) is checkpointed with the models so a
     resumed run sees exactly the batches the uninterrupted run would have seen.
@@ -54,7 +55,9 @@ class Trainer:
 
     def run_step(self) -> dict[str, float]:
         start = time.perf_counter()
-        _, metrics = self.interpreter.run(self.program, self.next_batch())
+        # next_batch is also the prompt source of a refill loop (rg.filter_groups): the sampler,
+        # checkpointed with the models, sees every batch drawn, so a resumed run stays exact.
+        _, metrics = self.interpreter.run(self.program, self.next_batch(), more_prompts=self.next_batch)
         metrics["time/step_s"] = time.perf_counter() - start
         self.step += 1
         self.history.append(metrics)

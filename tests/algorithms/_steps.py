@@ -6,7 +6,7 @@ import torch
 
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.runtime.eager import Interpreter
-from tests.helpers import make_executor, params_of, parity_reward, prompts
+from tests.helpers import make_executor, params_of, parity_reward, prompt_source, prompts
 
 
 def two_steps(algorithm, *, executor=None, role="policy", count=3, with_ref=False, **hparams):
@@ -15,7 +15,7 @@ def two_steps(algorithm, *, executor=None, role="policy", count=3, with_ref=Fals
     executor = executor or make_executor(with_ref=with_ref, reward=parity_reward, max_new_tokens=4)
     interpreter, before, grad_norms = Interpreter(executor), params_of(executor, role), []
     for step in range(2):
-        state, metrics = interpreter.run(program, prompts(count, offset=step * count))
+        state, metrics = interpreter.run(program, prompts(count, offset=step * count), more_prompts=prompt_source(count))
         assert state[role] == ModelRef(role, step + 1)
         assert math.isfinite(metrics[f"{role}/loss"]) and math.isfinite(metrics[f"{role}/grad_norm"]), metrics
         grad_norms.append(metrics[f"{role}/grad_norm"])

@@ -12,8 +12,15 @@ def test_overlong_penalty_is_zero_then_linear_down_to_minus_one():
                                torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
 
 
-def test_dapo_shapes_rewards_clips_higher_and_averages_over_tokens():
+def test_dapo_filters_groups_shapes_rewards_clips_higher_and_averages_over_tokens():
     text, metrics = two_steps(dapo, n=4, max_new_tokens=4, overlong_buffer=2)
+    assert "group_has_variance b c" in text and "filter_groups[max_rounds=4] a b d" in text
     assert "overlong_penalty[max_length=4 buffer=2]" in text
     assert "ppo_clip[clip_low=0.2 clip_high=0.28 agg=token_mean]" in text
     assert metrics["shaped_reward"] <= metrics["reward"] and "policy/clip_frac" in metrics
+    assert 1 <= metrics["filter/rounds"] <= 4 and 0 <= metrics["filter/kept_groups"] <= 1
+
+
+def test_dapo_without_dynamic_sampling_has_no_filter():
+    text, metrics = two_steps(dapo, n=4, max_new_tokens=4, dynamic_sampling=False)
+    assert "filter_groups" not in text and "filter/rounds" not in metrics

@@ -1,17 +1,12 @@
 import torch
 
 from rlgraph.algorithms import ppo
-from rlgraph.backends.local.critic import build_critic
-from rlgraph.backends.local.executor import LMWorker
 from tests.algorithms._steps import two_steps
-from tests.helpers import TOKENIZER, make_executor, params_of, parity_reward, prompts
+from tests.helpers import make_executor, params_of, parity_reward, prompts
 
 
 def executor_with_critic():
-    executor = make_executor(with_ref=True, reward=parity_reward, max_new_tokens=4)
-    critic = build_critic(tokenizer=TOKENIZER, seed=1)
-    executor.models["critic"] = LMWorker(critic, torch.optim.AdamW(critic.parameters(), lr=1e-3), kind="critic")
-    return executor
+    return make_executor(with_ref=True, reward=parity_reward, max_new_tokens=4, critic=True)
 
 
 def test_ppo_trains_the_policy_and_the_critic_for_two_steps():
@@ -32,3 +27,10 @@ def test_critic_values_are_per_response_token_zero_when_masked_and_differentiabl
     values = executor.models["critic"].model.values(rollouts)
     assert values.shape == rollouts.mask.shape and values.requires_grad
     assert torch.all(values[~rollouts.mask] == 0) and torch.all(values[rollouts.mask] != 0)
+
+
+def test_minibatches_split_both_updates():
+    executor = executor_with_critic()
+    text, metrics = two_steps(ppo, executor=executor, n=2, minibatches=2, max_new_tokens=4)
+    assert text.count("update[epochs=1 minibatches=2") == 2
+    assert executor.current("critic").version == 2 and metrics["critic/grad_norm"] > 0

@@ -113,7 +113,7 @@ def test_missing_record_field_lists_fields():
 def test_wrong_argument_kind_for_a_primitive():
     @rg.algorithm
     def bad(state: rg.State, prompts: rg.Prompts):
-        ro = rg.generate(state.policy, prompts)
+        ro = rg.generate(state.policy, prompts, n=4)
         again = rg.generate(state.policy, ro)  # E-kind
         return state, {}
 
@@ -140,7 +140,7 @@ def test_loss_must_be_a_scalar():
 def test_loss_may_not_capture_per_prompt_values():
     @rg.algorithm
     def bad(state: rg.State, prompts: rg.Prompts):
-        ro = rg.generate(state.policy, prompts)
+        ro = rg.generate(state.policy, prompts, n=4)
         per_prompt = prompts.mask.float().sum(-1)  # [B]
 
         def loss(lp):
@@ -203,3 +203,30 @@ def test_unused_roles_are_pruned_and_update_bumps_the_version():
     state, metrics = program.result
     assert str(state["policy"].meta["spec"]) == "policy@v+1"
     assert "policy" in metrics  # update statistics are reported automatically
+
+
+def test_one_sample_per_prompt_gives_per_prompt_rollouts():
+    """n=1 rollouts hold B rows, so mixing them with per-sample values fails while tracing."""
+    @rg.algorithm
+    def baseline(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=4)
+        greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0)
+        r, greedy_r = rg.score(state.reward, ro), rg.score(state.reward, greedy)
+        lp = rg.logprobs(state.policy, greedy)
+        return state, {"adv": (r - greedy_r[ro.group]).mean(), "lp": lp.mean()}
+
+    text = str(baseline.trace())
+    assert "Rollouts[B,T] = generate[n=1" in text and "f32[B] = score reward" in text
+    assert "f32[B,T] = logprobs" in text and "f32[N] = getitem" in text
+
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=4)
+        greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0)
+        adv = rg.score(state.reward, ro) - rg.score(state.reward, greedy)  # E-rows
+        return state, {"adv": adv.mean()}
+
+    with pytest.raises(SpecError) as exc:
+        bad.trace()
+    assert_points_at(exc, "E-rows")
+    assert "f32[N]" in str(exc.value) and "f32[B]" in str(exc.value)

@@ -1,0 +1,89 @@
+"""The controller's rule for `rg.filter_groups`: keep groups, refill from fresh prompts.
+
+Both runtimes call `run_filter` when they reach a `filter_groups` node; they differ only in how
+they re-run the refill region on a fresh batch of prompts (the eager interpreter walks the
+region's nodes, the plan runner the plan's loop steps), which they pass in as `rerun`.
+
+Guarantees: the result has exactly B groups (B = the groups of the first round), ids 0..B-1,
+each group's rows contiguous and in the order the groups were produced; kept groups come first,
+in round order; dropped groups fill the rest only when `max_rounds` rounds kept fewer than B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from rlgraph.batches import Prompts, Rollouts
+from rlgraph.ir.errors import RLGraphError, SourceLocation
+from rlgraph.ir.primitives import RefillLoop
+
+MorePrompts = Callable[[], Prompts]
+
+
+class RefillError(RLGraphError):
+    """`rg.filter_groups` could not run: no prompt source, or a `keep` that splits a group."""
+
+
+def _at(where: SourceLocation | None) -> str:
+    return f"\n  at {where} in {where.function}():  {where.code}" if where is not None else ""
+
+
+def require_prompt_source(loops: tuple[RefillLoop, ...], program: Any, more_prompts: MorePrompts | None) -> None:
+    """Refuse, before any work, a program whose refill loop may need prompts when none can come."""
+    needs = [loop for loop in loops if loop.max_rounds > 1]
+    if needs and more_prompts is None:
+        node = next(n for n in program.graph.nodes if n.name == needs[0].filter)
+        raise RefillError(
+            f"rg.filter_groups may draw up to {needs[0].max_rounds - 1} more batches of prompts, but this run "
+            f"was given no prompt source{_at(node.meta.get('source'))}\n"
+            "  fix: pass one, e.g. interpreter.run(program, batch, more_prompts=lambda: next_prompts()) (the "
+            "Trainer passes its next_batch), or set max_rounds=1 to filter without refilling"
+        )
+
+
+def _groups(rollouts: Rollouts, rewards: torch.Tensor, keep: torch.Tensor, where: SourceLocation | None):
+    """Split one round into groups, in order of first appearance: [(rows, keep?)]."""
+    ids = rollouts.group.tolist()
+    rows_of: dict[int, list[int]] = {}
+    for row, gid in enumerate(ids):
+        rows_of.setdefault(gid, []).append(row)
+    out = []
+    for gid, rows in rows_of.items():
+        flags = keep[rows]
+        if bool(flags.any()) != bool(flags.all()):
+            raise RefillError(f"rg.filter_groups: keep must be the same for every row of a group; group {gid} "
+                              f"has {flags.tolist()}{_at(where)}\n  fix: compute keep per group, e.g. "
+                              "F.group_has_variance(r, ro.group)")
+        out.append((rollouts.select(rows), rewards[rows], bool(flags.all())))
+    return out
+
+
+def run_filter(node: fx.Node, env: dict[fx.Node, Any], rerun: Callable[[Prompts], dict[fx.Node, Any]],
+               more_prompts: MorePrompts | None) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
+    """Evaluate a `filter_groups` node whose inputs hold the first round's values in `env`.
+
+    `rerun(prompts)` re-runs the refill region on fresh prompts and returns the environment that
+    holds the node's inputs for that round. Returns (rollouts, rewards, statistics).
+    """
+    where = node.meta.get("source")
+    first = _groups(*(env[arg] for arg in node.args[:3]), where)
+    target = len(first)
+    kept = [group for group in first if group[2]]
+    dropped = [group for group in first if not group[2]]
+    rounds = 1
+    while len(kept) < target and rounds < node.kwargs["max_rounds"]:
+        fresh = rerun(more_prompts())
+        for group in _groups(*(fresh[arg] for arg in node.args[:3]), where):
+            (kept if group[2] else dropped).append(group)
+        rounds += 1
+    filled = max(0, target - len(kept))
+    chosen = kept[:target] + dropped[:filled]
+    rollouts = Rollouts.concat([group[0] for group in chosen])
+    rewards = torch.cat([group[1] for group in chosen])  # [N]
+    stats = {"rounds": float(rounds), "kept_groups": sum(group[2] for group in first) / max(target, 1),
+             "filled_groups": float(filled)}
+    return rollouts, rewards, stats

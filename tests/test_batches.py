@@ -1,0 +1,43 @@
+"""Rollouts.concat: padding, group renumbering, metadata."""
+
+import pytest
+import torch
+
+from rlgraph.batches import Rollouts
+
+
+def rollouts(groups, steps, width, fill=1.0, meta=None):
+    rows = len(groups)
+    return Rollouts(torch.full((rows, width), 7), torch.ones(rows, width, dtype=torch.bool),
+                    torch.full((rows, steps), 5), torch.ones(rows, steps, dtype=torch.bool),
+                    torch.full((rows, steps), fill), torch.tensor(groups), meta or {"id": list(range(rows))})
+
+
+def test_concat_pads_responses_right_and_prompts_left():
+    a, b = rollouts([0, 0], steps=2, width=3), rollouts([0, 0], steps=4, width=1, fill=2.0)
+    both = Rollouts.concat([a, b], pad_id=9)
+    assert both.response_ids.shape == (4, 4) and both.prompt_ids.shape == (4, 3)
+    assert both.mask.sum(-1).tolist() == [2, 2, 4, 4]
+    assert both.response_ids[0].tolist() == [5, 5, 9, 9] and both.logprobs[0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert both.prompt_ids[2].tolist() == [9, 9, 7] and both.prompt_mask[2].tolist() == [False, False, True]
+    assert both.meta == {"id": [0, 1, 0, 1]}
+
+
+def test_concat_renumbers_groups_in_order_and_never_merges_parts():
+    both = Rollouts.concat([rollouts([3, 3, 1, 1], 2, 2), rollouts([0, 0, 3, 3], 2, 2)])
+    assert both.group.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_concat_of_one_batch_is_that_batch_with_contiguous_ids():
+    one = rollouts([2, 2, 0, 0], 3, 2)
+    again = Rollouts.concat([one])
+    assert again.group.tolist() == [0, 0, 1, 1]
+    for field in ("prompt_ids", "prompt_mask", "response_ids", "mask", "logprobs"):
+        assert torch.equal(getattr(again, field), getattr(one, field)), field
+
+
+def test_concat_refuses_nothing_and_mismatched_meta():
+    with pytest.raises(ValueError, match="at least one"):
+        Rollouts.concat([])
+    with pytest.raises(ValueError, match="meta fields differ"):
+        Rollouts.concat([rollouts([0], 1, 1), rollouts([0], 1, 1, meta={"other": [1]})])

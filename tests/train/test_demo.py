@@ -1,0 +1,28 @@
+"""The demo with another RL algorithm: a few steps each, through the compiled plan."""
+
+import pytest
+from rich.console import Console
+
+from rlgraph.cli import main
+from rlgraph.train.demo import DemoConfig, run_demo
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "dapo"])
+def test_the_demo_runs_other_algorithms_through_the_plan(algorithm, tmp_path):
+    config = DemoConfig(algorithm=algorithm, sft_max_steps=2, sft_eval_every=1, rl_max_steps=2, rl_prompts=4,
+                        rl_samples=2, threads=1, run_dir=str(tmp_path))
+    result = run_demo(config, Console(quiet=True))
+    assert result.algorithm == algorithm and result.rl_steps == 2
+    plan = (tmp_path / "plan.txt").read_text()
+    assert f"plan {algorithm}" in plan
+    if algorithm == "ppo":
+        assert "values=values" in plan and "critic" in plan
+    else:
+        assert "loop: steps" in plan and result.samples_per_second >= result.trained_per_second
+
+
+def test_the_demo_refuses_unknown_algorithms_and_fixed_hparams():
+    with pytest.raises(SystemExit, match="unknown RL algorithm 'grpoo'"):
+        main(["demo", "--algorithm", "grpoo"])
+    with pytest.raises(ValueError, match="rl_samples"):
+        run_demo(DemoConfig(hparams={"n": 2}), Console(quiet=True))
