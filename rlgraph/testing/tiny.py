@@ -24,23 +24,26 @@ def length_parity_reward(completions: list[str], **_) -> list[float]:
 
 
 def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: float = 0.1, optimizer: str = "sgd",
-                  reward: Callable[..., list[float]] = length_parity_reward, max_new_tokens: int = 4) -> LocalExecutor:
-    """A local executor holding `roles` (policy and critic train; others, e.g. ref, are frozen).
+                  critic_lr: float | None = None, reward: Callable[..., list[float]] = length_parity_reward,
+                  max_new_tokens: int = 4) -> LocalExecutor:
+    """A local executor holding `roles`: "policy" and "critic" train, any other role (e.g. "ref")
+    is a frozen copy of the initial policy (the usual reference model: KL is 0 at the start).
 
     SGD by default, so a step is exactly the gradient: comparisons between two runs see the
-    gradient's differences instead of Adam's normalised signs.
+    gradient's differences instead of Adam's normalised signs. The critic is `build_critic`
+    seeded `seed + 1`, with `critic_lr` (default `lr`).
     """
     tokenizer = load_tokenizer()
     models: dict[str, LMWorker] = {}
-    for index, role in enumerate(roles):
+    for role in roles:
         if role == "critic":
             module = build_critic(tokenizer=tokenizer, seed=seed + 1)
-            models[role] = LMWorker(module, _optimizer(optimizer, module, lr), kind="critic")
+            models[role] = LMWorker(module, _optimizer(optimizer, module, critic_lr or lr), kind="critic")
         elif role == "policy":
             module = build_causal_lm(tokenizer=tokenizer, seed=seed)
             models[role] = LMWorker(module, _optimizer(optimizer, module, lr))
         else:
-            models[role] = LMWorker(build_causal_lm(tokenizer=tokenizer, seed=seed + 2 + index))
+            models[role] = LMWorker(build_causal_lm(tokenizer=tokenizer, seed=seed))
     return LocalExecutor(models, {"reward": RewardWorker(reward)}, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
 
 
