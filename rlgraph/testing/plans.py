@@ -55,7 +55,9 @@ def assert_plan_invariants(compiled: Compiled) -> None:
     3. every edge between two layouts passes through exactly one collective (none is useless,
        none is chained), and its kind is the one the two layouts call for;
     4. bytes add up: a transfer moves exactly the bytes of its value at the plan's sizes, and the
-       collective, simulated over per-rank shards, delivers the value whole and back again.
+       collective, simulated over per-rank shards, delivers the value whole and back again;
+    5. a refill loop (`rg.filter_groups`) re-runs exactly the steps of its region, all before the
+       filter's step, and no step outside the loop reads a value made inside it except the filter.
     """
     plan, program = compiled.plan, compiled.program
     name = plan.algorithm
@@ -72,6 +74,31 @@ def assert_plan_invariants(compiled: Compiled) -> None:
                 _fail(_PLAN, name, f"step {position[node.name]} runs {node.name} before step {position[arg.name]} "
                       f"produces its input {arg.name}", node=node.name, input=arg.name)
     _check_collectives(compiled)
+    _check_loops(compiled, position)
+
+
+def _check_loops(compiled: Compiled, position: dict[str, int]) -> None:
+    plan, program = compiled.plan, compiled.program
+    regions = {loop.filter: loop for loop in program.annotations.get("loops", ())}
+    if len(regions) != len(plan.loops):
+        _fail(_PLAN, plan.algorithm, f"the program has {len(regions)} refill loop(s), the plan {len(plan.loops)}")
+    nodes = {node.name: node for node in program.graph.nodes}
+    for loop in plan.loops:
+        region = next((r for r in regions.values() if position.get(r.filter) == loop.filter_step), None)
+        if region is None:
+            _fail(_PLAN, plan.algorithm, f"loop over steps {loop.steps}: no filter_groups node runs at step {loop.filter_step}")
+        wanted = tuple(sorted({position[name] for name in region.nodes if name in position}))
+        if tuple(loop.steps) != wanted:
+            _fail(_PLAN, plan.algorithm, f"loop re-runs steps {list(loop.steps)}, but its region {list(region.nodes)} "
+                  f"runs at steps {list(wanted)}")
+        if loop.steps and max(loop.steps) >= loop.filter_step:
+            _fail(_PLAN, plan.algorithm, f"loop step {max(loop.steps)} is not before its filter at step {loop.filter_step}")
+        inside = set(region.nodes)
+        for name in region.nodes:
+            for user in nodes[name].users:
+                if user.name not in inside and user.name != region.filter and user.users:
+                    _fail(_PLAN, plan.algorithm, f"{user.name} (step {position.get(user.name)}) reads {name} from inside "
+                          f"the refill loop of {region.filter}: it would see only the first round")
 
 
 def _movable(node) -> bool:
@@ -197,13 +224,14 @@ def _parameters(executor: Any) -> dict[str, list[torch.Tensor]]:
 def assert_compiled_matches_eager(algorithm: Any, *, executor: Callable[[], Any], batches: Sequence[Any],
                                   mesh: str = "cpu:1", placement: Any = None, sizes: Mapping[str, int] | None = None,
                                   roles: Mapping[str, S.Spec] | None = None, rtol: float = 1e-5, atol: float = 1e-6,
-                                  **hparams: Any) -> list[dict[str, float]]:
+                                  more_prompts: Sequence[Prompts] | None = None, **hparams: Any) -> list[dict[str, float]]:
     """Running the compiled plan gives the eager interpreter's numbers, step for step.
 
     `executor()` must build identical fresh executors (same seeds); each run gets its own. The
     metrics of every step must agree to `rtol`/`atol` (fused kernels differ from plain ops by
-    float rounding only), and so must every parameter of every model afterwards. Returns the
-    compiled run's metrics.
+    float rounding only), and so must every parameter of every model afterwards. `more_prompts`
+    feeds `rg.filter_groups` refills (each run draws from its own copy of the list, in order).
+    Returns the compiled run's metrics.
     """
     import rlgraph as rg
     from rlgraph.runtime.eager import Interpreter
@@ -219,7 +247,9 @@ def assert_compiled_matches_eager(algorithm: Any, *, executor: Callable[[], Any]
         ex = executor()
         interpreter = Interpreter(ex) if runner == "eager" else PlanRunner(compiled, ex)
         program = compiled.source
-        metrics = [interpreter.run(program, batch)[1] for batch in batches]
+        refills = iter(more_prompts or ())
+        source = (lambda: next(refills)) if more_prompts is not None else None
+        metrics = [interpreter.run(program, batch, more_prompts=source)[1] for batch in batches]
         runs.append((metrics, _parameters(ex)))
     (eager_metrics, eager_params), (plan_metrics, plan_params) = runs
     what = getattr(algorithm, "name", repr(algorithm))

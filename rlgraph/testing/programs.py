@@ -1,6 +1,6 @@
 """Random well-typed algorithms: a strategy that writes an `@rg.algorithm` as source and traces it.
 
-Each draw picks a sampler (n), an advantage estimator (a group estimator, or a critic with GAE), where
+Each draw picks a sampler (n), optional dynamic sampling (`rg.filter_groups`), an advantage estimator (a group estimator, or a critic with GAE), where
 the old log-probs come from, a policy loss and its aggregation, an optional KL penalty against a
 reference model, an optional entropy bonus, micro-batching and epochs, and renders a function of
 the same shape as the library's own algorithms. The draw's `repr` is that source, so a failing
@@ -59,7 +59,7 @@ class GeneratedAlgorithm:
 
 
 def render(*, n: int, estimator: str | None, critic: bool, recompute_old: bool, loss: str, agg: str,
-           kl: str | None, kl_coef: float, entropy_coef: float) -> str:
+           kl: str | None, kl_coef: float, entropy_coef: float, dynamic_sampling: bool = False) -> str:
     """The source of one algorithm; `estimator` is ignored when `critic` is set (GAE is used)."""
     lines = [
         "@rg.algorithm",
@@ -67,6 +67,8 @@ def render(*, n: int, estimator: str | None, critic: bool, recompute_old: bool, 
         "    ro = rg.generate(state.policy, prompts, n=n, max_new_tokens=max_new_tokens)",
         "    r = rg.score(state.reward, ro)",
     ]
+    if dynamic_sampling:
+        lines.append("    ro, r = rg.filter_groups(ro, r, F.group_has_variance(r, ro.group), max_rounds=2)")
     if critic:
         lines += ["    values = rg.values(state.critic, ro)",
                   "    adv, returns = F.gae(F.rewards_at_last_token(r, ro.mask), values, ro.mask, gamma=1.0, lam=0.95)"]
@@ -108,8 +110,11 @@ def build(source: str) -> Any:
 
 
 @st.composite
-def algorithms(draw, *, critic: bool | None = None, kl: bool | None = None) -> GeneratedAlgorithm:
-    """Random well-typed algorithms over the primitives (`critic`/`kl` force those parts on or off)."""
+def algorithms(draw, *, critic: bool | None = None, kl: bool | None = None,
+               dynamic_sampling: bool | None = None) -> GeneratedAlgorithm:
+    """Random well-typed algorithms over the primitives (`critic`, `kl`, `dynamic_sampling` force
+    those parts on or off; dynamic sampling is `rg.filter_groups` with 2 rounds, which needs a
+    prompt source to run)."""
     with_critic = draw(st.booleans()) if critic is None else critic
     with_kl = draw(st.booleans()) if kl is None else kl
     options = dict(
@@ -122,6 +127,7 @@ def algorithms(draw, *, critic: bool | None = None, kl: bool | None = None) -> G
         kl=draw(st.sampled_from(KL_ESTIMATORS)) if with_kl else None,
         kl_coef=0.01,
         entropy_coef=draw(st.sampled_from([0.0, 0.001])),
+        dynamic_sampling=draw(st.booleans()) if dynamic_sampling is None else dynamic_sampling,
     )
     source = render(**options)
     roles: dict[str, S.Spec] = {"policy": S.ModelSpec("policy"), "reward": S.RewardSpec("reward")}

@@ -1,5 +1,6 @@
 """Plan invariants over random algorithms and placements, reshard round trips, compiled == eager."""
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -60,11 +61,23 @@ def test_collectives_scatter_gather_and_refuse_the_wrong_kind():
 
 @pytest.mark.slow
 @settings(max_examples=6)
-@given(rgt.algorithms(kl=False))
+@given(rgt.algorithms())
 def test_random_algorithms_run_the_same_compiled_and_eager(generated):
     rgt.assert_compiled_matches_eager(
         generated.algorithm, executor=lambda: rgt.tiny_executor(generated.model_roles), roles=generated.roles,
-        batches=[rgt.tiny_prompts(2, offset=2 * i) for i in range(2)], **generated.hparams)
+        batches=[rgt.tiny_prompts(2, offset=2 * i) for i in range(2)],
+        more_prompts=[rgt.tiny_prompts(2, offset=10 + 2 * i) for i in range(2)], **generated.hparams)
+
+
+def test_a_plan_whose_loop_misses_a_step_is_caught():
+    from rlgraph.algorithms import dapo
+
+    compiled = rg.compile(dapo, mesh="gpu:8", placement=rg.split({"policy": 4, "rollout": 4}), sizes=SIZES, n=4)
+    rgt.assert_plan_invariants(compiled)
+    loop = compiled.plan.loops[0]
+    broken = attrs.evolve(compiled, plan=attrs.evolve(compiled.plan, loops=(attrs.evolve(loop, steps=loop.steps[1:]),)))
+    with pytest.raises(rgt.PropertyFailure, match="loop re-runs steps"):
+        rgt.assert_plan_invariants(broken)
 
 
 def test_grpo_compiled_matches_eager_with_micro_batches():
