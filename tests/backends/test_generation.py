@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, nucleus_filter, sample_tokens
-from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.batches import Prompts
 
 from tests.backends.conftest import prompts_of

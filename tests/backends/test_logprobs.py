@@ -5,8 +5,7 @@ from hypothesis import strategies as st
 
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
-from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
-from rlgraph.batches import Prompts
+from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.data.arithmetic import Problem, to_demonstrations
 
 from tests.backends.conftest import prompts_of
