@@ -24,6 +24,7 @@ import torch
 
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir.errors import RLGraphError
+from rlgraph.passes.reshard import collective_kind
 
 CONTROLLER = "controller"
 Layout = tuple
@@ -125,12 +126,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def expected_kind(src: Layout, dst: Layout, per_row: bool) -> str:
-    """The one collective that moves a value from `src` to `dst` (the reshard pass's rule)."""
-    if src == (CONTROLLER,):
-        return "scatter" if per_row else "broadcast"
-    if dst == (CONTROLLER,):
-        return "gather"
-    return "all_to_all" if set(src[0]) == set(dst[0]) else "send_recv"
+    """The one collective that moves a value from `src` to `dst`: the reshard pass's own rule."""
+    return collective_kind(src, dst, per_row)
 
 
 def move(placed: dict[Any, Any], src: Layout, dst: Layout, kind: str, *, per_row: bool | None = None) -> tuple[dict[Any, Any], int]:
