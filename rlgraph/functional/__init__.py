@@ -16,7 +16,9 @@ from rlgraph.functional.estimator import ESTIMATORS, estimator, get_estimator, r
 from rlgraph.functional.kl import (
     KL_ESTIMATORS, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
 )
-from rlgraph.functional.losses import clip_cov, cispo, entropy_bonus, gpg_loss, gspo, kl_cov, ppo_clip, value_loss
+from rlgraph.functional.losses import (
+    POLICY_LOSS_KL, clip_cov, cispo, entropy_bonus, gpg_loss, gspo, kl_cov, policy_loss, ppo_clip, value_loss,
+)
 
 __all__ = [
     # aggregate
@@ -31,5 +33,6 @@ __all__ = [
     "discounted_returns", "gae", "gpg", "group_has_variance", "group_normalize", "opo", "reinforce_pp", "reinforce_pp_baseline",
     "remax", "rewards_at_last_token", "rloo",
     # losses
-    "clip_cov", "cispo", "entropy_bonus", "gpg_loss", "gspo", "kl_cov", "ppo_clip", "value_loss",
+    "POLICY_LOSS_KL", "clip_cov", "cispo", "entropy_bonus", "gpg_loss", "gspo", "kl_cov", "policy_loss", "ppo_clip",
+    "value_loss",
 ]

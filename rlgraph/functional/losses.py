@@ -216,3 +216,44 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, *, agg: Aggregation = token_mea
     `compute_entropy_loss`.
     """
     return agg(entropy, mask)  # []
+
+
+# KL estimators the fused policy-loss kernel implements (verl's names and the k-names).
+POLICY_LOSS_KL = ("k1", "kl", "k2", "mse", "k3", "low_var_kl")
+
+
+@traceable
+def policy_loss(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, ref_lp: Tensor | None = None,
+                entropy: Tensor | None = None, clip_low: float = 0.2, clip_high: float | None = None,
+                dual_clip: float | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+                entropy_coef: float = 0.0, agg: Aggregation = token_mean) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A whole PPO-family policy loss as one op: agg(pg + kl_coef * KL(pi || ref) - entropy_coef * H).
+
+    pg is `ppo_clip`'s per-token loss (asymmetric and dual clip as there), KL one of
+    `POLICY_LOSS_KL` between `lp` and `ref_lp` (none without `ref_lp`), H the per-token
+    `entropy` (none without it). Aggregation is linear, so this equals `ppo_clip(...)[0] +
+    kl_coef * agg(kl) - entropy_coef * entropy_bonus(...)` term by term. One op lets the `fuse`
+    pass run the loss, its gradient and every metric in one kernel pass (`fused_policy_loss`).
+    Source: verl `compute_policy_loss_vanilla` + `kl_penalty` + `agg_loss` (the actor's loss with
+    `use_kl_loss`). Returns (loss, clip_fraction, approx_kl, entropy, kl); the last two are
+    detached token means (0 without `entropy` / `ref_lp`).
+    """
+    if kl_estimator not in POLICY_LOSS_KL:
+        raise ValueError(f"policy_loss: kl_estimator must be one of {', '.join(POLICY_LOSS_KL)}, got {kl_estimator!r}; "
+                         "for another estimator add `kl_coef * agg(F.kl_abs(lp, ref), mask)` to ppo_clip's loss")
+    from rlgraph.functional.kl import KL_ESTIMATORS
+
+    mask = mask.to(torch.bool)
+    value, clip_fraction, approx_kl = ppo_clip(lp, old_lp, adv, mask, clip_low=clip_low, clip_high=clip_high,
+                                               dual_clip=dual_clip, agg=agg)
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    kl_mean = ent_mean = zero
+    if ref_lp is not None:
+        kl = KL_ESTIMATORS[kl_estimator](torch.where(mask, lp, 0.0), torch.where(mask, ref_lp, 0.0))  # [N, T]
+        value = value + kl_coef * agg(kl, mask)
+        kl_mean = token_mean(kl, mask).detach()
+    if entropy is not None:
+        entropy = torch.where(mask, entropy, 0.0)  # [N, T]
+        value = value - entropy_coef * agg(entropy, mask)
+        ent_mean = token_mean(entropy, mask).detach()
+    return value, clip_fraction, approx_kl, ent_mean, kl_mean

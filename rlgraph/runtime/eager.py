@@ -54,7 +54,7 @@ def run_node(node: fx.Node, env: dict[fx.Node, Any], call_primitive) -> Any:
 
 # Kernels cannot read the loss-normalisation context (they import only torch and triton), so the
 # runtime hands them the global counts of the mini-batch explicitly.
-_COUNTED_KERNELS = {"fused_ppo_clip"}
+_COUNTED_KERNELS = {"fused_ppo_clip", "fused_policy_loss"}
 
 
 def call_kernel(name: str, args: tuple, kwargs: dict) -> Any:
