@@ -48,6 +48,27 @@ def kl_k3(lp: Tensor, ref: Tensor) -> Tensor:
 kl_mse = kl_k2
 kl_low_var = kl_k3
 
+@traceable
+def adaptive_kl_coef(coef: Tensor, kl: Tensor, mask: Tensor, *, target: float, horizon: float) -> Tensor:
+    """The next coefficient f32[] of an adaptive KL penalty (Ziegler et al., 2019, arXiv 1909.08593):
+
+        e     = clip(KL / target - 1, -0.2, 0.2),  KL = mean over rows of each row's token mean
+        coef' = coef * (1 + e * N / horizon)
+
+    `kl` f32[N,T] is the per-token KL of this batch (e.g. `kl_k1(old_lp, ref)`), N its rows. The
+    coefficient grows while the policy drifts further than `target` from the reference and
+    shrinks otherwise. Source: verl `AdaptiveKLController` (same clip, n_steps = batch size).
+    Rows without tokens count as KL 0 (rlgraph's masked-mean convention).
+    """
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"adaptive_kl_coef: target and horizon must be > 0, got {target}, {horizon}")
+    mask = mask.to(torch.bool)
+    tokens = mask.sum(dim=-1).clamp(min=1)  # [N]
+    current = (torch.where(mask, kl, 0.0).sum(dim=-1) / tokens).mean()  # []
+    error = (current / target - 1.0).clamp(-0.2, 0.2)  # []
+    return (coef * (1.0 + error * kl.shape[0] / horizon)).detach()  # []
+
+
 # Names used by configs and by verl's `kl_penalty`; a plain lookup, e.g. KL_ESTIMATORS["k3"](lp, ref).
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k1": kl_k1, "kl": kl_k1, "abs": kl_abs, "k2": kl_k2, "mse": kl_k2, "k3": kl_k3, "low_var_kl": kl_k3,

@@ -12,6 +12,7 @@ All recording goes to the innermost active tracer (`ops.ACTIVE_TRACERS[-1]`).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import itertools
@@ -133,10 +134,16 @@ class ModelHandle(Handle):
 
 
 class StateView:
-    """The traced `state`: one handle per role; `state.replace(policy=new)` returns a new view."""
+    """The traced `state`: one handle per role; `state.replace(policy=new)` returns a new view.
 
-    def __init__(self, roles: Mapping[str, Handle]):
+    Besides models and rewards, a state may carry scalars from one iteration to the next
+    (`state.carry("kl_coef", init=0.1)`, e.g. an adaptive KL coefficient): an input of the program
+    like a model version, replaced like one, kept by the runtime and saved in checkpoints.
+    """
+
+    def __init__(self, roles: Mapping[str, Handle], tracer: Tracer | None = None):
         object.__setattr__(self, "_roles", dict(roles))
+        object.__setattr__(self, "_tracer", tracer)
 
     def __getattr__(self, name: str) -> Handle:
         roles = object.__getattribute__(self, "_roles")
@@ -153,11 +160,50 @@ class StateView:
     def __setattr__(self, name: str, value: Any) -> None:
         raise TraceError("state is immutable", user_location(), fix=f"return state.replace({name}=...)")
 
+    def carry(self, name: str, *, init: float) -> TracedValue:
+        """The value of carried scalar `name` f32[] this iteration (`init` in the first one).
+
+        Return the next value with `state.replace(name=new)`; the runtime feeds it back next
+        iteration and checkpoints it. Calling `carry` again with the same name returns the same value.
+        """
+        roles = object.__getattribute__(self, "_roles")
+        tracer = object.__getattribute__(self, "_tracer")
+        if not isinstance(init, (int, float)) or isinstance(init, bool):
+            raise TraceError(f"state.carry({name!r}, init=...): init must be a number (a hyper-parameter), "
+                             f"got {type(init).__name__}", user_location())
+        if name in roles:
+            existing = roles[name].node.meta.get("carry")
+            if existing is None:
+                raise TraceError(f"state.carry({name!r}): {name!r} is already a role of the state", user_location(),
+                                 fix="pick another name for the carried value")
+            if existing["init"] != float(init):
+                raise TraceError(f"state.carry({name!r}) was declared with init={existing['init']}, now {init}",
+                                 user_location())
+            return roles[name]
+        if not name.isidentifier():
+            raise TraceError(f"state.carry: {name!r} is not a valid name", user_location())
+        graph = tracer.graph
+        first = next((node for node in graph.nodes if node.op != "placeholder"), None)
+        with graph.inserting_before(first) if first is not None else contextlib.nullcontext():
+            node = graph.placeholder(name)
+        node.meta.update(spec=S.f32(), carry={"init": float(init)}, source=user_location())
+        roles[name] = tracer.wrap(node)
+        return roles[name]
+
     def replace(self, **updates: Handle) -> StateView:
         roles = dict(object.__getattribute__(self, "_roles"))
         for name, value in updates.items():
             if name not in roles:
-                raise TraceError(f"state.replace: no role {name!r}; roles are {', '.join(roles)}", user_location())
+                raise TraceError(f"state.replace: no role {name!r}; roles are {', '.join(roles)}", user_location(),
+                                 fix=f"declare a carried scalar first: state.carry({name!r}, init=...)")
+            if "carry" in roles[name].node.meta:
+                spec = getattr(value, "spec", None)
+                if not isinstance(value, TracedValue) or spec.shape != () or not spec.dtype.is_floating_point:
+                    raise TraceError(f"state.replace({name}=...): the carried value {name!r} is f32[], got "
+                                     f"{spec if spec is not None else type(value).__name__}", user_location(),
+                                     fix="reduce it to a scalar, e.g. .mean()")
+                roles[name] = value
+                continue
             old, new = roles[name].spec, getattr(value, "spec", None)
             if not isinstance(new, type(old)) or getattr(new, "role", None) != old.role:
                 raise TraceError(
@@ -165,7 +211,7 @@ class StateView:
                     user_location(),
                 )
             roles[name] = value
-        return StateView(roles)
+        return StateView(roles, object.__getattribute__(self, "_tracer"))
 
     @property
     def roles(self) -> dict[str, Handle]:
@@ -438,7 +484,7 @@ def trace_algorithm(fn: Callable[..., Any], *, roles: Mapping[str, S.Spec] | Non
     hparams = _bind_hparams(fn, hparams or {})
     tracer = Tracer()
     with tracer:
-        state = StateView({role: tracer.placeholder(role, spec) for role, spec in roles.items()})
+        state = StateView({role: tracer.placeholder(role, spec) for role, spec in roles.items()}, tracer)
         batch = tracer.placeholder(batch_param.name, batch_spec)
         result = fn(state, batch, **hparams)
         new_state, metrics = _check_algorithm_result(fn, result)

@@ -74,6 +74,13 @@ class Interpreter:
 
     def __init__(self, executor: Executor):
         self.executor = executor
+        self.carried: dict[str, torch.Tensor] = {}  # state.carry values, fed back each iteration
+
+    def remember(self, state: Mapping[str, Any]) -> None:
+        """Keep the carried scalars of an iteration's output state for the next iteration."""
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                self.carried[name] = value.detach().clone()
 
     def run(self, program: Program, batch: Any, *, more_prompts: MorePrompts | None = None
             ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -95,6 +102,7 @@ class Interpreter:
             else:
                 env[node] = run_node(node, env, self._primitive)
         state, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
+        self.remember(state)
         return state, flatten_metrics(metrics)
 
     def _rerun_region(self, program: Program, loop: RefillLoop, env: dict[fx.Node, Any], prompts: Any) -> dict[fx.Node, Any]:
@@ -107,7 +115,8 @@ class Interpreter:
         return fresh
 
     def bind_inputs(self, program: Program, batch: Any) -> list[Any]:
-        """The program's inputs: the live version of each model role, reward roles, the batch."""
+        """The program's inputs: the live version of each model role, reward roles, carried
+        scalars (their last value, or their `init`), the batch."""
         inputs = []
         for node in program.inputs:
             spec = node.meta["spec"]
@@ -115,6 +124,8 @@ class Interpreter:
                 inputs.append(self.executor.current(node.target))
             elif isinstance(spec, S.RewardSpec):
                 inputs.append(RewardRef(node.target))
+            elif "carry" in node.meta:
+                inputs.append(self.carried.get(node.target, torch.tensor(node.meta["carry"]["init"])))
             else:
                 inputs.append(batch)
         return inputs

@@ -44,6 +44,7 @@ class PlanRunner(Interpreter):
             else:
                 self._run_step(step, env)
         state, metrics = fx.node.map_arg(lowered.output.args[0], env.__getitem__)
+        self.remember(state)
         return state, flatten_metrics(metrics)
 
     def _step_nodes(self, step: Any) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from rlgraph.ir.program import Program
 from rlgraph.runtime.eager import Interpreter
@@ -46,11 +47,13 @@ class Trainer:
         self.history = list(restored.get("history", []))
         if self.sampler is not None:
             self.sampler.load_state_dict(restored["sampler"])
+        self.interpreter.carried = {name: torch.as_tensor(value) for name, value in restored.get("carried", {}).items()}
         return True
 
     def save(self) -> Path:
         assert self.run_dir is not None, "set run_dir to checkpoint"
-        extra = {"history": self.history, "sampler": self.sampler.state_dict() if self.sampler is not None else None}
+        extra = {"history": self.history, "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+                 "carried": dict(self.interpreter.carried)}  # state.carry values (e.g. an adaptive KL coefficient)
         return save_checkpoint(self.run_dir, self.step, self.interpreter.executor, extra)
 
     def run_step(self) -> dict[str, float]:
