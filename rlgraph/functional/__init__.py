@@ -14,7 +14,7 @@ from rlgraph.functional.aggregate import (
 )
 from rlgraph.functional.estimator import ESTIMATORS, estimator, get_estimator, register_estimator
 from rlgraph.functional.kl import (
-    KL_ESTIMATORS, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
+    KL_ESTIMATORS, adaptive_kl_coef, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
 )
 from rlgraph.functional.losses import (
     POLICY_LOSS_KL, clip_cov, cispo, entropy_bonus, gpg_loss, gspo, kl_cov, policy_loss, ppo_clip, value_loss,
@@ -28,7 +28,7 @@ __all__ = [
     # estimator
     "ESTIMATORS", "estimator", "get_estimator", "register_estimator",
     # kl
-    "KL_ESTIMATORS", "entropy_from_logits", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_mse",
+    "KL_ESTIMATORS", "adaptive_kl_coef", "entropy_from_logits", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_mse",
     # advantages
     "discounted_returns", "gae", "gpg", "group_has_variance", "group_normalize", "opo", "reinforce_pp", "reinforce_pp_baseline",
     "remax", "rewards_at_last_token", "rloo",
