@@ -19,7 +19,9 @@ from rlgraph.testing.checks import (
     check_loss, microbatch_losses,
 )
 from rlgraph.testing.counterexample import Counterexample, PropertyFailure
-from rlgraph.testing.plans import assert_compiled_matches_eager, assert_plan_invariants, assert_reshard_round_trip
+from rlgraph.testing.plans import (
+    assert_compiled_matches_eager, assert_plan_invariants, assert_reshard_round_trip, assert_update_microbatch_invariant,
+)
 from rlgraph.testing.profiles import PROFILES, load_profile, register_profiles
 from rlgraph.testing.programs import GeneratedAlgorithm, algorithms
 from rlgraph.testing.strategies import (
@@ -33,7 +35,7 @@ __all__ = [
     "assert_group_permutation_equivariant", "assert_microbatch_invariant", "assert_padding_invariant",
     "check_estimator", "check_loss", "microbatch_losses",
     "Counterexample", "PropertyFailure",
-    "assert_compiled_matches_eager", "assert_plan_invariants", "assert_reshard_round_trip",
+    "assert_compiled_matches_eager", "assert_plan_invariants", "assert_reshard_round_trip", "assert_update_microbatch_invariant",
     "PROFILES", "load_profile", "register_profiles",
     "GeneratedAlgorithm", "algorithms",
     "group_permutations", "layouts", "meshes", "micro_batch_splits", "padding_of", "placements", "reward_values",

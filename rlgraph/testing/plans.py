@@ -221,6 +221,40 @@ def _parameters(executor: Any) -> dict[str, list[torch.Tensor]]:
     return {role: [p.detach().clone() for p in worker.model.parameters()] for role, worker in models.items()}
 
 
+def _run(interpreter: Any, program: Any, batches: Sequence[Any], more_prompts: Sequence[Prompts] | None
+         ) -> list[dict[str, float]]:
+    refills = iter(more_prompts or ())
+    source = (lambda: next(refills)) if more_prompts is not None else None
+    return [interpreter.run(program, batch, more_prompts=source)[1] for batch in batches]
+
+
+def _compare_runs(prop: str, what: str, labels: tuple[str, str], runs: list, rtol: float, atol: float,
+                  skip: Callable[[str], bool] = lambda key: False, **context: Any) -> None:
+    """Fail unless two runs' metrics (every step) and final parameters agree to rtol/atol."""
+    (a_metrics, a_params), (b_metrics, b_params) = runs
+    for step, (a, b) in enumerate(zip(a_metrics, b_metrics)):
+        if a.keys() != b.keys():
+            _fail(prop, what, f"step {step}: metrics {sorted(b)} ({labels[1]}) != {sorted(a)} ({labels[0]})")
+        for key in a:
+            if key.startswith("time/") or skip(key):
+                continue
+            if not torch.isclose(torch.tensor(b[key], dtype=torch.float64), torch.tensor(a[key], dtype=torch.float64),
+                                 rtol=rtol, atol=atol, equal_nan=True):
+                _fail(prop, what, f"step {step}: {key} = {b[key]!r} {labels[1]}, {a[key]!r} {labels[0]}",
+                      step=step, metric=key, **context)
+    for role in a_params:
+        for index, (x, y) in enumerate(zip(a_params[role], b_params[role])):
+            if not torch.allclose(x, y, rtol=rtol, atol=atol):
+                _fail(prop, what, f"{role} parameter {index} differs by up to {float((x - y).abs().max()):.3g} "
+                      f"({labels[1]} against {labels[0]}) after {len(a_metrics)} step(s)", role=role, **context)
+
+
+def _default_sizes(batches: Sequence[Any], hparams: Mapping[str, Any]) -> dict[str, int]:
+    first = batches[0]
+    return {"B": len(first), "P": first.ids.shape[1] if isinstance(first, Prompts) else 8,
+            "T": hparams.get("max_new_tokens") or 8}
+
+
 def assert_compiled_matches_eager(algorithm: Any, *, executor: Callable[[], Any], batches: Sequence[Any],
                                   mesh: str = "cpu:1", placement: Any = None, sizes: Mapping[str, int] | None = None,
                                   roles: Mapping[str, S.Spec] | None = None, rtol: float = 1e-5, atol: float = 1e-6,
@@ -237,36 +271,40 @@ def assert_compiled_matches_eager(algorithm: Any, *, executor: Callable[[], Any]
     from rlgraph.runtime.eager import Interpreter
     from rlgraph.runtime.plan_runner import PlanRunner
 
-    first = batches[0]
-    sizes = dict(sizes or {"B": len(first), "P": first.ids.shape[1] if isinstance(first, Prompts) else 8,
-                           "T": hparams.get("max_new_tokens") or 8})
     compiled = rg.compile(algorithm, mesh=mesh, placement=placement or rg.colocated(offload=False, checkpointing=False),
-                          sizes=sizes, roles=roles, **hparams)
+                          sizes=dict(sizes or _default_sizes(batches, hparams)), roles=roles, **hparams)
     runs = []
     for runner in ("eager", "compiled"):
         ex = executor()
         interpreter = Interpreter(ex) if runner == "eager" else PlanRunner(compiled, ex)
-        program = compiled.source
-        refills = iter(more_prompts or ())
-        source = (lambda: next(refills)) if more_prompts is not None else None
-        metrics = [interpreter.run(program, batch, more_prompts=source)[1] for batch in batches]
-        runs.append((metrics, _parameters(ex)))
-    (eager_metrics, eager_params), (plan_metrics, plan_params) = runs
+        runs.append((_run(interpreter, compiled.source, batches, more_prompts), _parameters(ex)))
+    _compare_runs("compiled == eager", getattr(algorithm, "name", repr(algorithm)), ("eager", "compiled"), runs,
+                  rtol, atol, plan=compiled.as_text())
+    return runs[1][0]
+
+
+def assert_update_microbatch_invariant(algorithm: Any, *, executor: Callable[[], Any], batches: Sequence[Any],
+                                       micro_batch_sizes: Sequence[int] = (1, 2), roles: Mapping[str, S.Spec] | None = None,
+                                       rtol: float = 1e-4, atol: float = 1e-6, more_prompts: Sequence[Prompts] | None = None,
+                                       **hparams: Any) -> None:
+    """An algorithm's training steps do not depend on its `micro_batch_size`, end to end.
+
+    The algorithm runs `len(batches)` steps without micro-batching, then again with each size in
+    `micro_batch_sizes` (fresh identical executors: use SGD, as `tiny_executor` does, so a step is
+    the gradient itself). Every metric of every step, and every parameter afterwards, must agree. This is the property `assert_microbatch_invariant` states for one loss,
+    checked through the executor's real micro-batch loop, the global counts it sets, the kernels and
+    gradient clipping. The algorithm must take a `micro_batch_size` hyper-parameter.
+    """
+    from rlgraph.runtime.eager import Interpreter
+
     what = getattr(algorithm, "name", repr(algorithm))
-    for step, (eager, plan) in enumerate(zip(eager_metrics, plan_metrics)):
-        if eager.keys() != plan.keys():
-            _fail("compiled == eager", what, f"step {step}: metrics {sorted(plan)} != eager {sorted(eager)}")
-        for key in eager:
-            if key.startswith("time/"):
-                continue
-            if not torch.isclose(torch.tensor(plan[key], dtype=torch.float64), torch.tensor(eager[key], dtype=torch.float64),
-                                 rtol=rtol, atol=atol, equal_nan=True):
-                _fail("compiled == eager", what, f"step {step}: {key} = {plan[key]!r} compiled, {eager[key]!r} eager",
-                      step=step, metric=key, plan=compiled.as_text())
-    for role in eager_params:
-        for index, (a, b) in enumerate(zip(eager_params[role], plan_params[role])):
-            if not torch.allclose(a, b, rtol=rtol, atol=atol):
-                worst = float((a - b).abs().max())
-                _fail("compiled == eager", what, f"{role} parameter {index} differs by up to {worst:.3g} after "
-                      f"{len(batches)} step(s)", role=role)
-    return plan_metrics
+
+    def run(size: int | None) -> tuple:
+        ex = executor()
+        return _run(Interpreter(ex), algorithm.trace(roles=roles, micro_batch_size=size, **hparams), batches,
+                    more_prompts), _parameters(ex)
+
+    whole = run(None)
+    for size in micro_batch_sizes:
+        _compare_runs("update micro-batch invariance", what, ("whole batch", f"micro_batch_size={size}"),
+                      [whole, run(size)], rtol, atol, micro_batch_size=size)

@@ -85,3 +85,42 @@ def test_grpo_compiled_matches_eager_with_micro_batches():
         grpo, executor=rgt.tiny_executor, batches=[rgt.tiny_prompts(4, offset=4 * i) for i in range(2)],
         n=4, max_new_tokens=4, micro_batch_size=4)
     assert len(metrics) == 2 and "policy/loss" in metrics[0]
+
+
+# -- end to end: an algorithm's steps do not depend on micro_batch_size ------------------------------
+
+from rlgraph.algorithms import ALGORITHMS  # noqa: E402
+from rlgraph import functional as F  # noqa: E402
+
+RL_ALGORITHMS = sorted(name for name in ALGORITHMS if name not in ("sft", "evaluate"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RL_ALGORITHMS)
+def test_every_library_algorithm_is_micro_batch_invariant_end_to_end(name):
+    algorithm = ALGORITHMS[name]
+    hparams = {"max_new_tokens": 3, "n": 2}
+    rgt.assert_update_microbatch_invariant(
+        algorithm, executor=lambda: rgt.tiny_executor(("policy", "ref", "critic")),
+        batches=[rgt.tiny_prompts(2, offset=2 * i) for i in range(2)],
+        more_prompts=[rgt.tiny_prompts(2, offset=20 + 2 * i) for i in range(8)], **hparams)
+
+
+@rg.algorithm
+def locally_normalized(state: rg.State, prompts: rg.Prompts, *, n=2, max_new_tokens=3, micro_batch_size=None):
+    ro = rg.generate(state.policy, prompts, n=n, max_new_tokens=max_new_tokens)
+    r = rg.score(state.reward, ro)
+    adv = F.group_normalize(r, ro.group)[:, None]
+
+    def loss(lp):  # broken on purpose: divides by the micro-batch's own token count
+        mask = ro.mask.float()
+        return (-(adv * lp) * mask).sum() / mask.sum().clamp(min=1.0)
+
+    return state.replace(policy=rg.update(state.policy, ro, loss, micro_batch_size=micro_batch_size)), {}
+
+
+def test_an_algorithm_whose_loss_normalizes_per_micro_batch_is_caught():
+    with pytest.raises(rgt.PropertyFailure, match="update micro-batch invariance fails for locally_normalized") as exc:
+        rgt.assert_update_microbatch_invariant(locally_normalized, executor=rgt.tiny_executor,
+                                               batches=[rgt.tiny_prompts(2)], micro_batch_sizes=(1,))
+    assert "micro_batch_size=1" in str(exc.value)
