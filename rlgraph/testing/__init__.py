@@ -10,8 +10,13 @@ run them in one line; a failure prints the shrunk counterexample as code to past
     def test_my_loss():
         rgt.assert_microbatch_invariant(lambda b: my_loss(b.logprobs, b.old_logprobs, b.advantages, b.mask))
 
-See docs/testing.md for the full tour.
+See docs/testing.md for the full tour. Needs hypothesis: `pip install 'rlgraph[testing]'`.
 """
+
+try:
+    import hypothesis  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("rlgraph.testing needs hypothesis; install it with: pip install 'rlgraph[testing]'") from exc
 
 from rlgraph.testing.batch import FIELDS, ROW_FIELDS, TOKEN_FIELDS, RolloutBatch
 from rlgraph.testing.checks import (
