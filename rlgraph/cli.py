@@ -1,10 +1,28 @@
-"""The `rlgraph` command line: `rlgraph demo [--algorithm ppo]`, `rlgraph trace <algorithm>`, `rlgraph plan <algorithm>`."""
+"""The `rlgraph` command line.
+
+    rlgraph list [algorithms|estimators|losses]       what can be named, with one line of doc each
+    rlgraph trace <algorithm> [-p key=value ...]       print the typed program
+    rlgraph plan <algorithm> [--mesh ...] [-p ...]     compile and print the placement plan
+    rlgraph demo [--algorithm grpo] [-p key=value ...] SFT then RL on the arithmetic task, on CPU
+
+Hyper-parameters that name an estimator or a loss take any registered name, e.g.
+`rlgraph trace grpo -p estimator=rloo -p loss=gspo`. `--import my_module` (or a .py path; any
+command, repeatable) imports the user's module first, so its `@F.estimator`s and `F.register_loss`
+calls register: `rlgraph plan grpo --import my_estimators -p estimator=loo_rank_bonus`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -21,54 +39,156 @@ def _hparams(pairs: list[str]) -> dict[str, Any]:
     return values
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlgraph", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import a module (dotted name, found from the working directory too) or a .py file first, "
+                        "so its @F.estimator / F.register_loss names can be used")
+    parser = argparse.ArgumentParser(prog="rlgraph", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="SFT then RL (GRPO by default) on the arithmetic task, on CPU")
-    demo.add_argument("--algorithm", default="grpo", help="the RL algorithm: grpo, ppo, dapo, rloo, ... (rlgraph.algorithms)")
-    demo.add_argument("-p", "--param", action="append", default=[], help="RL hyper-parameter key=value, e.g. lam=1.0")
+    listing = sub.add_parser("list", parents=[common], help="list the algorithms, estimators and losses you can name")
+    listing.add_argument("what", nargs="?", choices=("algorithms", "estimators", "losses"), help="one section only")
+
+    demo = sub.add_parser("demo", parents=[common], help="SFT then RL (GRPO by default) on the arithmetic task, on CPU")
+    demo.add_argument("--algorithm", default="grpo", help="the RL algorithm: grpo, ppo, dapo, rloo, ... (rlgraph list)")
+    demo.add_argument("-p", "--param", action="append", default=[],
+                      help="RL hyper-parameter key=value, e.g. lam=1.0 or estimator=rloo")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--rl-seconds", type=float, default=120.0)
     demo.add_argument("--rl-lr", type=float, default=1e-4)
     demo.add_argument("--critic-lr", type=float, default=1e-4, help="PPO's critic")
     demo.add_argument("--run-dir", default="runs/demo")
 
-    trace = sub.add_parser("trace", help="print an algorithm's typed program")
+    trace = sub.add_parser("trace", parents=[common], help="print an algorithm's typed program")
     trace.add_argument("algorithm")
-    trace.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value")
+    trace.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. loss=gspo")
     trace.add_argument("--source", action="store_true", help="show the source line of every value")
 
-    plan = sub.add_parser("plan", help="compile an algorithm and print its placement plan (runs nothing)")
+    plan = sub.add_parser("plan", parents=[common],
+                          help="compile an algorithm and print its placement plan (runs nothing)")
     plan.add_argument("algorithm")
     plan.add_argument("--mesh", default="gpu:8", help="e.g. gpu:8, h200:8, 2x8:h100, cpu:2")
     plan.add_argument("--placement", default="colocated",
                       help="colocated | colocated:fsdp=8,tp=2 | split:policy=4,rollout=4[,ref=policy]")
     plan.add_argument("--model", default="tiny-qwen2", help="a preset (e.g. llama3-70b) or a config.json / model directory")
     plan.add_argument("--sizes", default="B=32,P=64,T=256", help="concrete dims, e.g. B=64,P=512,T=1024")
-    plan.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value")
+    plan.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. estimator=rloo")
     plan.add_argument("--dot", help="write the Graphviz diagram here (.dot; .svg/.png rendered if Graphviz is installed)")
     plan.add_argument("--json", help="write the plan as JSON here")
+    return parser
 
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from rlgraph.train.demo import RL_ALGORITHMS, DemoConfig, run_demo
 
-        if args.algorithm not in RL_ALGORITHMS:
-            raise SystemExit(f"rlgraph: unknown RL algorithm {args.algorithm!r}; known: {', '.join(RL_ALGORITHMS)}")
-        run_demo(DemoConfig(algorithm=args.algorithm, hparams=_hparams(args.param), seed=args.seed, rl_seconds=args.rl_seconds,
-                            rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir))
-        return 0
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "trace":
-        from rlgraph.algorithms import ALGORITHMS
+def main(argv: list[str] | None = None) -> int:
+    from rlgraph.ir.errors import RLGraphError
 
-        if args.algorithm not in ALGORITHMS:
-            raise SystemExit(f"rlgraph: unknown algorithm {args.algorithm!r}; known: {', '.join(sorted(ALGORITHMS))}")
-        print(ALGORITHMS[args.algorithm].trace(**_hparams(args.param)).pretty(source=args.source))
-        return 0
-    return 2
+    args = _parser().parse_args(argv)
+    import_modules(args.imports)
+    commands = {"list": _list, "demo": _demo, "trace": _trace, "plan": _plan}
+    try:
+        return commands[args.command](args)
+    except RLGraphError as exc:  # the user's mistake, said without a traceback (estimator=..., a spec error, ...)
+        print(f"rlgraph {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def import_modules(names: list[str]) -> None:
+    """Import each of `names`, a dotted module name or a path to a .py file, for its registrations.
+
+    Module names are also looked up in the working directory, as `python -m` would. A module that
+    cannot be found exits with a message; errors raised by the module itself propagate.
+    """
+    for name in names:
+        try:
+            if name.endswith(".py"):
+                _import_file(Path(name))
+            else:
+                with _working_directory_on_path():
+                    importlib.import_module(name)
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            raise SystemExit(f"rlgraph: --import {name}: {exc}; run rlgraph from the directory that holds it, "
+                             "pass the path of the .py file, or add its directory to PYTHONPATH") from None
+
+
+@contextlib.contextmanager
+def _working_directory_on_path() -> Iterator[None]:
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def _import_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"no file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # registered names point at the module's functions, as for a normal import
+    spec.loader.exec_module(module)
+
+
+def _check_algorithm(name: str) -> None:
+    from rlgraph.algorithms import ALGORITHMS
+
+    if name not in ALGORITHMS:
+        raise SystemExit(f"rlgraph: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))} (rlgraph list)")
+
+
+def _trace(args) -> int:
+    from rlgraph.algorithms import ALGORITHMS
+
+    _check_algorithm(args.algorithm)
+    print(ALGORITHMS[args.algorithm].trace(**_hparams(args.param)).pretty(source=args.source))
+    return 0
+
+
+def _demo(args) -> int:
+    from rlgraph.algorithms import ALGORITHMS
+    from rlgraph.train.demo import RL_ALGORITHMS, DemoConfig, run_demo
+
+    if args.algorithm not in RL_ALGORITHMS:
+        raise SystemExit(f"rlgraph: unknown RL algorithm {args.algorithm!r}; known: {', '.join(RL_ALGORITHMS)}")
+    hparams = _hparams(args.param)
+    ALGORITHMS[args.algorithm].trace(**hparams)  # a wrong name or hyper-parameter fails now, not after SFT
+    run_demo(DemoConfig(algorithm=args.algorithm, hparams=hparams, seed=args.seed, rl_seconds=args.rl_seconds,
+                        rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir))
+    return 0
+
+
+def _list(args) -> int:
+    """Print each registry as `name  one-line doc`, under a header saying where the names go."""
+    for title, (where, rows) in _listings().items():
+        if args.what in (None, title):
+            print(f"{title} ({where}):")
+            width = max(map(len, rows), default=0) + 2
+            for name, doc in rows.items():
+                print(f"  {name:<{width}}{doc}")
+    return 0
+
+
+def _listings() -> dict[str, tuple[str, dict[str, str]]]:
+    from rlgraph import functional as F
+    from rlgraph.algorithms import ALGORITHMS
+    from rlgraph.functional.registry import summary
+
+    def taking(hparam: str) -> str:  # the algorithms whose hyper-parameter `hparam` takes these names
+        names = [name for name, algo in ALGORITHMS.items() if hparam in inspect.signature(algo.fn).parameters]
+        return f"-p {hparam}=<name> for {', '.join(names)}" if names else "by name in your own algorithms"
+
+    algorithms = {name: summary(sys.modules[algo.fn.__module__].__doc__) for name, algo in sorted(ALGORITHMS.items())}
+    estimators = {name: entry.doc for name, entry in F.ESTIMATORS.items()}
+    losses = {name: f"{entry.doc} Returns (loss, {', '.join(entry.metrics)})." for name, entry in F.LOSSES.items()}
+    return {
+        "algorithms": ("rlgraph trace|plan <name>, rlgraph demo --algorithm <name>", algorithms),
+        "estimators": (f"group advantage estimators: {taking('estimator')}; F.get_estimator(name)", estimators),
+        "losses": (f"policy losses: {taking('loss')}; F.get_loss(name)", losses),
+    }
 
 
 def parse_placement(text: str):
@@ -88,18 +208,16 @@ def parse_placement(text: str):
 def _plan(args) -> int:
     import rlgraph as rg
     from rlgraph.algorithms import ALGORITHMS
-    from rlgraph.ir.errors import RLGraphError
     from rlgraph.plan.dot import render
 
-    if args.algorithm not in ALGORITHMS:
-        raise SystemExit(f"rlgraph: unknown algorithm {args.algorithm!r}; known: {', '.join(sorted(ALGORITHMS))}")
+    _check_algorithm(args.algorithm)
     sizes = {key: int(value) for key, value in _hparams(args.sizes.split(",")).items()}
     hparams = _hparams(args.param)
     sizes.setdefault("n", hparams.get("n", 8))
     try:
         compiled = rg.compile(ALGORITHMS[args.algorithm], mesh=args.mesh, placement=parse_placement(args.placement),
                               sizes=sizes, models={"policy": args.model}, **hparams)
-    except (RLGraphError, ValueError) as exc:
+    except ValueError as exc:  # placement and model-size mistakes; RLGraphError is handled by main
         print(f"rlgraph plan: {exc}", file=sys.stderr)
         return 1
     print(compiled.as_text())

@@ -1,7 +1,8 @@
 """rlgraph.functional: advantage estimators, losses, KL estimators and masked aggregations.
 
 Pure torch functions with static shapes; each is one `@traceable` op of the IR. See
-docs/functional.md for the table of formulas, sources and edge-case conventions.
+docs/functional.md for the table of formulas, sources and edge-case conventions. Group advantage
+estimators and policy losses are also registered by name (`get_estimator`, `get_loss`).
 """
 
 from rlgraph.functional.advantages import (
@@ -12,12 +13,15 @@ from rlgraph.functional.aggregate import (
     LossNormalization, active_loss_normalization, global_counts, loss_normalization, masked_mean, masked_sum,
     masked_var, masked_whiten, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_mean,
 )
-from rlgraph.functional.estimator import ESTIMATORS, estimator, get_estimator, register_estimator
+from rlgraph.functional.estimator import estimator
 from rlgraph.functional.kl import (
     KL_ESTIMATORS, adaptive_kl_coef, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
 )
 from rlgraph.functional.losses import (
     POLICY_LOSS_KL, clip_cov, cispo, entropy_bonus, gpg_loss, gspo, kl_cov, policy_loss, ppo_clip, value_loss,
+)
+from rlgraph.functional.registry import (
+    ESTIMATORS, LOSSES, UnknownNameError, get_estimator, get_loss, register_estimator, register_loss,
 )
 
 __all__ = [
@@ -26,7 +30,7 @@ __all__ = [
     "masked_sum", "masked_var", "masked_whiten", "seq_mean_token_mean", "seq_mean_token_sum",
     "seq_mean_token_sum_norm", "token_mean",
     # estimator
-    "ESTIMATORS", "estimator", "get_estimator", "register_estimator",
+    "estimator",
     # kl
     "KL_ESTIMATORS", "adaptive_kl_coef", "entropy_from_logits", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_mse",
     # advantages
@@ -35,4 +39,6 @@ __all__ = [
     # losses
     "POLICY_LOSS_KL", "clip_cov", "cispo", "entropy_bonus", "gpg_loss", "gspo", "kl_cov", "policy_loss", "ppo_clip",
     "value_loss",
+    # registry
+    "ESTIMATORS", "LOSSES", "UnknownNameError", "get_estimator", "get_loss", "register_estimator", "register_loss",
 ]

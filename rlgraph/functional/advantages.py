@@ -8,6 +8,9 @@ tokens with `adv[:, None]`. Token-level ones take token rewards f32[N,T] (see
 contiguous. Group statistics use `index_add` / `scatter_reduce` into buffers of size N, so shapes
 never depend on the data.
 
+The group estimators whose inputs are rewards, groups and at most the mask are registered by name
+at the end of this module (`F.get_estimator`, `rlgraph list`).
+
 Edge cases, the same for every group estimator (verl differs for groups of size 1):
 - a group of size 1 has no baseline information: its advantage is 0 (verl uses mean 0, std 1,
   so the raw reward passes through);
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor
 
 from rlgraph.functional.aggregate import masked_mean, masked_var, masked_whiten
+from rlgraph.functional.registry import register_estimator
 from rlgraph.ir.ops import traceable
 
 
@@ -193,3 +197,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
         reversed_advantages.append(advantage)
     advantages = torch.where(mask, torch.stack(reversed_advantages[::-1], dim=-1), 0.0)  # [N, T]
     return advantages, torch.where(mask, advantages + values, 0.0)
+
+
+# By name, for configs and the CLI: `F.get_estimator(name)(rewards, group, n=n, mask=mask)` calls the op
+# itself, so programs print (and the fuse pass fuses) `group_normalize`, `rloo`, ... as when called directly.
+register_estimator("group_normalize", group_normalize)
+register_estimator("dr_grpo", group_normalize, hparams={"scale": False},
+                   doc="Dr.GRPO: A_i = r_i - mean_g, i.e. group_normalize(scale=False): no division by the group std.")
+register_estimator("rloo", rloo)
+register_estimator("gpg", gpg)
+register_estimator("reinforce_pp_baseline", reinforce_pp_baseline)
+register_estimator("opo", opo)

@@ -13,6 +13,9 @@ Conventions shared by every policy loss, so that one can replace another in an a
   tuples, never dicts. Metrics are detached and aggregated with `token_mean`, so under
   `loss_normalization` they add up over micro-batches exactly like the loss.
 
+Every policy loss is registered by name at the end of this module (`F.get_loss(name)`, `rlgraph
+list`), with the names of the metrics it returns after the loss.
+
 Values at masked positions never matter (they may be garbage, inf or NaN). Log-ratios are
 clamped to [-20, 20] before `exp` as in verl, so extreme inputs stay finite.
 """
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from rlgraph.functional.aggregate import masked_mean, seq_mean_token_mean, token_mean
+from rlgraph.functional.registry import register_loss
 from rlgraph.ir.ops import traceable
 
 Aggregation = Callable[[Tensor, Tensor], Tensor]
@@ -257,3 +261,16 @@ def policy_loss(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, ref_lp
         value = value - entropy_coef * agg(entropy, mask)
         ent_mean = token_mean(entropy, mask).detach()
     return value, clip_fraction, approx_kl, ent_mean, kl_mean
+
+
+# By name, for configs and the CLI: `F.get_loss(name)(lp, old_lp, adv, mask, **hparams)` -> (loss, *metrics),
+# the metrics named as algorithms report them. clip_frac is what each loss clipped or intervened on:
+# the clipped tokens (ppo_clip, gspo: whole sequences, cispo: clipped weights, policy_loss), the zeroed
+# tokens (clip_cov), the penalised tokens (kl_cov), always 0 (gpg_loss).
+register_loss("ppo_clip", ppo_clip)
+register_loss("gspo", gspo)
+register_loss("cispo", cispo)
+register_loss("gpg_loss", gpg_loss)
+register_loss("clip_cov", clip_cov)
+register_loss("kl_cov", kl_cov)
+register_loss("policy_loss", policy_loss, metrics=("clip_frac", "approx_kl", "entropy", "kl"))

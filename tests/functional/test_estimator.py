@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.ir import ops
 
 
 @F.estimator
@@ -64,12 +65,35 @@ def test_an_estimator_traces_as_one_node_named_after_the_function():
     assert sum(" = " in line for line in text.splitlines()) == 5        # generate, score, group, estimator, mean
 
 
-def test_registry_by_name():
-    assert F.get_estimator("leave_one_out") is leave_one_out and "length_penalised" in F.ESTIMATORS
-    with pytest.raises(KeyError, match="did you mean 'leave_one_out'"):
-        F.get_estimator("leave_one_uot")
+def test_an_estimator_is_registered_by_name_with_its_calling_convention():
+    assert F.get_estimator("leave_one_out").op is leave_one_out and "length_penalised" in F.ESTIMATORS
+    by_name = F.get_estimator("length_penalised")                     # takes the mask: a per-row `mask` argument
+    assert by_name.takes_mask and not F.get_estimator("leave_one_out").takes_mask
+    r, mask = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]]).bool()
+    torch.testing.assert_close(by_name(r, groups(2, 2), n=2, mask=mask, coef=0.5),
+                               length_penalised(r, groups(2, 2), mask, n=2, coef=0.5))
+    torch.testing.assert_close(F.get_estimator("leave_one_out")(r, groups(2, 2), n=2, mask=mask),
+                               leave_one_out(r, groups(2, 2), n=2))
+
+
+def test_names_of_ops_and_of_registered_estimators_are_refused_without_side_effects():
     with pytest.raises(ValueError, match="taken by the op"):
         F.estimator(lambda r: r, name="rloo")
+    with pytest.raises(ValueError, match="registered already"):
+        F.estimator(lambda r: r, name="dr_grpo")                      # a registry name, not an op name
+    assert ops.OPS["rloo"] is F.rloo and "dr_grpo" not in ops.OPS
+    assert F.ESTIMATORS["rloo"].op is F.rloo and F.ESTIMATORS["dr_grpo"].op is F.group_normalize
+
+
+def test_redefining_an_estimator_replaces_it():
+    def define():                                                     # as a re-run notebook cell would
+        @F.estimator(name="redefined_probe")
+        def probe(r):
+            return r - r.mean()
+        return probe
+
+    first, second = define(), define()
+    assert first is not second and F.get_estimator("redefined_probe").op is second
 
 
 def test_every_code_block_of_the_tutorial_runs():

@@ -274,7 +274,8 @@ def test_runs_on_meta_tensors(fn, args, kwargs, outputs):
 
 def test_every_public_function_is_traceable():
     plain = {"LossNormalization", "loss_normalization", "active_loss_normalization", "KL_ESTIMATORS",
-             "ESTIMATORS", "estimator", "register_estimator", "get_estimator", "POLICY_LOSS_KL"}  # registries, decorators, names
+             "ESTIMATORS", "estimator", "register_estimator", "get_estimator", "POLICY_LOSS_KL",
+             "LOSSES", "register_loss", "get_loss", "UnknownNameError"}  # registries, decorators, names, errors
     for name in F.__all__:
         if name not in plain:
             assert op_info(getattr(F, name)) is not None, name
