@@ -259,18 +259,20 @@ def check_loss(loss: BatchFn, **kwargs: Any) -> None:
 def check_estimator(estimator: BatchFn | str, **kwargs: Any) -> None:
     """Padding invariance and group-permutation equivariance of an advantage estimator.
 
-    `estimator` is a function of a `RolloutBatch`, or an `@rg.estimator` (the op or its registered
-    name), which is called as `est(b.rewards, b.group, n=b.n)` on equal-size groups.
+    `estimator` is a function of a `RolloutBatch`, or a registered estimator (its name, e.g.
+    "rloo", or an `@F.estimator` op), called as `F.get_estimator(name)(b.rewards, b.group, n=b.n,
+    mask=b.mask)` on equal-size groups.
     """
     if isinstance(estimator, str) or hasattr(estimator, "per_group"):
-        from rlgraph.functional.estimator import get_estimator
+        from rlgraph.functional.registry import get_estimator
 
-        op = get_estimator(estimator) if isinstance(estimator, str) else estimator
+        name = estimator if isinstance(estimator, str) else estimator.__name__
+        entry = get_estimator(name)  # the registry's one calling convention
 
         def estimator(b: RolloutBatch) -> torch.Tensor:
-            return op(b.rewards, b.group, n=b.n)
+            return entry(b.rewards, b.group, n=b.n, mask=b.mask)
 
-        estimator.__qualname__ = getattr(op, "__name__", "estimator")
+        estimator.__qualname__ = name
     assert_padding_invariant(estimator, **kwargs)
     assert_group_permutation_equivariant(estimator, **kwargs)
 

@@ -114,3 +114,8 @@ def test_check_estimator_takes_a_registered_estimator_by_name():
     failure = failure_of(rgt.check_estimator, "testing_first_sample_baseline")
     assert failure.counterexample.prop == "group-permutation equivariance"
     assert failure.counterexample.batch.N <= 4 and failure.counterexample.batch.T == 1  # shrunk small
+
+
+@pytest.mark.parametrize("name", ["group_normalize", "dr_grpo", "rloo", "gpg", "reinforce_pp_baseline", "opo"])
+def test_every_built_in_estimator_passes_check_estimator_by_name(name):
+    rgt.check_estimator(name)
