@@ -10,6 +10,7 @@ rlgraph's overhead.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -86,6 +87,12 @@ def build_roles(config: DemoConfig) -> tuple[LocalExecutor, Any]:
     return executor, tokenizer
 
 
+def add_reference(executor: LocalExecutor) -> None:
+    """The KL reference: a frozen copy of the warm-started policy (KL is 0 when RL starts)."""
+    reference = copy.deepcopy(executor.models["policy"].model).requires_grad_(False)
+    executor.models["ref"] = LMWorker(reference)
+
+
 def add_critic(executor: LocalExecutor, config: DemoConfig) -> None:
     """PPO's critic: the warm-started policy's backbone (as verl initialises it) plus a value head."""
     critic = build_critic(tokenizer=executor.tokenizer, seed=config.seed + 1)
@@ -159,8 +166,11 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
     # RL runs the compiled plan (one CPU rank), not the eager interpreter: the plan is the truth.
     compiled = compile_algorithm(ALGORITHMS[config.algorithm], mesh="cpu:1", placement=colocated(offload=False, checkpointing=False),
                                  sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
-    if any(node.target == "critic" for node in compiled.source.inputs):
+    roles = {node.target for node in compiled.source.inputs}
+    if "critic" in roles:
         add_critic(executor, config)
+    if "ref" in roles:
+        add_reference(executor)
     rl_sampler = arithmetic.PromptSampler(splits.train, batch_size=config.rl_prompts, seed=config.seed + 1)
     run_dir = Path(config.run_dir) if config.run_dir else None
     if run_dir is not None:

@@ -26,3 +26,12 @@ def test_the_demo_refuses_unknown_algorithms_and_fixed_hparams():
         main(["demo", "--algorithm", "grpoo"])
     with pytest.raises(ValueError, match="rl_samples"):
         run_demo(DemoConfig(hparams={"n": 2}), Console(quiet=True))
+
+
+def test_a_kl_penalty_gets_a_frozen_reference_copy_of_the_warm_started_policy(tmp_path):
+    config = DemoConfig(algorithm="ppo", hparams={"kl": 0.05, "kl_target": 0.01}, sft_max_steps=2, sft_eval_every=1,
+                        rl_max_steps=2, rl_prompts=4, rl_samples=2, threads=1, run_dir=str(tmp_path))
+    result = run_demo(config, Console(quiet=True))
+    assert result.rl_steps == 2
+    plan = (tmp_path / "plan.txt").read_text()
+    assert "ref" in plan and "adaptive_kl_coef" in plan and "kl_coef:f32[]" in plan
