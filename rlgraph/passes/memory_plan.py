@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program
 from rlgraph.passes.options import CompileOptions
@@ -36,7 +37,16 @@ def param_bytes(shape: ModelShape, mesh: Mesh) -> int:
     return shape.n_params * torch.empty((), dtype=param_dtype(mesh)).element_size()
 
 
+def batch_rows(node, sizes: dict[str, int]) -> int:
+    """Rows a primitive works on at concrete sizes: its rollouts' row dim (B for `n=1` generations
+    such as ReMax's greedy baseline, N otherwise)."""
+    record = node.meta["spec"] if primitive_name(node) == "generate" else node.args[1].meta["spec"]
+    return sizes[str(record.rows)] if isinstance(record, S.RecordSpec) else sizes["N"]
+
+
 def _phase_memory(program: Program, group: Group, options: CompileOptions) -> dict[str, M.MemoryBreakdown]:
+    """The peak of each phase of `group`: the largest over the primitives of that phase (ReMax's two
+    generations, two updates of one role), each sized by its own batch rows."""
     sizes = options.concrete(program.hparams.get("n"))
     seq = sizes["P"] + sizes["T"]
     dtype = param_dtype(options.mesh)
@@ -46,7 +56,8 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions) -> di
         if prim is None or node.meta.get("role") != group.name or prim in ("score", "filter_groups"):
             continue
         shape = model_shape(options, node.args[0].meta["spec"].role)
-        rows = -(-sizes["N"] // group.dp)
+        batch = batch_rows(node, sizes)
+        rows = -(-batch // group.dp)
         if prim == "update":
             per_mini = -(-rows // node.kwargs["minibatches"])
             micro = min(node.kwargs["micro_batch_size"] or per_mini, per_mini)
@@ -54,13 +65,15 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions) -> di
                 param_dtype=dtype, mixed_precision=dtype != torch.float32, fsdp_shards=group.train.fsdp,
                 checkpointing=group.train.checkpointing, micro_batch_tokens=micro * seq, seq_len=seq,
             )
-            phases["train"] = M.train_memory(shape, config)
+            phase, breakdown = "train", M.train_memory(shape, config)
         elif prim == "generate":
             replicas = group.generate.dp
-            phases["generate"] = M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-sizes["N"] // replicas),
-                                                   max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])
+            phase, breakdown = "generate", M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-batch // replicas),
+                                                             max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])
         else:
-            phases.setdefault("infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks)))
+            phase, breakdown = "infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks))
+        if phase not in phases or breakdown.total > phases[phase].total:
+            phases[phase] = breakdown
     return phases
 
 

@@ -41,7 +41,7 @@ def _loop_steps(program: Program, steps: list) -> tuple[Loop, ...]:
 
 
 def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dict[str, int]) -> tuple[str, float]:
-    from rlgraph.passes.memory_plan import model_shape
+    from rlgraph.passes.memory_plan import batch_rows, model_shape
 
     prim = primitive_name(node)
     groups = {group.name: group for group in program.annotations["groups"]}
@@ -52,7 +52,8 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     group = groups[node.meta["role"]]
     role = node.args[0].meta["spec"].role
     shape = model_shape(options, role)
-    tokens = sizes["N"] * (sizes["P"] + sizes["T"])
+    batch = batch_rows(node, sizes)  # B for an n=1 generation, N otherwise
+    tokens = batch * (sizes["P"] + sizes["T"])
     if prim == "generate":
         layout = group.generate
         samples = sizes["B"] * node.kwargs["n"]  # this generate's own n (a greedy baseline has n=1)
@@ -61,9 +62,9 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
         return (f"{samples} samples ({sizes['B']} prompts x n={node.kwargs['n']}), <= {sizes['T']} new tokens; "
                 f"{layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), flops
     if prim in ("logprobs", "values"):
-        return f"forward only, {-(-sizes['N'] // group.dp)} sequences/rank", shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
+        return f"forward only, {-(-batch // group.dp)} sequences/rank", shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
     kwargs = node.kwargs
-    rows = -(-sizes["N"] // group.dp)
+    rows = -(-batch // group.dp)
     per_mini = -(-rows // kwargs["minibatches"])
     micro = kwargs["micro_batch_size"] or per_mini
     count = -(-per_mini // micro)

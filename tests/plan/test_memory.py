@@ -216,3 +216,25 @@ def test_estimate_is_within_25_percent_of_a_measured_training_step(checkpointing
     batch, tokenizer = check.demonstrations(64)
     row = check.measure_train_step(batch, tokenizer, checkpointing=checkpointing)
     assert abs(row.error) <= 0.25, f"estimate {row.estimate} vs measured {row.measured} bytes"
+
+
+def test_a_phase_is_sized_by_its_largest_primitive_and_each_by_its_own_rows():
+    """ReMax generates N samples then B greedy ones on the same group: the phase's peak is the N one,
+    and the greedy generation is sized (and described) at B rows."""
+    import rlgraph as rg
+    from rlgraph.algorithms import remax
+    from rlgraph.passes.memory_plan import batch_rows
+
+    sizes = {"B": 64, "P": 512, "T": 1024}
+    compiled = rg.compile(remax, mesh="gpu:8", placement=rg.split({"policy": 4, "rollout": 4}), sizes=sizes,
+                          models={"policy": "qwen2.5-7b"}, n=8, micro_batch_size=2)
+    generates = [n for n in compiled.program.graph.nodes if n.name in ("generate", "generate_1")]
+    concrete = compiled.options.concrete(8)
+    assert [batch_rows(n, concrete) for n in generates] == [512, 64]
+    only_greedy = M.generate_memory(ModelShape.from_hf_config(get_preset("qwen2.5-7b")), tp=1, batch_sequences=64 // 4, max_seq_len=1536,
+                                    dtype=torch.bfloat16, prompt_len=512)
+    sampled = M.generate_memory(ModelShape.from_hf_config(get_preset("qwen2.5-7b")), tp=1, batch_sequences=512 // 4, max_seq_len=1536,
+                                dtype=torch.bfloat16, prompt_len=512)
+    kv = compiled.plan.memory["rollout"]["generate"]["kv_cache"]
+    assert kv == sampled.kv_cache and kv > only_greedy.kv_cache
+    assert "64 samples (64 prompts x n=1)" in compiled.as_text()
