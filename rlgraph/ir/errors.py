@@ -35,7 +35,8 @@ def user_location(frame: FrameType | None = None) -> SourceLocation | None:
     """The innermost stack frame outside rlgraph and torch: the user's line that is being traced."""
     frame = frame or sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
+        raw = frame.f_code.co_filename
+        filename = raw if raw.startswith("<") else os.path.abspath(raw)  # "<...>": generated code, kept for linecache
         if not filename.startswith(_SKIP_DIRS) or "/tests/" in filename or "/rlgraph/algorithms/" in filename:
             return SourceLocation(filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back

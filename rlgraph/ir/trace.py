@@ -529,9 +529,21 @@ def _check_refill_loops(graph: fx.Graph, fn: Callable[..., Any]) -> tuple[Refill
 
 
 def _refuse_unfiltered_uses(graph: fx.Graph, loop: RefillLoop, filter_node: fx.Node) -> None:
-    """A value of the refill region may feed only the region and the filter (or dead code)."""
+    """A value of the refill region, or the batch input the region re-reads, may feed only the
+    region and the filter (or dead code)."""
     live = ancestors(next(node for node in reversed(graph.nodes) if node.op == "output"))
     region = set(loop.nodes)
+    prompts = next(node for node in graph.nodes if node.op == "placeholder" and node.name == loop.prompts)
+    for user in prompts.users:
+        if user is not filter_node and user.name not in region and user in live:
+            raise TraceError(
+                f"this line reads the batch {prompts.name}:{prompts.meta['spec']} after rg.filter_groups; the "
+                "filtered rollouts may come from refilled batches, so its rows no longer match their groups",
+                user.meta.get("source"),
+                fix="compute what needs the prompts before filtering and pass it through the filter, or read "
+                "the prompts of the kept rollouts (ro.prompt_ids); a greedy baseline (ReMax) cannot follow "
+                "rg.filter_groups",
+            )
     for inside in (node for node in graph.nodes if node.name in region):
         for user in inside.users:
             if user is not filter_node and user.name not in region and (user in live or user.op == "output"):

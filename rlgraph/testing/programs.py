@@ -1,6 +1,6 @@
 """Random well-typed algorithms: a strategy that writes an `@rg.algorithm` as source and traces it.
 
-Each draw picks a sampler (n), optional dynamic sampling (`rg.filter_groups`), an advantage estimator (a group estimator, or a critic with GAE), where
+Each draw picks a sampler (n), optional dynamic sampling (`rg.filter_groups`), an advantage estimator (a group estimator, a greedy-rollout baseline as ReMax, token-level REINFORCE++ returns, or a critic with GAE), where
 the old log-probs come from, a policy loss and its aggregation, an optional KL penalty against a
 reference model, an optional entropy bonus, micro-batching and epochs, and renders a function of
 the same shape as the library's own algorithms. The draw's `repr` is that source, so a failing
@@ -31,6 +31,15 @@ GROUP_ESTIMATORS = (
     "F.opo(r, ro.group, ro.mask)",
     "r - r.mean()",
 )
+# Advantages that need more than (r, ro): each is (setup lines, a token-level [N, T] advantage).
+OTHER_ADVANTAGES = {
+    "greedy_baseline": (  # ReMax: a second, greedy generation per prompt is the baseline
+        ["greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens)",
+         "greedy_r = rg.score(state.reward, greedy)"],
+        "F.remax(r, greedy_r[ro.group])[:, None]"),
+    "reinforce_pp": (  # token-level returns whitened over the batch
+        [], "F.reinforce_pp(F.rewards_at_last_token(r, ro.mask), ro.mask, gamma=0.99)"),
+}
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "gpg_loss")
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("kl_k1", "kl_k2", "kl_k3", "kl_abs")
@@ -72,6 +81,9 @@ def render(*, n: int, estimator: str | None, critic: bool, recompute_old: bool, 
     if critic:
         lines += ["    values = rg.values(state.critic, ro)",
                   "    adv, returns = F.gae(F.rewards_at_last_token(r, ro.mask), values, ro.mask, gamma=1.0, lam=0.95)"]
+    elif estimator in OTHER_ADVANTAGES:
+        setup, advantage = OTHER_ADVANTAGES[estimator]
+        lines += [f"    {line}" for line in setup] + [f"    adv = {advantage}"]
     else:
         lines.append(f"    adv = ({estimator})[:, None]")
     lines.append("    old = rg.logprobs(state.policy, ro)" if recompute_old else "    old = ro.logprobs")
@@ -119,7 +131,7 @@ def algorithms(draw, *, critic: bool | None = None, kl: bool | None = None,
     with_kl = draw(st.booleans()) if kl is None else kl
     options = dict(
         n=draw(st.sampled_from([1, 2, 4])),
-        estimator=None if with_critic else draw(st.sampled_from(GROUP_ESTIMATORS)),
+        estimator=None if with_critic else draw(st.sampled_from(GROUP_ESTIMATORS + tuple(OTHER_ADVANTAGES))),
         critic=with_critic,
         recompute_old=draw(st.booleans()),
         loss=draw(st.sampled_from(POLICY_LOSSES)),
@@ -129,6 +141,8 @@ def algorithms(draw, *, critic: bool | None = None, kl: bool | None = None,
         entropy_coef=draw(st.sampled_from([0.0, 0.001])),
         dynamic_sampling=draw(st.booleans()) if dynamic_sampling is None else dynamic_sampling,
     )
+    if options["estimator"] == "greedy_baseline":  # its second generation reads the batch, which a refill replaces
+        options["dynamic_sampling"] = False
     source = render(**options)
     roles: dict[str, S.Spec] = {"policy": S.ModelSpec("policy"), "reward": S.RewardSpec("reward")}
     if with_kl:

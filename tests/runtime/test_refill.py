@@ -221,3 +221,18 @@ def test_group_has_variance_marks_groups_with_unequal_rewards():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.3, 0.3, 0.7])
     group = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # group 3 is a singleton
     assert F.group_has_variance(rewards, group).tolist() == [False, False, True, True, False, False, False]
+
+
+def test_the_batch_may_not_be_read_after_the_filter():
+    @rg.algorithm
+    def greedy_after(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=2)
+        r = rg.score(state.reward, ro)
+        ro, r = rg.filter_groups(ro, r, F.group_has_variance(r, ro.group))
+        greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0)  # E-greedy
+        baseline = rg.score(state.reward, greedy)
+        return state, {"adv": (r - baseline[ro.group]).mean()}
+
+    with pytest.raises(rg.TraceError, match=r"reads the batch prompts:Prompts\[B,P\] after rg.filter_groups") as exc:
+        greedy_after.trace()
+    assert "E-greedy" in str(exc.value) and "fix:" in str(exc.value)
