@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--critic-lr", type=float, default=1e-4, help="PPO's critic")
     demo.add_argument("--run-dir", default="runs/demo")
 
+    check = sub.add_parser("check", parents=[common],
+                           help="property-test a registered estimator or loss (rlgraph.testing); prints a counterexample")
+    check.add_argument("kind", choices=("estimator", "loss"))
+    check.add_argument("name", help="a registered name (rlgraph list), e.g. rloo, or yours with --import")
+    check.add_argument("--thorough", action="store_true", help="500 examples per property instead of 25")
+
     trace = sub.add_parser("trace", parents=[common], help="print an algorithm's typed program")
     trace.add_argument("algorithm")
     trace.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. loss=gspo")
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     import_modules(args.imports)
-    commands = {"list": _list, "demo": _demo, "trace": _trace, "plan": _plan}
+    commands = {"list": _list, "check": _check, "demo": _demo, "trace": _trace, "plan": _plan}
     try:
         return commands[args.command](args)
     except RLGraphError as exc:  # the user's mistake, said without a traceback (estimator=..., a spec error, ...)
@@ -158,6 +164,43 @@ def _demo(args) -> int:
     ALGORITHMS[args.algorithm].trace(**hparams)  # a wrong name or hyper-parameter fails now, not after SFT
     run_demo(DemoConfig(algorithm=args.algorithm, hparams=hparams, seed=args.seed, rl_seconds=args.rl_seconds,
                         rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir))
+    return 0
+
+
+_PROPERTY_NAMES = {"assert_padding_invariant": "padding invariance", "assert_microbatch_invariant": "micro-batch invariance",
+                   "assert_group_permutation_equivariant": "group-permutation equivariance"}
+
+
+def _check(args) -> int:
+    """Run the properties every estimator (padding invariance, group-permutation equivariance) or
+    loss (micro-batch invariance, padding invariance) must have; 1 and the counterexample on failure."""
+    import rlgraph.testing as rgt
+    from rlgraph import functional as F
+
+    profile = rgt.load_profile("thorough" if args.thorough else None)
+    if args.kind == "estimator":
+        entry = F.get_estimator(args.name)
+
+        def subject(b):
+            return entry(b.rewards, b.group, n=b.n, mask=b.mask)
+
+        checks = [rgt.assert_padding_invariant, rgt.assert_group_permutation_equivariant]
+    else:
+        entry = F.get_loss(args.name)
+
+        def subject(b):
+            return entry(b.logprobs, b.old_logprobs, b.advantages, b.mask)
+
+        checks = [rgt.assert_microbatch_invariant, rgt.assert_padding_invariant]
+    subject.__qualname__ = args.name
+    for check in checks:
+        prop = _PROPERTY_NAMES[check.__name__]
+        try:
+            check(subject)
+        except rgt.PropertyFailure as failure:
+            print(f"{args.kind} {args.name}: FAILED {prop}\n{failure}")
+            return 1
+        print(f"{args.kind} {args.name}: {prop} holds ({profile} profile)")
     return 0
 
 

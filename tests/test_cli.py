@@ -122,3 +122,26 @@ def test_demo_passes_names_to_the_rl_algorithm_and_checks_them_before_training(c
 
     code, _, err = run(capsys, "demo", "-p", "loss=gsop")
     assert code == 1 and "did you mean 'gspo'" in err and len(configs) == 1   # refused before the SFT warm start
+
+
+def test_check_runs_the_properties_of_a_registered_estimator(capsys):
+    assert main(["check", "estimator", "rloo"]) == 0
+    out = capsys.readouterr().out
+    assert "estimator rloo: padding invariance holds" in out and "group-permutation equivariance holds" in out
+
+
+def test_check_prints_the_counterexample_of_a_broken_estimator(capsys):
+    import rlgraph.functional as F
+
+    @F.estimator(name="cli_first_sample_baseline")
+    def first_sample_baseline(r):  # the baseline depends on which sample comes first: not equivariant
+        return r - r[0]
+
+    assert main(["check", "estimator", "cli_first_sample_baseline"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED group-permutation equivariance" in out and "RolloutBatch.of(" in out
+
+
+def test_check_names_an_unknown_estimator(capsys):
+    assert main(["check", "estimator", "rlo"]) == 1
+    assert "did you mean 'rloo'" in capsys.readouterr().err
