@@ -93,8 +93,8 @@ def reinforce_pp_baseline(rewards: Tensor, group: Tensor, mask: Tensor | None = 
         mask = torch.ones_like(rewards, dtype=torch.bool)[:, None]  # [N, 1]
     mask = mask.to(torch.bool)
     tiled = centered[:, None].expand(mask.shape)  # [N, T]
-    whitened = (centered - masked_mean(tiled, mask)) * torch.rsqrt(masked_var(tiled, mask) + eps)  # [N]
-    return torch.where(mask.any(dim=-1), whitened, 0.0)  # [N]
+    whitened = masked_whiten(tiled, mask, eps=eps)  # [N, T]: one value per row, 0 where masked
+    return torch.where(mask, whitened, -torch.inf).amax(dim=-1).where(mask.any(dim=-1), 0.0)  # [N]
 
 
 @traceable

@@ -129,11 +129,23 @@ def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor
     Edge cases (verl raises or divides by zero): n <= 1 gives 0.
     """
     mask = mask.to(torch.bool)
-    values = torch.where(mask, values, 0.0)  # like values; keeps garbage out of the gradient
     count = mask.sum()  # []
-    centered = values - masked_mean(values, mask)  # like values
-    squares = masked_sum(centered.square(), mask)  # []
+    squares = masked_sum(_centered(values, mask).square(), mask)  # []
     return squares / ((count - 1) if unbiased else count).clamp(min=1)
+
+
+def _centered(values: Tensor, mask: Tensor) -> Tensor:
+    """values - mean(values[mask]), 0 at masked positions, exactly 0 where all unmasked values are equal.
+
+    The mean is taken after subtracting the largest unmasked value (a shift that changes nothing in
+    exact arithmetic), so equal values give exactly 0 instead of rounding noise that a whitening
+    would then multiply by 1/sqrt(eps) (1e4 at eps = 1e-8).
+    """
+    values = torch.where(mask, values, 0.0)  # like values; keeps garbage out of the gradient
+    largest = torch.where(mask, values, -torch.inf).amax() if values.numel() else values.new_zeros(())  # []
+    shift = torch.where(torch.isfinite(largest), largest, 0.0).detach()  # [] (0 when nothing is unmasked)
+    shifted = torch.where(mask, values - shift, 0.0)  # like values
+    return torch.where(mask, shifted - masked_mean(shifted, mask), 0.0)
 
 
 @traceable
@@ -145,10 +157,9 @@ def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps:
     """
     mask = mask.to(torch.bool)
     values = torch.where(mask, values, 0.0)  # like values; keeps garbage out of the gradient
-    mean = masked_mean(values, mask)  # []
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)  # like values
+    whitened = _centered(values, mask) * torch.rsqrt(masked_var(values, mask) + eps)  # like values
     if not shift_mean:
-        whitened = whitened + mean
+        whitened = whitened + masked_mean(values, mask)
     return torch.where(mask, whitened, 0.0)
 
 

@@ -96,9 +96,13 @@ def reinforce_pp_baseline_reference(rewards: Tensor, group: Tensor, mask: Tensor
     centered, _ = _group_centered(rewards.float(), group)  # [N]
     weights = _row_weights(centered, mask)  # [N]
     total = weights.sum()
-    mean = (weights * centered).sum() / total.clamp(min=1)
-    var = (weights * (centered - mean).square()).sum() / (total - 1).clamp(min=1)
-    return torch.where(weights > 0, (centered - mean) * torch.rsqrt(var + eps), 0.0)
+    # Shifted by the largest weighted value: all-equal values whiten to exactly 0, not to rounding
+    # noise times 1/sqrt(eps) (the same rule as rlgraph.functional.masked_whiten).
+    shift = torch.where(weights > 0, centered, -torch.inf).amax() if bool((weights > 0).any()) else 0.0
+    shifted = torch.where(weights > 0, centered - shift, 0.0)  # [N]
+    mean = (weights * shifted).sum() / total.clamp(min=1)
+    var = (weights * (shifted - mean).square()).sum() / (total - 1).clamp(min=1)
+    return torch.where(weights > 0, (shifted - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def gae_reference(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
@@ -183,28 +187,38 @@ if triton is not None:
 
     @triton.jit
     def _whiten_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
-        """One program: out = (x - mean_w) / sqrt(var_w + eps) where w > 0, else 0."""
+        """One program: out = (x - mean_w) / sqrt(var_w + eps) where w > 0, else 0.
+
+        x is shifted by its largest weighted value first, so all-equal values give exactly 0."""
+        largest = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for i0 in range(0, N, BLOCK):
+            idx = i0 + tl.arange(0, BLOCK)
+            w = tl.load(w_ptr + idx, mask=idx < N, other=0.0)
+            x = tl.load(x_ptr + idx, mask=idx < N, other=0.0)
+            largest = tl.maximum(largest, tl.where(w > 0, x, float("-inf")))
+        shift = tl.max(largest, axis=0)
+        shift = tl.where(shift == float("-inf"), 0.0, shift)
         total = tl.zeros((BLOCK,), tl.float32)
         weighted = tl.zeros((BLOCK,), tl.float32)
         for i0 in range(0, N, BLOCK):
             idx = i0 + tl.arange(0, BLOCK)
             w = tl.load(w_ptr + idx, mask=idx < N, other=0.0)
             total += w
-            weighted += w * tl.load(x_ptr + idx, mask=idx < N, other=0.0)
+            weighted += w * tl.where(w > 0, tl.load(x_ptr + idx, mask=idx < N, other=0.0) - shift, 0.0)
         count = tl.sum(total, axis=0)
         mean = tl.sum(weighted, axis=0) / tl.maximum(count, 1.0)
         squares = tl.zeros((BLOCK,), tl.float32)
         for i0 in range(0, N, BLOCK):
             idx = i0 + tl.arange(0, BLOCK)
             w = tl.load(w_ptr + idx, mask=idx < N, other=0.0)
-            dev = tl.load(x_ptr + idx, mask=idx < N, other=0.0) - mean
+            dev = tl.where(w > 0, tl.load(x_ptr + idx, mask=idx < N, other=0.0) - shift - mean, 0.0)
             squares += w * dev * dev
         inv_std = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / tl.maximum(count - 1.0, 1.0) + eps)
         for i0 in range(0, N, BLOCK):
             idx = i0 + tl.arange(0, BLOCK)
             w = tl.load(w_ptr + idx, mask=idx < N, other=0.0)
             x = tl.load(x_ptr + idx, mask=idx < N, other=0.0)
-            tl.store(out_ptr + idx, tl.where(w > 0, (x - mean) * inv_std, 0.0), mask=idx < N)
+            tl.store(out_ptr + idx, tl.where(w > 0, (x - shift - mean) * inv_std, 0.0), mask=idx < N)
 
     @triton.jit
     def _reverse_scan_kernel(r_ptr, v_ptr, mask_ptr, adv_ptr, ret_ptr, N, T, gamma, lam,

@@ -175,3 +175,11 @@ def test_runs_on_meta_tensors(fn, args, kwargs, shapes):
     assert [tuple(o.shape) for o in outs] == shapes and all(o.device.type == "meta" for o in outs)
     with F.loss_normalization(torch.tensor(7), torch.tensor(3), horizon=5):
         op_info(fn).impl(*args, **kwargs)
+
+
+def test_whitening_equal_values_gives_exactly_zero_not_rounding_noise():
+    """Regression: 1/3 is not exact in float32, so a plain mean left ~1e-8 per value, which the
+    whitening multiplied by 1/sqrt(1e-8) = 1e4. The mean is now taken after a shift."""
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    assert (F.masked_whiten(torch.full((2, 3), 1 / 3), mask) == 0).all()
+    assert F.masked_var(torch.full((2, 3), 1 / 3), mask) == 0

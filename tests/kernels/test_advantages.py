@@ -139,3 +139,13 @@ def test_cuda_kernels_match_reference():
     for got, want in zip(K.gae_triton(token_rewards, values, mask, gamma=0.99, lam=0.95),
                          K.gae_reference(token_rewards, values, mask, gamma=0.99, lam=0.95)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_reinforce_pp_baseline_of_equal_weighted_values_is_exactly_zero_everywhere():
+    """Regression (a CI flake): rows 1 and 2 hold the only tokens and share one centred reward,
+    -1/3; every implementation must give exactly 0, not rounding noise times 1/sqrt(eps)."""
+    rewards, group = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1, 1, 1, 0])
+    mask = torch.arange(5)[None, :] < torch.tensor([0, 2, 4, 0])[:, None]
+    for out in (F.reinforce_pp_baseline(rewards, group, mask), K.reinforce_pp_baseline_reference(rewards, group, mask),
+                K.reinforce_pp_baseline_triton(rewards, group, mask)):
+        assert (out == 0).all(), out
