@@ -6,7 +6,7 @@ from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.data import arithmetic
 from rlgraph.rewards import exact_match
-from rlgraph.testing.tiny import length_parity_reward, tiny_executor
+from rlgraph.testing.tiny import length_parity_reward, tiny_executor, tiny_prompts
 
 TOKENIZER = load_tokenizer()
 SPLITS = arithmetic.make_splits(seed=0)
@@ -21,7 +21,7 @@ def make_executor(seed: int = 0, lr: float = 1e-3, with_ref: bool = False, max_n
 
 
 def prompts(count: int = 4, offset: int = 0):
-    return arithmetic.to_prompts(SPLITS.train[offset:offset + count], TOKENIZER)
+    return tiny_prompts(count, offset)
 
 
 def demonstrations(count: int = 16, offset: int = 0):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlgraph.functional.aggregate import masked_mean, masked_var, masked_whiten
+from rlgraph.functional.aggregate import masked_whiten
 from rlgraph.functional.registry import register_estimator
 from rlgraph.ir.ops import traceable
 
@@ -93,8 +93,9 @@ def reinforce_pp_baseline(rewards: Tensor, group: Tensor, mask: Tensor | None = 
         mask = torch.ones_like(rewards, dtype=torch.bool)[:, None]  # [N, 1]
     mask = mask.to(torch.bool)
     tiled = centered[:, None].expand(mask.shape)  # [N, T]
-    whitened = masked_whiten(tiled, mask, eps=eps)  # [N, T]: one value per row, 0 where masked
-    return torch.where(mask, whitened, -torch.inf).amax(dim=-1).where(mask.any(dim=-1), 0.0)  # [N]
+    whitened = masked_whiten(tiled, mask, eps=eps)  # [N, T]: each row's value on its tokens, 0 where masked
+    per_row = torch.where(mask, whitened, -torch.inf).amax(dim=-1)  # [N] the row's value (-inf: no tokens)
+    return torch.where(mask.any(dim=-1), per_row, 0.0)  # [N]
 
 
 @traceable

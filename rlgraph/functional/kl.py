@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from rlgraph.functional.aggregate import masked_mean
 from rlgraph.ir.ops import traceable
 
 
@@ -62,9 +63,7 @@ def adaptive_kl_coef(coef: Tensor, kl: Tensor, mask: Tensor, *, target: float, h
     """
     if target <= 0 or horizon <= 0:
         raise ValueError(f"adaptive_kl_coef: target and horizon must be > 0, got {target}, {horizon}")
-    mask = mask.to(torch.bool)
-    tokens = mask.sum(dim=-1).clamp(min=1)  # [N]
-    current = (torch.where(mask, kl, 0.0).sum(dim=-1) / tokens).mean()  # []
+    current = masked_mean(kl, mask, dim=-1).mean()  # [] mean over rows of each row's token mean
     error = (current / target - 1.0).clamp(-0.2, 0.2)  # []
     return (coef * (1.0 + error * kl.shape[0] / horizon)).detach()  # []
 

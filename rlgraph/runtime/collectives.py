@@ -125,9 +125,8 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-def expected_kind(src: Layout, dst: Layout, per_row: bool) -> str:
-    """The one collective that moves a value from `src` to `dst`: the reshard pass's own rule."""
-    return collective_kind(src, dst, per_row)
+# The one collective that moves a value from one layout to another: the reshard pass's own rule.
+expected_kind = collective_kind
 
 
 def move(placed: dict[Any, Any], src: Layout, dst: Layout, kind: str, *, per_row: bool | None = None) -> tuple[dict[Any, Any], int]:

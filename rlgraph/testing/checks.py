@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings as Settings, strategies as s
 
 from rlgraph.functional.aggregate import global_counts, loss_normalization
 from rlgraph.testing.batch import FIELDS, RolloutBatch
-from rlgraph.testing.counterexample import Counterexample, PropertyFailure, reading
+from rlgraph.testing.counterexample import Counterexample, PropertyFailure, fail, reading
 from rlgraph.testing.strategies import group_permutations, micro_batch_splits, padding_of, rollout_batches
 
 BatchFn = Callable[[RolloutBatch], Any]
@@ -32,7 +32,7 @@ BatchFn = Callable[[RolloutBatch], Any]
 # -- running a property under hypothesis ---------------------------------------------------------
 
 
-def _run(prop: Callable[..., None], settings: Settings | None) -> None:
+def run_property(prop: Callable[..., None], settings: Settings | None) -> None:
     """Run a `@given` property under the loaded profile (or `settings`), one bug reported."""
     base = settings or Settings()
     Settings(base, report_multiple_bugs=False, deadline=None,
@@ -111,7 +111,7 @@ def _mismatch(expected: torch.Tensor, actual: torch.Tensor, rtol: float, atol: f
 
 
 def _fail(prop: str, fn: Callable, batch: RolloutBatch, fields: set[str], message: str, **details: Any) -> None:
-    raise PropertyFailure(Counterexample(prop, _name(fn), batch, details, message, tuple(sorted(fields))))
+    fail(prop, _name(fn), message, batch=batch, fields=tuple(sorted(fields)), **details)
 
 
 # -- micro-batch invariance -------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def assert_microbatch_invariant(loss: BatchFn, *, batches: st.SearchStrategy[Rol
         for split in ([[row] for row in range(batch.N)], drawn):
             _check_split(loss, batch, names, full, fields, split, rtol, atol)
 
-    _run(prop, settings)
+    run_property(prop, settings)
 
 
 # -- padding invariance -----------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def assert_padding_invariant(fn: BatchFn, *, batches: st.SearchStrategy[RolloutB
                 _fail(prop_name, fn, batch, fields | more,
                       f"{path} changes when padded positions change ({extra} extra column(s)): {problem}", **details)
 
-    _run(prop, settings)
+    run_property(prop, settings)
 
 
 # -- group-permutation equivariance ----------------------------------------------------------------
@@ -247,7 +247,7 @@ def assert_group_permutation_equivariant(fn: BatchFn, *, batches: st.SearchStrat
             if problem:
                 _fail(prop_name, fn, batch, fields | more, f"{path} is not permuted with the rows: {problem}", **details)
 
-    _run(prop, settings)
+    run_property(prop, settings)
 
 
 def check_loss(loss: BatchFn, **kwargs: Any) -> None:

@@ -106,5 +106,11 @@ class _Reading:
         raise AttributeError(f"RolloutBatch is read-only (tried to set {name!r})")
 
 
+def fail(prop: str, function: str, message: str, *, batch: RolloutBatch | None = None,
+         fields: tuple[str, ...] = (), **details: Any) -> None:
+    """Raise `PropertyFailure` for property `prop` of `function` (the checkers' one way to fail)."""
+    raise PropertyFailure(Counterexample(prop, function, batch, details, message, fields))
+
+
 def reading(batch: RolloutBatch) -> Any:
     return _Reading(batch)

@@ -20,13 +20,9 @@ from rlgraph.passes.pipeline import Compiled
 from rlgraph.passes.reshard import is_per_row, layout_of, transfer
 from rlgraph.plan.plan import Stage
 from rlgraph.runtime import collectives as C
-from rlgraph.testing.counterexample import Counterexample, PropertyFailure
+from rlgraph.testing.counterexample import fail
 
 _PLAN = "plan invariants"
-
-
-def _fail(prop: str, what: str, message: str, **details: Any) -> None:
-    raise PropertyFailure(Counterexample(prop, what, None, details, message, ()))
 
 
 # -- plan invariants --------------------------------------------------------------------------------
@@ -42,7 +38,7 @@ def step_of_each_node(compiled: Compiled) -> dict[str, int]:
         if isinstance(step, Stage):
             for name in step.nodes:
                 if name in position:
-                    _fail(_PLAN, compiled.plan.algorithm, f"node {name} is run by two steps: {position[name]} and {step.index}")
+                    fail(_PLAN, compiled.plan.algorithm, f"node {name} is run by two steps: {position[name]} and {step.index}")
                 position[name] = step.index
     return position
 
@@ -62,16 +58,16 @@ def assert_plan_invariants(compiled: Compiled) -> None:
     plan, program = compiled.plan, compiled.program
     name = plan.algorithm
     if [step.index for step in plan.steps] != list(range(len(plan.steps))):
-        _fail(_PLAN, name, "steps are not numbered 0..k in order", steps=[step.index for step in plan.steps])
+        fail(_PLAN, name, "steps are not numbered 0..k in order", steps=[step.index for step in plan.steps])
     position = step_of_each_node(compiled)
     calls = [node for node in program.graph.nodes if node.op not in ("placeholder", "output")]
     missing = [node.name for node in calls if node.name not in position]
     if missing:
-        _fail(_PLAN, name, f"node(s) {', '.join(missing)} are run by no step of the plan", missing=missing)
+        fail(_PLAN, name, f"node(s) {', '.join(missing)} are run by no step of the plan", missing=missing)
     for node in calls:
         for arg in node.all_input_nodes:
             if arg.name in position and position[arg.name] > position[node.name]:
-                _fail(_PLAN, name, f"step {position[node.name]} runs {node.name} before step {position[arg.name]} "
+                fail(_PLAN, name, f"step {position[node.name]} runs {node.name} before step {position[arg.name]} "
                       f"produces its input {arg.name}", node=node.name, input=arg.name)
     _check_collectives(compiled)
     _check_loops(compiled, position)
@@ -81,23 +77,23 @@ def _check_loops(compiled: Compiled, position: dict[str, int]) -> None:
     plan, program = compiled.plan, compiled.program
     regions = {loop.filter: loop for loop in program.annotations.get("loops", ())}
     if len(regions) != len(plan.loops):
-        _fail(_PLAN, plan.algorithm, f"the program has {len(regions)} refill loop(s), the plan {len(plan.loops)}")
+        fail(_PLAN, plan.algorithm, f"the program has {len(regions)} refill loop(s), the plan {len(plan.loops)}")
     nodes = {node.name: node for node in program.graph.nodes}
     for loop in plan.loops:
         region = next((r for r in regions.values() if position.get(r.filter) == loop.filter_step), None)
         if region is None:
-            _fail(_PLAN, plan.algorithm, f"loop over steps {loop.steps}: no filter_groups node runs at step {loop.filter_step}")
+            fail(_PLAN, plan.algorithm, f"loop over steps {loop.steps}: no filter_groups node runs at step {loop.filter_step}")
         wanted = tuple(sorted({position[name] for name in region.nodes if name in position}))
         if tuple(loop.steps) != wanted:
-            _fail(_PLAN, plan.algorithm, f"loop re-runs steps {list(loop.steps)}, but its region {list(region.nodes)} "
+            fail(_PLAN, plan.algorithm, f"loop re-runs steps {list(loop.steps)}, but its region {list(region.nodes)} "
                   f"runs at steps {list(wanted)}")
         if loop.steps and max(loop.steps) >= loop.filter_step:
-            _fail(_PLAN, plan.algorithm, f"loop step {max(loop.steps)} is not before its filter at step {loop.filter_step}")
+            fail(_PLAN, plan.algorithm, f"loop step {max(loop.steps)} is not before its filter at step {loop.filter_step}")
         inside = set(region.nodes)
         for name in region.nodes:
             for user in nodes[name].users:
                 if user.name not in inside and user.name != region.filter and user.users:
-                    _fail(_PLAN, plan.algorithm, f"{user.name} (step {position.get(user.name)}) reads {name} from inside "
+                    fail(_PLAN, plan.algorithm, f"{user.name} (step {position.get(user.name)}) reads {name} from inside "
                           f"the refill loop of {region.filter}: it would see only the first round")
 
 
@@ -117,17 +113,17 @@ def _check_collectives(compiled: Compiled) -> None:
             source = node.args[0]
             src, dst = layout_of(source, groups), layout_of(node, groups, source)
             if source.target is transfer:
-                _fail(_PLAN, name, f"{node.name}: two collectives in a row on one edge", transfer=node.name)
+                fail(_PLAN, name, f"{node.name}: two collectives in a row on one edge", transfer=node.name)
             if src == dst:
-                _fail(_PLAN, name, f"{node.name} moves {source.name} to the layout it is already in: {src}", transfer=node.name)
+                fail(_PLAN, name, f"{node.name} moves {source.name} to the layout it is already in: {src}", transfer=node.name)
             kind = node.kwargs["kind"]
             wanted = C.expected_kind(src, dst, is_per_row(source.meta["spec"]))
             if kind != wanted:
-                _fail(_PLAN, name, f"{node.name} is a {kind}, but moving {source.name} from {src} to {dst} is a {wanted}")
+                fail(_PLAN, name, f"{node.name} is a {kind}, but moving {source.name} from {src} to {dst} is a {wanted}")
             nbytes = value_bytes(source.meta["spec"], sizes)
             step = steps[node.meta["step"]]
             if step.bytes != nbytes:
-                _fail(_PLAN, name, f"step {step.index} says {step.bytes} bytes, but {source.name}:{source.meta['spec']} "
+                fail(_PLAN, name, f"step {step.index} says {step.bytes} bytes, but {source.name}:{source.meta['spec']} "
                       f"is {nbytes} bytes at {sizes}", step=step.text())
             _round_trip_or_fail(src, dst, stand_in(source.meta["spec"]), kind, f"{node.name} ({step.text()})", name)
             continue
@@ -135,7 +131,7 @@ def _check_collectives(compiled: Compiled) -> None:
             if not _movable(arg) or arg.target is transfer:
                 continue
             if layout_of(arg, groups) != layout_of(node, groups, arg):
-                _fail(_PLAN, name, f"{arg.name} -> {node.name} crosses from {layout_of(arg, groups)} to "
+                fail(_PLAN, name, f"{arg.name} -> {node.name} crosses from {layout_of(arg, groups)} to "
                       f"{layout_of(node, groups, arg)} without a collective", edge=(arg.name, node.name))
 
 
@@ -158,7 +154,7 @@ def stand_in(spec: S.Spec, rows: int = 7, length: int = 3) -> Any:
 def _round_trip_or_fail(src: tuple, dst: tuple, value: Any, kind: str, what: str, name: str) -> None:
     problem = reshard_problem(src, dst, value, kind)
     if problem:
-        _fail(_PLAN, name, f"{what}: {problem}", src=src, dst=dst)
+        fail(_PLAN, name, f"{what}: {problem}", src=src, dst=dst)
 
 
 def reshard_problem(src: tuple, dst: tuple, value: Any, kind: str | None = None, per_row: bool | None = None) -> str | None:
@@ -196,9 +192,9 @@ def assert_reshard_round_trip(src: tuple | None = None, dst: tuple | None = None
     if src is not None and dst is not None and value is not None:
         problem = reshard_problem(src, dst, value)
         if problem:
-            _fail("reshard round trip", "reshard", problem, src=src, dst=dst, value=value)
+            fail("reshard round trip", "reshard", problem, src=src, dst=dst, value=value)
         return
-    from rlgraph.testing.checks import _run
+    from rlgraph.testing.checks import run_property
     from rlgraph.testing.strategies import layouts
 
     @given(layouts(mesh_size), layouts(mesh_size), st.integers(0, 12), st.integers(1, 3))
@@ -208,9 +204,9 @@ def assert_reshard_round_trip(src: tuple | None = None, dst: tuple | None = None
         value = torch.arange(rows * cols).reshape(rows, cols)
         problem = reshard_problem(a, b, value)
         if problem:
-            _fail("reshard round trip", "reshard", problem, src=a, dst=b, value=value.tolist())
+            fail("reshard round trip", "reshard", problem, src=a, dst=b, value=value.tolist())
 
-    _run(prop, settings)
+    run_property(prop, settings)
 
 
 # -- compiled == eager ------------------------------------------------------------------------------
@@ -221,7 +217,7 @@ def _parameters(executor: Any) -> dict[str, list[torch.Tensor]]:
     return {role: [p.detach().clone() for p in worker.model.parameters()] for role, worker in models.items()}
 
 
-def _run(interpreter: Any, program: Any, batches: Sequence[Any], more_prompts: Sequence[Prompts] | None
+def _run_steps(interpreter: Any, program: Any, batches: Sequence[Any], more_prompts: Sequence[Prompts] | None
          ) -> list[dict[str, float]]:
     refills = iter(more_prompts or ())
     source = (lambda: next(refills)) if more_prompts is not None else None
@@ -234,18 +230,18 @@ def _compare_runs(prop: str, what: str, labels: tuple[str, str], runs: list, rto
     (a_metrics, a_params), (b_metrics, b_params) = runs
     for step, (a, b) in enumerate(zip(a_metrics, b_metrics)):
         if a.keys() != b.keys():
-            _fail(prop, what, f"step {step}: metrics {sorted(b)} ({labels[1]}) != {sorted(a)} ({labels[0]})")
+            fail(prop, what, f"step {step}: metrics {sorted(b)} ({labels[1]}) != {sorted(a)} ({labels[0]})")
         for key in a:
             if key.startswith("time/") or skip(key):
                 continue
             if not torch.isclose(torch.tensor(b[key], dtype=torch.float64), torch.tensor(a[key], dtype=torch.float64),
                                  rtol=rtol, atol=atol, equal_nan=True):
-                _fail(prop, what, f"step {step}: {key} = {b[key]!r} {labels[1]}, {a[key]!r} {labels[0]}",
+                fail(prop, what, f"step {step}: {key} = {b[key]!r} {labels[1]}, {a[key]!r} {labels[0]}",
                       step=step, metric=key, **context)
     for role in a_params:
         for index, (x, y) in enumerate(zip(a_params[role], b_params[role])):
             if not torch.allclose(x, y, rtol=rtol, atol=atol):
-                _fail(prop, what, f"{role} parameter {index} differs by up to {float((x - y).abs().max()):.3g} "
+                fail(prop, what, f"{role} parameter {index} differs by up to {float((x - y).abs().max()):.3g} "
                       f"({labels[1]} against {labels[0]}) after {len(a_metrics)} step(s)", role=role, **context)
 
 
@@ -277,7 +273,7 @@ def assert_compiled_matches_eager(algorithm: Any, *, executor: Callable[[], Any]
     for runner in ("eager", "compiled"):
         ex = executor()
         interpreter = Interpreter(ex) if runner == "eager" else PlanRunner(compiled, ex)
-        runs.append((_run(interpreter, compiled.source, batches, more_prompts), _parameters(ex)))
+        runs.append((_run_steps(interpreter, compiled.source, batches, more_prompts), _parameters(ex)))
     _compare_runs("compiled == eager", getattr(algorithm, "name", repr(algorithm)), ("eager", "compiled"), runs,
                   rtol, atol, plan=compiled.as_text())
     return runs[1][0]
@@ -301,7 +297,7 @@ def assert_update_microbatch_invariant(algorithm: Any, *, executor: Callable[[],
 
     def run(size: int | None) -> tuple:
         ex = executor()
-        return _run(Interpreter(ex), algorithm.trace(roles=roles, micro_batch_size=size, **hparams), batches,
+        return _run_steps(Interpreter(ex), algorithm.trace(roles=roles, micro_batch_size=size, **hparams), batches,
                     more_prompts), _parameters(ex)
 
     whole = run(None)

@@ -7,6 +7,7 @@ as compiled == eager runs in seconds. Two calls with the same arguments build id
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,7 +56,16 @@ def _optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Opt
     raise ValueError(f"tiny_executor: optimizer must be 'sgd' or 'adamw', got {name!r}")
 
 
+@functools.cache
+def _splits(seed: int) -> arithmetic.Splits:
+    return arithmetic.make_splits(seed=seed)
+
+
 def tiny_prompts(count: int = 4, offset: int = 0, *, seed: int = 0) -> Prompts:
     """`count` arithmetic prompts ("12+7=") from the demo task's training split."""
-    splits = arithmetic.make_splits(seed=seed)
-    return arithmetic.to_prompts(splits.train[offset:offset + count], load_tokenizer())
+    return arithmetic.to_prompts(_splits(seed).train[offset:offset + count], _tokenizer())
+
+
+@functools.cache
+def _tokenizer():
+    return load_tokenizer()
