@@ -30,8 +30,19 @@ class RewardRef:
     role: str
 
 
-# loss_fn(micro_rows, minibatch_rows, model_output[N_micro,T], entropy or None) -> (loss, metrics)
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
+@attrs.frozen
+class LossCounts:
+    """The token and sequence counts of a whole mini-batch, across every data-parallel rank.
+
+    The executor computes them (summing its shard's counts over its data-parallel group), so a loss
+    aggregated per micro-batch and per rank adds up to the full-batch loss."""
+
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+
+
+# loss_fn(micro_rows, counts, model_output[N_micro,T], entropy or None) -> (loss, metrics)
+LossFn = Callable[[torch.Tensor, LossCounts, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 
 
 @attrs.frozen
@@ -65,3 +76,7 @@ class Executor(Protocol):
     def score(self, reward: RewardRef, rollouts: Rollouts) -> torch.Tensor: ...
 
     def update(self, model: ModelRef, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig) -> tuple[ModelRef, dict[str, float]]: ...
+
+    def sync_weights(self, model: ModelRef, route: Any = None) -> ModelRef:
+        """Load `model`'s weights into the generation engine that serves it (`route`: where from and to)."""
+        ...

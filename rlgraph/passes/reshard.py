@@ -105,7 +105,8 @@ def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, g
             {"kind": kind, "src": value.meta["role"], "dst": consumer.meta["role"], "nbytes": value_bytes(spec, sizes)},
             name=f"{kind}_{value.name}",
         )
-    node.meta.update(spec=spec, role=consumer.meta["role"], phase="transfer", transfer=True, source=value.meta.get("source"))
+    node.meta.update(spec=spec, role=consumer.meta["role"], phase="transfer", transfer=True, source=value.meta.get("source"),
+                     layouts=(src, layout), per_row=is_per_row(spec))  # what the runtime's transports move
     return node
 
 
@@ -127,7 +128,8 @@ def _insert_sync(program: Program, generate: fx.Node, groups: dict[str, Group], 
             "call_function", sync_weights, (model,), {"src": src, "dst": dst, "nbytes": nbytes, "buckets": buckets},
             name=f"sync_{role}",
         )
-    node.meta.update(spec=model.meta["spec"], role=gen_group.name, phase="sync", sync=True, source=generate.meta.get("source"))
+    node.meta.update(spec=model.meta["spec"], role=gen_group.name, phase="sync", sync=True, source=generate.meta.get("source"),
+                     ranks=(train_group.ranks, gen_group.ranks))  # trained on -> generated on
     generate.replace_input_with(model, node)
 
 

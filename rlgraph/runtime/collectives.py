@@ -51,12 +51,35 @@ def _rows(value: Any) -> int | None:
 
 
 def _take(value: Any, start: int, stop: int) -> Any:
+    if isinstance(value, Rollouts):
+        piece = value.select(range(start, stop))
+        return attrs.evolve(piece, group=local_groups([piece.group]))
     if _is_record(value):
         return value.select(range(start, stop))
     return value[start:stop]
 
 
+def local_groups(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The group ids of rows cut into `pieces` (in order), numbered 0, 1, ... by first appearance,
+    a piece's groups never merging with another's.
+
+    Group ids are local to the value that holds them: a shard numbers its own groups from 0 (the
+    group estimators size their buffers by the shard's rows), and a gather renumbers the shards'
+    groups into one sequence. Shards must hold whole groups (the runner checks B divides evenly).
+    """
+    from rlgraph.batches import _first_appearance
+
+    out, offset = [], 0
+    for group in pieces:
+        if len(group):
+            out.append(_first_appearance(group) + offset)
+            offset = int(out[-1].max()) + 1
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
 def _cat(pieces: list[Any]) -> Any:
+    if isinstance(pieces[0], Rollouts):
+        return Rollouts.concat(pieces)  # pads shards' responses to one T, renumbers their groups
     if _is_record(pieces[0]):
         tensors = {name: torch.cat([getattr(p, name) for p in pieces]) for name in _tensor_fields(pieces[0])}
         meta = {key: [v for piece in pieces for v in piece.meta[key]] for key in pieces[0].meta}

@@ -250,7 +250,10 @@ def _collect(header: Header, pieces: list[Piece], mine: list[torch.Tensor], have
              received: dict, device: torch.device) -> Any:
     """This process's destination piece from its kept and received rows, in row order."""
     fields = []
-    for tag, (_, dtype, shape) in enumerate(header.fields):
+    for tag, (name, dtype, shape) in enumerate(header.fields):
         parts = [mine[tag][p.start - have[0]:p.stop - have[0]] if p.local else received[p, tag] for p in pieces]
+        if header.record == "Rollouts" and name == "group":
+            fields.append(C.local_groups(parts).to(device))  # each piece's groups, renumbered for this shard
+            continue
         fields.append(torch.cat(parts) if parts else torch.empty((0, *shape), dtype=dtype, device=device))
     return _assemble(header, fields)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rlgraph.backends.protocols import Executor, LossFn, RewardRef, UpdateConfig
+from rlgraph.backends.protocols import Executor, LossCounts, LossFn, RewardRef, UpdateConfig
 from rlgraph.batches import Rollouts
-from rlgraph.functional.aggregate import active_loss_normalization, global_counts, loss_normalization
+from rlgraph.functional.aggregate import active_loss_normalization, loss_normalization
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import RefillLoop, primitive_name
@@ -121,7 +121,7 @@ class Interpreter:
         for node in program.inputs:
             spec = node.meta["spec"]
             if isinstance(spec, S.ModelSpec):
-                inputs.append(self.executor.current(node.target))
+                inputs.append(self.model_ref(node.target))
             elif isinstance(spec, S.RewardSpec):
                 inputs.append(RewardRef(node.target))
             elif "carry" in node.meta:
@@ -129,6 +129,10 @@ class Interpreter:
             else:
                 inputs.append(batch)
         return inputs
+
+    def model_ref(self, role: str) -> Any:
+        """The live version of `role` (the plan runner asks the ranks that hold it)."""
+        return self.executor.current(role)
 
     def _primitive(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         name = primitive_name(node)
@@ -145,18 +149,19 @@ def make_loss_fn(loss: Program, batch: Rollouts, captured: Sequence[Any]) -> Los
     """The closure an executor calls per micro-batch.
 
     Per-rollout captured values ([N, ...]) are sliced to the micro-batch rows; scalars pass whole.
-    Aggregations inside the loss divide by the token/sequence counts of the whole mini-batch, so
-    the sum of micro-batch losses is the mini-batch loss whatever the micro-batch size.
+    Aggregations inside the loss divide by `counts`, the token/sequence counts of the whole
+    mini-batch over every data-parallel rank (the executor computes them), so the sum of the
+    micro-batch losses of every rank is the mini-batch loss whatever the micro-batch size and
+    the number of ranks.
     """
     rows = loss.inputs[0].meta["spec"].shape[:1]  # the model output's rows: (N,), or (B,) for n=1 rollouts
     rows_dim = [node.meta["spec"].shape[:1] == rows for node in loss.inputs if "lifted_from" in node.meta]
 
-    def loss_fn(micro_rows: torch.Tensor, minibatch_rows: torch.Tensor, output: torch.Tensor,
+    def loss_fn(micro_rows: torch.Tensor, counts: LossCounts, output: torch.Tensor,
                 entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         sliced = [value[micro_rows] if per_row else value for value, per_row in zip(captured, rows_dim)]
         own = [output] if entropy is None or len(loss.inputs) - len(captured) == 1 else [output, entropy]
-        tokens, sequences = global_counts(batch.mask[minibatch_rows])
-        with loss_normalization(tokens=tokens, sequences=sequences, horizon=batch.mask.shape[1]):
+        with loss_normalization(tokens=counts.tokens, sequences=counts.sequences, horizon=batch.mask.shape[1]):
             value, metrics = run_nodes(loss, [*own, *sliced], _no_primitives)
         return value, metrics
 

@@ -1,0 +1,258 @@
+"""The FSDP2 executor: one rank's roles in a torch.distributed job, as a compiled plan places them.
+
+Built on every rank by `build_fsdp_executor(world, rank, plan, device)` (the spmd transport calls
+it through `WorldSpec.build`). For each group of the plan that holds this rank:
+- a role that trains or runs forward passes (policy, critic, reference) is `fully_shard`ed over the
+  group's ranks: each decoder layer is an FSDP2 unit and the role's forward (`RoleForward`: the
+  chunked log-prob head, or the critic's values) is the root, so each rank holds only its shards
+  between steps. Gradients are summed, not averaged, across ranks: the loss is already normalised
+  by the global token count (the mini-batch counts are all-reduced), so the shards' gradients add
+  up to the full batch's. Mixed precision on CUDA (bf16 compute, fp32 master weights, fp32
+  gradient reduction); fp32 on CPU. Activation checkpointing when the plan's train layout says
+  `ckpt`.
+- a group that generates gets a generation engine: a full, unsharded copy of the model it serves
+  (bf16 on CUDA) that the native KV-cache generator runs. `sync_weights` fills it from the FSDP2
+  shards bucket by bucket (colocated: every rank all-gathers one bucket at a time; split: the
+  training group's first rank broadcasts each gathered bucket to the generating ranks), and the
+  engine then refuses any other version than the one it was given.
+
+Every rank of a group must run the group's steps together (FSDP2's all-gathers are collectives);
+the plan runner sends a stage to all of a group's ranks, so they do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker, StaleVersionError, role_outputs
+from rlgraph.backends.protocols import ModelRef
+from rlgraph.batches import Rollouts
+
+GENERATOR_OF = {"rollout": "policy"}  # a split placement's generation group serves the policy
+
+
+class RoleForward(torch.nn.Module):
+    """The FSDP2 root of a role: its forward is the role's per-token output, so the root's
+    all-gather (embeddings, final norm, LM head) happens in a forward FSDP2 sees."""
+
+    def __init__(self, module: torch.nn.Module, kind: str):
+        super().__init__()
+        self.module = module
+        self.kind = kind
+
+    def forward(self, rollouts: Rollouts, temperature: float = 1.0, with_entropy: bool = False):
+        return role_outputs(self.module, self.kind, rollouts, temperature=temperature, with_entropy=with_entropy)
+
+
+def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face model (`...DecoderLayer`), each its own FSDP2 unit."""
+    return [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+class FSDPExecutor(LocalExecutor):
+    """A `LocalExecutor` whose trainable and reference roles are FSDP2-sharded over their group's
+    ranks and whose generation runs in separate engines filled by `sync_weights`."""
+
+    def __init__(self, models: dict[str, LMWorker], rewards: dict[str, RewardWorker], tokenizer: Any, *,
+                 rank: int, device: torch.device, role_groups: dict[str, Any], engines: dict[str, torch.nn.Module],
+                 sync_groups: dict[tuple[int, ...], Any], max_new_tokens: int = 16, seed: int = 0):
+        super().__init__(models, rewards, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+        self.rank = rank
+        self.device = device
+        self.role_groups = role_groups    # role -> process group of the ranks that shard it
+        self.engines = engines            # served role -> full model copy that generates
+        self.served: dict[str, int] = {}  # served role -> the version its engine holds
+        self.sync_groups = sync_groups    # {trainer leader} | generating ranks -> process group
+        self.offloaded: dict[str, bool] = {}
+
+    # -- generation --------------------------------------------------------------------------
+    def _engine(self, model: ModelRef) -> torch.nn.Module:
+        if model.role not in self.engines:
+            raise KeyError(f"rank {self.rank} has no generation engine for {model.role!r}; the plan generates elsewhere")
+        if self.served.get(model.role) != model.version:
+            held = f"{model.role}@{self.served[model.role]}" if model.role in self.served else "no weights yet"
+            raise StaleVersionError(f"generate asked for {model} but rank {self.rank}'s engine serves {held}: "
+                                    "a sync_weights step must load that version first")
+        return self.engines[model.role]
+
+    def sync_weights(self, model: ModelRef | None, route: Any = None) -> ModelRef:
+        """Fill the engines of `route.dst` with `route.role`'s FSDP2 weights, one bucket at a time."""
+        role = route.role
+        trains = self.rank in route.src
+        if trains:
+            self._live(model)
+        version = model.version if trains else None
+        group = None if route.colocated else self.sync_groups[_sync_ranks(route.src, route.dst)]
+        if group is not None and self.rank in _sync_ranks(route.src, route.dst):
+            box = [version]
+            dist.broadcast_object_list(box, src=route.src[0], group=group)
+            version = box[0]
+        receives = self.rank in route.dst
+        for bucket in self._buckets(role, route, trains):
+            fulls = [param.full_tensor() if isinstance(param, DTensor) else param.detach() for _, param in bucket] if trains else None
+            if group is not None:
+                fulls = self._broadcast_bucket(bucket, fulls, route, group)
+            if receives:
+                engine_params = dict(self.engines[role].named_parameters())
+                with torch.no_grad():
+                    for (name, _), full in zip(bucket, fulls):
+                        engine_params[name].copy_(full)
+            del fulls  # at most one gathered bucket is alive at a time
+        if receives:
+            self.served[role] = version
+        return ModelRef(role, version)
+
+    def _buckets(self, role: str, route: Any, trains: bool) -> Iterator[list[tuple[str, Any]]]:
+        """The served model's parameters in order, grouped into buckets of <= `route.bucket_bytes`."""
+        source = self.models[role].model.module if trains else self.engines[role]
+        bucket, size = [], 0
+        for name, param in source.named_parameters():
+            nbytes = param.numel() * 4
+            if bucket and size + nbytes > route.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, param))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def _broadcast_bucket(self, bucket, fulls, route, group) -> list[torch.Tensor] | None:
+        """The trainer's first rank sends one flat fp32 bucket to the generating ranks."""
+        if self.rank not in _sync_ranks(route.src, route.dst):
+            return fulls
+        shapes = [tuple(param.shape) for _, param in bucket]
+        if self.rank == route.src[0]:
+            flat = torch.cat([full.float().reshape(-1) for full in fulls]).to(self._comm_device())
+        else:
+            flat = torch.empty(sum(torch.Size(s).numel() for s in shapes), dtype=torch.float32, device=self._comm_device())
+        dist.broadcast(flat, src=route.src[0], group=group)
+        return [piece.view(shape) for piece, shape in zip(flat.split([torch.Size(s).numel() for s in shapes]), shapes)]
+
+    # -- training hooks ----------------------------------------------------------------------
+    def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool):
+        return worker.model(rollouts, temperature=temperature, with_entropy=with_entropy)
+
+    def _all_reduce_sum(self, role: str, values: torch.Tensor) -> torch.Tensor:
+        reduced = values.to(self._comm_device())
+        dist.all_reduce(reduced, group=self.role_groups[role])
+        return reduced.to(values.device)
+
+    def _clip_grads(self, worker: LMWorker, clip: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in worker.model.parameters() if p.grad is not None], clip)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    # -- memory ------------------------------------------------------------------------------
+    def offload(self, role: str, direction: str) -> None:
+        """Optimizer state and gradients to host memory (`offload`) or back (`onload`).
+
+        On a CPU device they are host memory already: the step is recorded, nothing moves.
+        """
+        self.offloaded[role] = direction == "offload"
+        worker = self.models.get(role)
+        if worker is None or worker.optimizer is None or self.device.type != "cuda":
+            return
+        target = torch.device("cpu") if direction == "offload" else self.device
+        for state in worker.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(target, non_blocking=True)
+        if direction == "offload":
+            for param in worker.model.parameters():
+                param.grad = None
+        torch.cuda.synchronize(self.device)
+
+    def full_state(self, role: str) -> dict[str, torch.Tensor] | None:
+        """`role`'s unsharded state dict on the CPU; every rank of its group calls it, its first rank returns it."""
+        if role not in self.models:
+            return None
+        state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+                 for name, value in self.models[role].model.module.state_dict().items()}
+        first = min(dist.get_process_group_ranks(self.role_groups[role]))
+        return state if self.rank == first else None
+
+
+def _sync_ranks(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks of a split sync's broadcast: the trainer's first rank and the generating ranks."""
+    return tuple(sorted({src[0], *dst}))
+
+
+# -- building one rank's executor from the plan ---------------------------------------------------------
+
+
+def _rank_sets(plan: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Every group's ranks and every split sync's broadcast ranks, in plan order (the same on every process)."""
+    from rlgraph.plan.plan import SyncWeights
+
+    groups = {group.name: group for group in plan.groups}
+    role_sets = sorted({tuple(group.ranks) for group in plan.groups})
+    sync_sets = []
+    for step in plan.steps:
+        if isinstance(step, SyncWeights):
+            src, dst = groups[step.role].ranks, groups[step.dst.split("[")[0]].ranks
+            if set(src) != set(dst) and _sync_ranks(src, dst) not in sync_sets:
+                sync_sets.append(_sync_ranks(src, dst))
+    return role_sets, sync_sets
+
+
+def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) -> FSDPExecutor:
+    """Rank `rank`'s roles: FSDP2-sharded models for the groups that train or infer on it, engines for
+    the groups that generate on it. Every process creates every process group (torch requires it)."""
+    role_sets, sync_sets = _rank_sets(plan)
+    process_groups = {ranks: dist.new_group(list(ranks)) for ranks in role_sets}
+    sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
+    tokenizer = world.load_tokenizer()
+    models, engines, role_groups = {}, {}, {}
+    for group in plan.groups:
+        if rank not in group.ranks:
+            continue
+        if group.name not in GENERATOR_OF:
+            spec = _role_spec(world, group.name)
+            role_groups[group.name] = process_groups[tuple(group.ranks)]
+            models[group.name] = _sharded_role(spec, group, role_groups[group.name], tokenizer, device)
+        if group.generate is not None:
+            served = GENERATOR_OF.get(group.name, group.name)
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            engines[served] = _role_spec(world, served).build_module(tokenizer, dtype).to(device).eval().requires_grad_(False)
+    return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
+                        device=device, role_groups=role_groups, engines=engines, sync_groups=sync_groups,
+                        max_new_tokens=world.max_new_tokens, seed=world.seed)
+
+
+def _role_spec(world: Any, role: str) -> Any:
+    if role not in world.roles:
+        raise KeyError(f"the plan places role {role!r} but the run defines only {', '.join(world.roles)}; "
+                       f"add RoleSpec for {role!r} to the WorldSpec")
+    return world.roles[role]
+
+
+def _sharded_role(spec: Any, group: Any, process_group: Any, tokenizer: Any, device: torch.device) -> LMWorker:
+    layout = group.train
+    if layout is not None and layout.dp > 1:
+        raise ValueError(f"group {group.name!r}: {layout} (FSDP2 with replication, HSDP) is not supported by the FSDP2 "
+                         "executor yet; use a placement where fsdp equals the group's size")
+    module = spec.build_module(tokenizer).to(device)
+    if layout is not None and layout.checkpointing:
+        lm = getattr(module, "backbone", module)
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = DeviceMesh.from_group(process_group, device.type)
+    precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if device.type == "cuda" else MixedPrecisionPolicy())
+    root = RoleForward(module, spec.kind)
+    for layer in decoder_layers(module):
+        fully_shard(layer, mesh=mesh, mp_policy=precision)
+    fully_shard(root, mesh=mesh, mp_policy=precision)
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)  # sum the shards' gradients: the loss is globally normalised
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return LMWorker(root, spec.build_optimizer(root.parameters()), kind=spec.kind)

@@ -1,0 +1,100 @@
+"""One rank's side of a running plan: its executor and the values it holds.
+
+A `Worker` is what a transport reaches on each rank. The plan runner (on the controller) tells it,
+step by step, to run a stage's nodes, to take a value from the controller (a scatter or broadcast
+piece), to hand one back (a gather), to move one to other ranks (all_to_all, send_recv), to sync
+weights or to offload; the worker never decides what to run. Its values live in `store`, keyed by
+program node name, each being the piece of the value this rank holds under the node's layout.
+
+The same class serves every transport: the local transport calls it directly in the controller's
+process (one worker playing every rank, so every piece is the whole value); the spmd transport
+runs one per process and calls it through a pipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from rlgraph.backends.protocols import Executor, ModelRef
+from rlgraph.ir.program import Program
+from rlgraph.runtime.eager import Interpreter, run_node
+
+
+class Worker:
+    """Holds the roles the plan places on `rank` (in `executor`) and this rank's pieces of values."""
+
+    def __init__(self, executor: Executor, rank: int = 0):
+        self.executor = executor
+        self.rank = rank
+        self.interpreter = Interpreter(executor)  # its `_primitive` runs primitives on the executor
+        self.programs: dict[str, dict[str, fx.Node]] = {}
+        self.store: dict[str, Any] = {}
+
+    # -- the program -------------------------------------------------------------------------
+    def load(self, key: str, program: Program) -> None:
+        """Keep `program`'s nodes under `key`; stages name nodes of a loaded program."""
+        self.programs[key] = {node.name: node for node in program.graph.nodes}
+
+    def begin(self, bindings: Mapping[str, Any]) -> None:
+        """Start an iteration: drop the last one's values, bind inputs (model versions, ...)."""
+        self.store = dict(bindings)
+
+    def run(self, key: str, names: tuple[str, ...]) -> None:
+        """Evaluate the nodes `names` of program `key`, in order, on the pieces this rank holds."""
+        nodes = self.programs[key]
+        env = _StoreView(self.store, nodes)
+        for name in names:
+            self.store[name] = run_node(nodes[name], env, self.interpreter._primitive)
+
+    # -- values ------------------------------------------------------------------------------
+    def put(self, name: str, value: Any) -> None:
+        self.store[name] = _to(value, _device_of(self.executor))
+
+    def get(self, name: str) -> Any:
+        return _to(self.store[name], torch.device("cpu"))
+
+    def alias(self, name: str, source: str) -> None:
+        """`name` holds the same piece as `source` (a move whose layouts collapse on one worker)."""
+        self.store[name] = self.store[source]
+
+    def current(self, role: str) -> ModelRef:
+        return self.executor.current(role)
+
+    def sync_weights(self, name: str, source: str | None, route: Any) -> None:
+        """Run a `sync_weights` node: the generation engine of this rank gets the weights of the
+        version in `source` (None on a rank that only receives them)."""
+        model = self.store.get(source) if source is not None else None
+        self.store[name] = self.executor.sync_weights(model, route)
+
+
+class _StoreView(dict):
+    """`run_node` reads its inputs as `env[fx.Node]`; a worker keys its values by node name."""
+
+    def __init__(self, store: dict[str, Any], nodes: Mapping[str, fx.Node]):
+        super().__init__()
+        self.store = store
+
+    def __getitem__(self, node: fx.Node) -> Any:
+        return self.store[node.name]
+
+
+def _device_of(executor: Any) -> torch.device:
+    return getattr(executor, "device", torch.device("cpu"))
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """Tensors and records moved to `device` (a no-op when they are there already)."""
+    from rlgraph.batches import Prompts, Rollouts
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (Prompts, Rollouts)):
+        import attrs
+
+        return attrs.evolve(value, **{f.name: getattr(value, f.name).to(device) for f in attrs.fields(type(value))
+                                      if isinstance(getattr(value, f.name), torch.Tensor)})
+    return value
