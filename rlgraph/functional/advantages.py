@@ -43,7 +43,7 @@ def _group_centered(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
     return shifted - _group_sum(shifted, group) / size, size  # [N], [N]
 
 
-@traceable
+@traceable(rows="group")
 def group_normalize(rewards: Tensor, group: Tensor, *, eps: float = 1e-6, scale: bool = True) -> Tensor:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps), unbiased std over the rollout's group g.
 
@@ -57,7 +57,7 @@ def group_normalize(rewards: Tensor, group: Tensor, *, eps: float = 1e-6, scale:
     return centered / (variance.sqrt() + eps)  # [N]
 
 
-@traceable
+@traceable(rows="group")
 def group_has_variance(rewards: Tensor, group: Tensor) -> Tensor:
     """bool[N]: True for rows whose group's rewards are not all equal (DAPO's dynamic-sampling test).
 
@@ -69,7 +69,7 @@ def group_has_variance(rewards: Tensor, group: Tensor) -> Tensor:
     return _group_sum(centered.abs(), group) > 0  # [N]
 
 
-@traceable
+@traceable(rows="group")
 def rloo(rewards: Tensor, group: Tensor) -> Tensor:
     """RLOO: A_i = r_i - mean_{j in g, j != i} r_j = n / (n - 1) (r_i - mean_g).
 
@@ -110,7 +110,7 @@ def gpg(rewards: Tensor, group: Tensor, *, f_norm: float = 1.0) -> Tensor:
     return alpha * centered / f_norm  # [N]
 
 
-@traceable
+@traceable(rows="group")
 def opo(rewards: Tensor, group: Tensor, mask: Tensor) -> Tensor:
     """OPO: A_i = r_i - b_g, b_g = sum_j |y_j| r_j / sum_j |y_j| (length-weighted group baseline).
 
@@ -124,7 +124,7 @@ def opo(rewards: Tensor, group: Tensor, mask: Tensor) -> Tensor:
     return centered - torch.where(length_total > 0, weighted, 0.0)  # [N]
 
 
-@traceable
+@traceable(rows="row")
 def remax(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
     """ReMax: A_i = r_i - r_greedy(x_i), the reward of the greedy answer to the same prompt.
 
@@ -133,7 +133,7 @@ def remax(rewards: Tensor, greedy_rewards: Tensor) -> Tensor:
     return rewards - greedy_rewards  # [N]
 
 
-@traceable
+@traceable(rows="row")
 def rewards_at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:
     """Token rewards f32[N,T] holding the outcome reward r_i at row i's last unmasked token.
 
@@ -146,7 +146,7 @@ def rewards_at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:
     return torch.where(at_last, rewards[:, None], 0.0)  # [N, T]
 
 
-@traceable
+@traceable(rows="row")
 def discounted_returns(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
     """G_t = r_t + gamma G_{t'} over unmasked tokens, t' the next unmasked token: f32[N,T].
 
@@ -175,7 +175,7 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, eps: floa
     return masked_whiten(discounted_returns(rewards, mask, gamma=gamma), mask, eps=eps)  # [N, T]
 
 
-@traceable
+@traceable(rows="row")
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[Tensor, Tensor]:
     """GAE: delta_t = r_t + gamma V_{t'} - V_t, A_t = delta_t + gamma lam A_{t'}; returns = A + V.

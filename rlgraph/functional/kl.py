@@ -17,25 +17,25 @@ from rlgraph.functional.aggregate import masked_mean
 from rlgraph.ir.ops import traceable
 
 
-@traceable
+@traceable(rows="row")
 def kl_k1(lp: Tensor, ref: Tensor) -> Tensor:
     """k1 = lp - ref: unbiased, high variance, can be negative (verl "kl"/"k1")."""
     return lp - ref  # [N, T]
 
 
-@traceable
+@traceable(rows="row")
 def kl_abs(lp: Tensor, ref: Tensor) -> Tensor:
     """|lp - ref| (verl "abs")."""
     return (lp - ref).abs()  # [N, T]
 
 
-@traceable
+@traceable(rows="row")
 def kl_k2(lp: Tensor, ref: Tensor) -> Tensor:
     """k2 = 0.5 (lp - ref)^2: biased, low variance, >= 0 (verl "mse"/"k2")."""
     return 0.5 * (lp - ref).square()  # [N, T]
 
 
-@traceable
+@traceable(rows="row")
 def kl_k3(lp: Tensor, ref: Tensor) -> Tensor:
     """k3 = exp(ref - lp) - (ref - lp) - 1: unbiased, low variance, >= 0 (verl "low_var_kl"/"k3").
 

@@ -32,6 +32,7 @@ class OpInfo:
     name: str
     impl: Callable[..., Any]
     spec_rule: Callable[..., Any] | None = None
+    rows: str | None = None  # "row": output row i reads only input row i; "group": only row i's group; None: any row
 
 
 def contains_proxy(tree: Any) -> bool:
@@ -44,8 +45,17 @@ def contains_proxy(tree: Any) -> bool:
     return False
 
 
-def traceable(fn: Callable[..., Any] | None = None, *, name: str | None = None, spec: Callable[..., Any] | None = None):
-    """Decorator: `@traceable` or `@traceable(name=..., spec=rule)`."""
+def traceable(fn: Callable[..., Any] | None = None, *, name: str | None = None, spec: Callable[..., Any] | None = None,
+              rows: str | None = None):
+    """Decorator: `@traceable` or `@traceable(name=..., spec=rule, rows="row"|"group")`.
+
+    `rows` says which rows of its per-row inputs each output row depends on: "row" (only its own),
+    "group" (only those of its group: `group` ids are local to a shard holding whole groups), or
+    None (any: a batch statistic). The compiler runs an op on a data-parallel shard only when it
+    says "row" or "group"; other math on per-row values runs on the controller, over the whole batch.
+    """
+    if rows not in (None, "row", "group"):
+        raise ValueError(f"traceable: rows must be None, 'row' or 'group', got {rows!r}")
 
     def wrap(impl: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(impl)
@@ -54,7 +64,7 @@ def traceable(fn: Callable[..., Any] | None = None, *, name: str | None = None, 
                 return ACTIVE_TRACERS[-1].record_op(op, args, kwargs)
             return impl(*args, **kwargs)
 
-        info = OpInfo(name or impl.__name__, impl, spec)
+        info = OpInfo(name or impl.__name__, impl, spec, rows)
         op.__rlgraph_op__ = info  # type: ignore[attr-defined]
         OPS[info.name] = op
         return op

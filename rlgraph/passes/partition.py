@@ -4,15 +4,24 @@ Primitives run on the role of their model (`generate` on the policy's generator,
 when the placement has one); `score` with a reward function and `filter_groups` run on the
 controller. Field reads
 stay with their record. Any other op runs where its inputs already are, choosing the location
-that moves the fewest bytes (ties go to the controller, which holds the metrics).
+that moves the fewest bytes (ties go to the controller, which holds the metrics), with one rule
+for correctness: a worker group holds per-row values split across its data-parallel ranks, so an
+op reading per-row inputs may run there only when each output row depends on its own row or its
+own group's rows (elementwise math, `@traceable(rows=...)` ops such as `group_normalize` or
+`gae`). A batch statistic (`masked_whiten`, `mean`, ...) runs on the controller over the whole
+batch: computed on one shard it would be silently wrong.
 
 Guarantees: every node has `meta["role"]` and `meta["phase"]`; nothing else changes.
 """
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 
+from rlgraph.ir import ops
 from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
@@ -50,6 +59,34 @@ def _role_of_primitive(node: fx.Node, name: str, options: CompileOptions) -> str
     return model.role
 
 
+# Elementwise torch math: output row i reads input row i (and values without rows, broadcast).
+_ROW_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+                  torch.add, torch.sub, torch.mul, torch.div, torch.exp, torch.log, torch.clamp, torch.minimum,
+                  torch.maximum, torch.where, torch.abs, torch.sigmoid, torch.tanh, torch.sqrt, torch.square}
+_ROW_METHODS = {"exp", "log", "clamp", "abs", "sqrt", "square", "sigmoid", "tanh", "neg", "float", "double", "to", "bool",
+                "long", "int", "add", "sub", "mul", "div"}
+
+
+def _reads_whole_batch(node: fx.Node) -> bool:
+    """Whether an op on per-row inputs needs rows beyond each output row's own (or its group's)."""
+    if not any(_per_row(arg.meta["spec"]) for arg in node.all_input_nodes):
+        return False
+    if node.op == "call_method":
+        return node.target not in _ROW_METHODS
+    if node.target is operator.getitem:
+        index = node.args[1]
+        first = index[0] if isinstance(index, tuple) and index else index
+        return first != slice(None)  # [:, None] or [:, 1:] keep rows; [0] or [mask] do not
+    info = ops.op_info(node.target)
+    if info is not None:
+        return info.rows is None
+    return node.target not in _ROW_FUNCTIONS
+
+
+def _per_row(spec: S.Spec) -> bool:
+    return isinstance(spec, S.TensorSpec) and spec.shape[:1] in ((S.N,), (S.B,))
+
+
 def _cheapest(node: fx.Node, sizes: dict[str, int]) -> str:
     moved: dict[str, int] = {CONTROLLER: 0}
     inputs = [arg for arg in node.all_input_nodes]
@@ -74,6 +111,8 @@ def partition(program: Program, options: CompileOptions) -> Program:
         elif node.target is get_field or (isinstance(node.args[0], fx.Node) and not isinstance(node.args[0].meta["spec"], S.TensorSpec)):
             phase = node.args[0].meta["phase"]  # reads of the filter's results are controller math, not more filtering
             node.meta.update(role=node.args[0].meta["role"], phase="math" if phase == "filter" else phase)
+        elif _reads_whole_batch(node):
+            node.meta.update(role=CONTROLLER, phase="math")
         else:
             node.meta.update(role=_cheapest(node, sizes), phase="math")
     return out.verify(after="partition")

@@ -46,6 +46,10 @@ class WorkerFailure(RLGraphError):
         self.cause = cause
 
 
+class PlanInputError(RLGraphError):
+    """A batch the plan cannot run (it cannot be split as the plan's layouts say)."""
+
+
 class PlanStepError(RLGraphError):
     """A plan step failed on a worker: the message names the step, its stage, its role and the rank."""
 
@@ -77,6 +81,7 @@ class PlanRunner(Interpreter):
         """`run(batch)`, or `run(program, batch)` for the Trainer's interface (the program is the compiled one)."""
         batch = program if batch is None else batch
         lowered, plan = self.compiled.program, self.compiled.plan
+        self._check_divides(batch)
         require_prompt_source(lowered.annotations.get("loops", ()), lowered, more_prompts)
         env = self._bind(lowered, batch)
         loop_at = {loop.filter_step: loop for loop in plan.loops}
@@ -90,6 +95,17 @@ class PlanRunner(Interpreter):
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)
         return state, flatten_metrics(metrics)
+
+    def _check_divides(self, batch: Any) -> None:
+        """Every data-parallel rank gets the same number of whole prompts (and so of groups and
+        micro-batches: ranks that disagree on the number of FSDP2 collectives would wait forever)."""
+        rows = len(batch) if hasattr(batch, "__len__") else None
+        for group in self.compiled.plan.groups:
+            ways = max(group.dp, group.generate.dp if group.generate else 1)
+            if rows is not None and ways > 1 and rows % ways:
+                raise PlanInputError(
+                    f"the batch has {rows} rows, which group {group.name!r} cannot split evenly over its {ways} "
+                    f"data-parallel ranks ({group.ranks_text()}); use a batch size divisible by {ways}")
 
     # -- inputs and outputs --------------------------------------------------------------------
     def _bind(self, lowered: Any, batch: Any) -> dict[fx.Node, Any]:

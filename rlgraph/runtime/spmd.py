@@ -31,6 +31,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import attrs
 import torch
 
 from rlgraph.ir.program import Program
@@ -71,6 +72,7 @@ class SpmdTransport:
                                 f"{torch.cuda.device_count()} GPU(s); compile for a mesh of at most that many")
         self.timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S[self.device]
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.world)
+        world = attrs.evolve(world, rewards={})  # reward functions run on the controller, and need not pickle
         context = mp.get_context("spawn")
         port = free_port()
         self.connections: list[Connection] = []
@@ -184,6 +186,10 @@ class SpmdTransport:
 
     def current(self, role: str, rank: int) -> Any:
         return self._all([rank], "current", role)[rank]
+
+    def weights_report(self, role: str) -> dict[int, dict[str, Any]]:
+        """Per rank: how much of `role` it holds and whether its engine matches the trained weights."""
+        return self._all(range(self.world), "weights_report", role)
 
     def pull_state(self, role: str) -> dict[str, torch.Tensor]:
         """The full (unsharded) weights of `role`, on the CPU, from the ranks that train or hold it."""
@@ -303,3 +309,6 @@ class _SpmdWorker:
 
     def full_state(self, role: str) -> dict[str, torch.Tensor] | None:
         return self.worker.executor.full_state(role)
+
+    def weights_report(self, role: str) -> dict[str, Any]:
+        return self.worker.executor.weights_report(role)

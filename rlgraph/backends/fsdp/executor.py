@@ -181,6 +181,22 @@ class FSDPExecutor(LocalExecutor):
         return state if self.rank == first else None
 
 
+    def weights_report(self, role: str) -> dict[str, Any]:
+        """What this rank holds of `role`: parameter elements held locally and in the whole model,
+        the version its engine serves, and the largest |engine - gathered FSDP2 weight| (every rank
+        of the role's group must call it: the comparison all-gathers)."""
+        report: dict[str, Any] = {"served": self.served.get(role)}
+        if role in self.models:
+            params = list(self.models[role].model.module.named_parameters())
+            report["local_numel"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for _, p in params)
+            report["global_numel"] = sum(p.numel() for _, p in params)
+            if role in self.engines:
+                engine = dict(self.engines[role].named_parameters())
+                report["engine_diff"] = max(float((engine[name].float() - (p.full_tensor() if isinstance(p, DTensor) else p)
+                                                   .float()).abs().max()) for name, p in params)
+        return report
+
+
 def _sync_ranks(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:
     """The ranks of a split sync's broadcast: the trainer's first rank and the generating ranks."""
     return tuple(sorted({src[0], *dst}))

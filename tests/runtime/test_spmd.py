@@ -1,0 +1,145 @@
+"""The same compiled plan on the `spmd` transport (2 gloo worker processes, FSDP2) and on `local`.
+
+Each test starts one transport (~5 s: two spawned processes import torch and build their roles)
+and runs the local reference beside it, from the same initial weights, on the same prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import rlgraph as rg
+from rlgraph.algorithms import ALGORITHMS
+from rlgraph.backends.protocols import ModelRef
+from rlgraph.backends.world import RoleSpec, WorldSpec
+from rlgraph.runtime.plan_runner import PlanInputError, PlanRunner, PlanStepError
+from rlgraph.runtime.spmd import SpmdTransport
+from rlgraph.runtime.transport import SyncRoute
+from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 4
+COLOCATED = rg.colocated(offload=False, checkpointing=False)
+
+
+def _compile(name: str, placement=COLOCATED, **hparams):
+    return rg.compile(ALGORITHMS[name], mesh="cpu:2", placement=placement, sizes={"B": 4, "P": 8, "T": TOKENS},
+                      max_new_tokens=TOKENS, **hparams)
+
+
+def _world(**roles: RoleSpec) -> WorldSpec:
+    return WorldSpec(roles or {"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": length_parity_reward},
+                     max_new_tokens=TOKENS)
+
+
+def _assert_same_metrics(local: dict[str, float], spmd: dict[str, float]) -> None:
+    assert local.keys() == spmd.keys()
+    for key in local:
+        assert math.isclose(local[key], spmd[key], rel_tol=1e-5, abs_tol=1e-6), (key, local[key], spmd[key])
+
+
+def _assert_same_weights(local: torch.nn.Module, spmd: dict[str, torch.Tensor]) -> None:
+    state = local.state_dict()
+    assert state.keys() == spmd.keys()
+    for name, value in state.items():
+        torch.testing.assert_close(spmd[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _step_both(compiled, local_executor, transport, world, prompts):
+    local = PlanRunner(compiled, local_executor).run(prompts)[1]
+    spmd = PlanRunner(compiled, transport, controller=world.controller()).run(prompts)[1]
+    return local, spmd
+
+
+def test_grpo_on_two_fsdp_ranks_matches_local_with_and_without_micro_batches():
+    world, prompts = _world(), tiny_prompts(4)
+    plain, micro = _compile("grpo", n=4), _compile("grpo", n=4, micro_batch_size=2)
+    local_executor = world.build_local()
+    with SpmdTransport(plain.plan, world, device="cpu") as transport:
+        for compiled in (plain, micro, plain):
+            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
+            _assert_same_metrics(local, spmd)
+            _assert_same_weights(local_executor.models["policy"].model, transport.pull_state("policy"))
+        assert local["policy/grad_norm"] > 0  # the step trained something
+        reports = transport.weights_report("policy")
+        for report in reports.values():  # between steps each rank holds only its FSDP2 shards
+            assert report["local_numel"] < 0.6 * report["global_numel"]
+        assert sum(r["local_numel"] for r in reports.values()) == reports[0]["global_numel"]
+
+
+def test_sync_weights_fills_the_engines_with_the_gathered_fsdp2_weights_bucket_by_bucket():
+    world, prompts = _world(), tiny_prompts(4)
+    compiled = _compile("grpo", n=4)
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        runner = PlanRunner(compiled, transport, controller=world.controller())
+        runner.run(prompts)  # trains policy@0 -> policy@1; the engines still serve policy@0
+        assert {r["served"] for r in transport.weights_report("policy").values()} == {0}
+        assert all(r["engine_diff"] > 0 for r in transport.weights_report("policy").values())
+        live = ModelRef("policy", 1)
+        transport.begin({0: {"model": live}, 1: {"model": live}})
+        transport.sync_weights("synced", "model", SyncRoute("policy", (0, 1), (0, 1), buckets=40, bucket_bytes=16 << 10))
+        reports = transport.weights_report("policy")
+        assert all(r["served"] == 1 and r["engine_diff"] == 0.0 for r in reports.values())
+
+
+def test_ppo_with_its_critic_on_two_fsdp_ranks_matches_local():
+    world = _world(policy=RoleSpec(optimizer="sgd", lr=0.1), critic=RoleSpec(kind="critic", optimizer="sgd", lr=0.1, seed=1))
+    compiled, prompts = _compile("ppo", n=2), tiny_prompts(4)
+    local_executor = world.build_local()
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        for _ in range(2):
+            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
+            _assert_same_metrics(local, spmd)
+        for role in ("policy", "critic"):
+            _assert_same_weights(local_executor.models[role].model, transport.pull_state(role))
+
+
+def test_split_placement_trains_on_rank_0_and_generates_on_rank_1_like_local():
+    world, prompts = _world(), tiny_prompts(4)
+    compiled = _compile("grpo", placement=rg.split({"policy": 1, "rollout": 1}), n=4)
+    assert any(t.kind == "send_recv" for t in compiled.plan.transfers())
+    local_executor = world.build_local()
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        for _ in range(2):
+            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
+            _assert_same_metrics(local, spmd)
+        _assert_same_weights(local_executor.models["policy"].model, transport.pull_state("policy"))
+        reports = transport.weights_report("policy")
+        assert reports[0]["local_numel"] == reports[0]["global_numel"] and reports[1]["served"] == 1
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused_before_any_work():
+    world = _world()
+    compiled = _compile("grpo", n=4)
+    runner = PlanRunner(compiled, world.build_local())
+    with pytest.raises(PlanInputError, match=r"3 rows.*'policy'.*2 data-parallel ranks.*divisible by 2"):
+        runner.run(tiny_prompts(3))
+
+
+def test_a_worker_killed_mid_step_is_reported_with_the_step_and_the_rank():
+    compiled = _compile("grpo", n=4)
+    transport_box: list[SpmdTransport] = []
+
+    def reward_that_kills_rank_1(completions, **_):
+        os.kill(transport_box[0].processes[1].pid, signal.SIGKILL)
+        return length_parity_reward(completions)
+
+    world = WorldSpec({"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": reward_that_kills_rank_1},
+                      max_new_tokens=TOKENS)
+    with SpmdTransport(compiled.plan, world, device="cpu", timeout_s=20) as transport:
+        transport_box.append(transport)
+        runner = PlanRunner(compiled, transport, controller=world.controller())
+        start = time.monotonic()
+        with pytest.raises(PlanStepError) as caught:
+            runner.run(tiny_prompts(4))
+        assert time.monotonic() - start < 20
+    message = str(caught.value)
+    assert "rank 1" in message and "SIGKILL" in message and "role 'policy'" in message
+    assert "plan step [" in message
