@@ -39,6 +39,16 @@ def _hparams(pairs: list[str]) -> dict[str, Any]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -60,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rl-lr", type=float, default=1e-4)
     demo.add_argument("--critic-lr", type=float, default=1e-4, help="PPO's critic")
     demo.add_argument("--run-dir", default="runs/demo")
+    demo.add_argument("--runtime", choices=("local", "spmd"), default="local",
+                      help="local: every role in this process; spmd: --nproc worker processes, the policy FSDP2-sharded")
+    demo.add_argument("--nproc", type=_positive_int, default=2, help="spmd worker processes (mesh ranks)")
+    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                      help="where spmd workers run: cuda when a GPU is present (auto), else cpu")
+    demo.add_argument("--rl-steps", type=_positive_int, default=None, help="stop RL after this many steps (default: time-bound)")
 
     check = sub.add_parser("check", parents=[common],
                            help="property-test a registered estimator or loss (rlgraph.testing); prints a counterexample")
@@ -163,7 +179,8 @@ def _demo(args) -> int:
     hparams = _hparams(args.param)
     ALGORITHMS[args.algorithm].trace(**hparams)  # a wrong name or hyper-parameter fails now, not after SFT
     run_demo(DemoConfig(algorithm=args.algorithm, hparams=hparams, seed=args.seed, rl_seconds=args.rl_seconds,
-                        rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir))
+                        rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir, runtime=args.runtime,
+                        nproc=args.nproc, device=args.device, rl_max_steps=args.rl_steps))
     return 0
 
 

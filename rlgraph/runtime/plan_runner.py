@@ -20,6 +20,7 @@ Trainer runs a compiled plan exactly as it runs the eager interpreter.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,6 +74,7 @@ class PlanRunner(Interpreter):
         self.groups = {group.name: group for group in compiled.plan.groups}
         self.versions: dict[str, int] = {}
         self.bytes_moved = 0
+        self.step_seconds: dict[int, float] = {}  # plan step index -> seconds spent in it, summed over runs
         self._key = f"{compiled.program.name}-{id(compiled)}"
         transport.load(self._key, compiled.program)
 
@@ -86,11 +88,13 @@ class PlanRunner(Interpreter):
         env = self._bind(lowered, batch)
         loop_at = {loop.filter_step: loop for loop in plan.loops}
         for step in plan.steps:
+            start = time.perf_counter()
             with self._context(step):
                 if step.index in loop_at:
                     self._run_filter_step(step, loop_at[step.index], env, more_prompts)
                 else:
                     self._run_step(step, env)
+            self.step_seconds[step.index] = self.step_seconds.get(step.index, 0.0) + time.perf_counter() - start
         state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)

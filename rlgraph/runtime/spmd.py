@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -86,6 +88,7 @@ class SpmdTransport:
             self.connections.append(ours)
             self.processes.append(process)
         self._closed = False
+        self.busy_s = [0.0] * self.world  # seconds each worker spent running commands (the controller overhead's complement)
         try:
             self._wait(range(self.world), "start")  # each worker built its roles (or said why not)
         except BaseException:
@@ -99,7 +102,7 @@ class SpmdTransport:
             raise WorkerFailure("the spmd workers were stopped after an earlier failure; start a new transport")
         for rank, (command, args) in calls.items():
             try:
-                self.connections[rank].send((command, args))
+                _send(self.connections[rank], (command, args))
             except (BrokenPipeError, OSError):
                 self._fail(WorkerFailure(f"rank {rank} is gone ({self._exit(rank)}) before {what}", rank))
         return self._wait(calls, what)
@@ -120,13 +123,14 @@ class SpmdTransport:
                 if item in pending:
                     rank = pending.pop(item)
                     try:
-                        status, payload = item.recv()
+                        status, payload = _receive(item)
                     except EOFError:
                         self._fail(WorkerFailure(f"rank {rank} died during {what} ({self._exit(rank)})", rank))
                     if status == "error":
                         name, message, remote = payload
                         self._fail(WorkerFailure(f"rank {rank} raised {name} during {what}: {message}", rank, remote))
-                    results[rank] = payload
+                    results[rank], busy = payload if what != "start" else (payload, 0.0)
+                    self.busy_s[rank] += busy
                     sentinels = {s: r for s, r in sentinels.items() if r != rank}
                 elif item in sentinels and sentinels[item] in pending.values():
                     rank = sentinels[item]
@@ -203,7 +207,7 @@ class SpmdTransport:
         self._closed = True
         for connection in self.connections:
             try:
-                connection.send(("close", ()))
+                _send(connection, ("close", ()))
             except (BrokenPipeError, OSError):
                 pass
         for process in self.processes:
@@ -262,26 +266,37 @@ def _serve(worker: _SpmdWorker, connection: Connection) -> None:
 
     while True:
         try:
-            command, args = connection.recv()
+            command, args = _receive(connection)
         except (EOFError, OSError):
             break  # the controller went away
         if command == "close":
             break
+        start = time.perf_counter()
         try:
             result = getattr(worker, command)(*args)
         except BaseException as error:  # noqa: BLE001
             _reply(connection, "error", _describe(error))
             continue
-        _reply(connection, "ok", result)
+        _reply(connection, "ok", (result, time.perf_counter() - start))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def _reply(connection: Connection, status: str, payload: Any) -> None:
     try:
-        connection.send((status, payload))
+        _send(connection, (status, payload))
     except (BrokenPipeError, OSError):
         pass
+
+
+def _send(connection: Connection, message: Any) -> None:
+    """Plain pickling: tensors travel by value in the message. (`Connection.send` would use
+    torch's multiprocessing reducers, which move every tensor to shared memory: ~1 ms each.)"""
+    connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(connection: Connection) -> Any:
+    return pickle.loads(connection.recv_bytes())
 
 
 def _describe(error: BaseException) -> tuple[str, str, str]:

@@ -29,7 +29,9 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data import arithmetic
 from rlgraph.rewards import exact_match
 from rlgraph.api import compile as compile_algorithm
-from rlgraph.plan.mesh import colocated
+from rlgraph.backends.world import RoleSpec, WorldSpec
+from rlgraph.plan.mesh import Mesh, colocated
+from rlgraph.runtime.spmd import SpmdTransport, resolve_device
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.loop import Trainer
@@ -61,6 +63,9 @@ class DemoConfig:
     max_new_tokens: int = 5
     threads: int = 2
     run_dir: str | None = "runs/demo"
+    runtime: str = attrs.field(default="local", validator=attrs.validators.in_(("local", "spmd")))
+    nproc: int = 2                # spmd: worker processes (mesh ranks); the policy trains with FSDP2 over them
+    device: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "cpu", "cuda")))
 
 
 @attrs.frozen
@@ -128,7 +133,7 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
     rl_trainer, rl_seconds, reward = _reinforce(config, executor, splits, tokenizer, console)
     after = accuracy(test)
     if rl_trainer.run_dir is not None:
-        rl_trainer.save()
+        rl_trainer.save()  # local runtime: a resumable checkpoint (the spmd runtime's is not built yet)
     generated = sum(metrics.get("filter/rounds", 1.0) for metrics in rl_trainer.history) * config.rl_prompts * config.rl_samples
     result = DemoResult(
         algorithm=config.algorithm, sft_steps=sft_steps, sft_seconds=sft_seconds, rl_steps=rl_trainer.step,
@@ -158,15 +163,22 @@ def _warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer,
 
 
 def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, console: Console):
-    """The RL phase through the compiled plan; returns (trainer, seconds, smoothed reward)."""
-    for group in executor.models["policy"].optimizer.param_groups:
-        group["lr"] = config.rl_lr
+    """The RL phase through the compiled plan; returns (trainer, seconds, smoothed reward).
+
+    RL starts a fresh AdamW at `rl_lr` from the warm-started weights. With `runtime="spmd"` the
+    same algorithm is compiled for a mesh of `nproc` ranks and runs in worker processes (the
+    policy FSDP2-sharded over them); the trained weights come back to `executor` at the end.
+    """
     hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams,
                "n": config.rl_samples, "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}
-    # RL runs the compiled plan (one CPU rank), not the eager interpreter: the plan is the truth.
-    compiled = compile_algorithm(ALGORITHMS[config.algorithm], mesh="cpu:1", placement=colocated(offload=False, checkpointing=False),
+    spmd = config.runtime == "spmd"
+    device = resolve_device(config.device) if spmd else "cpu"
+    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, config.nproc) if spmd else "cpu:1"
+    # RL runs the compiled plan, not the eager interpreter: the plan is the truth.
+    compiled = compile_algorithm(ALGORITHMS[config.algorithm], mesh=mesh, placement=colocated(offload=False, checkpointing=False),
                                  sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
     roles = {node.target for node in compiled.source.inputs}
+    executor.models["policy"].optimizer = torch.optim.AdamW(executor.models["policy"].model.parameters(), lr=config.rl_lr)
     if "critic" in roles:
         add_critic(executor, config)
     if "ref" in roles:
@@ -176,16 +188,44 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
-    rl_trainer = Trainer(compiled.program, PlanRunner(compiled, executor), lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer),
-                         rl_sampler, run_dir=run_dir)
+    transport = None
+    if spmd:
+        world = world_of(executor, {"reward": exact_match}, config)
+        console.print(f"starting {config.nproc} worker processes ({device}) for the plan's ranks ...")
+        transport = SpmdTransport(compiled.plan, world, device=device)
+        runner = PlanRunner(compiled, transport, controller=world.controller())
+    else:
+        runner = PlanRunner(compiled, executor)
+    rl_trainer = Trainer(compiled.program, runner, lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer),
+                         rl_sampler, run_dir=None if spmd else run_dir)
     reward, start, label = 0.0, time.perf_counter(), config.algorithm.upper()
-    with _progress(console) as progress:
-        task = progress.add_task(label, total=config.rl_seconds, info="")
-        for metrics in rl_trainer.run(steps=config.rl_max_steps, seconds=config.rl_seconds):
-            reward = 0.9 * reward + 0.1 * metrics["reward"] if rl_trainer.step > 1 else metrics["reward"]
-            progress.update(task, completed=min(time.perf_counter() - start, config.rl_seconds),
-                            info=f"step {rl_trainer.step}  reward {reward:.2f}")
-    return rl_trainer, time.perf_counter() - start, reward
+    try:
+        with _progress(console) as progress:
+            task = progress.add_task(label, total=config.rl_seconds, info="")
+            for metrics in rl_trainer.run(steps=config.rl_max_steps, seconds=config.rl_seconds):
+                reward = 0.9 * reward + 0.1 * metrics["reward"] if rl_trainer.step > 1 else metrics["reward"]
+                progress.update(task, completed=min(time.perf_counter() - start, config.rl_seconds),
+                                info=f"step {rl_trainer.step}  reward {reward:.2f}")
+        seconds = time.perf_counter() - start
+        if transport is not None:
+            for role, worker in executor.models.items():  # the trained weights, for evaluation on the controller
+                if worker.optimizer is not None:
+                    worker.model.load_state_dict(transport.pull_state(role))
+    finally:
+        if transport is not None:
+            transport.close()
+    return rl_trainer, seconds, reward
+
+
+def world_of(executor: LocalExecutor, rewards: dict[str, Any], config: DemoConfig) -> WorldSpec:
+    """The executor's roles as a recipe worker processes rebuild them from (current weights, fresh optimizers)."""
+    roles = {}
+    for role, worker in executor.models.items():
+        lr = worker.optimizer.param_groups[0]["lr"] if worker.optimizer is not None else 0.0
+        optimizer = None if worker.optimizer is None else ("sgd" if isinstance(worker.optimizer, torch.optim.SGD) else "adamw")
+        roles[role] = RoleSpec(kind=worker.kind, optimizer=optimizer, lr=lr,
+                               weights={k: v.detach().clone() for k, v in worker.model.state_dict().items()})
+    return WorldSpec(roles, rewards, max_new_tokens=config.max_new_tokens, seed=config.seed)
 
 
 def _progress(console: Console) -> Progress:

@@ -22,6 +22,7 @@ the plan runner sends a stage to all of a group's ranks, so they do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,7 +97,7 @@ class FSDPExecutor(LocalExecutor):
             version = box[0]
         receives = self.rank in route.dst
         for bucket in self._buckets(role, route, trains):
-            fulls = [param.full_tensor() if isinstance(param, DTensor) else param.detach() for _, param in bucket] if trains else None
+            fulls = gather_full([param for _, param in bucket]) if trains else None
             if group is not None:
                 fulls = self._broadcast_bucket(bucket, fulls, route, group)
             if receives:
@@ -145,8 +146,17 @@ class FSDPExecutor(LocalExecutor):
         return reduced.to(values.device)
 
     def _clip_grads(self, worker: LMWorker, clip: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_([p for p in worker.model.parameters() if p.grad is not None], clip)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        """The global gradient norm from the local shards (one all-reduce), then a local rescale:
+        what `clip_grad_norm_` computes over DTensors, without a DTensor dispatch per parameter."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in worker.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum().reshape(1)
+        norm = float(self._all_reduce_sum(self._role_of(worker), squares).sqrt())
+        if math.isfinite(clip) and norm > clip:
+            torch._foreach_mul_(grads, clip / (norm + 1e-6))  # the factor clip_grad_norm_ applies
+        return norm
 
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
@@ -195,6 +205,33 @@ class FSDPExecutor(LocalExecutor):
                 report["engine_diff"] = max(float((engine[name].float() - (p.full_tensor() if isinstance(p, DTensor) else p)
                                                    .float()).abs().max()) for name, p in params)
         return report
+
+
+def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The full tensors of FSDP2-sharded parameters (dim-0 shards on a 1-D mesh) with one
+    all-gather for the whole list, instead of one `full_tensor()` collective per parameter."""
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return [p.detach() for p in params]
+    mesh = sharded[0].device_mesh
+    ranks = mesh.size()
+    locals_, rows = [], []
+    for p in sharded:
+        per_rank = -(-p.shape[0] // ranks)  # torch.chunk's shard rows; the last shards may be shorter or empty
+        local = p.to_local().detach().reshape(-1)
+        width = per_rank * math.prod(p.shape[1:])
+        locals_.append(torch.nn.functional.pad(local, (0, width - local.numel())))
+        rows.append(per_rank)
+    flat = torch.cat(locals_)  # [sum of padded shard sizes]
+    gathered = torch.empty(ranks * flat.numel(), dtype=flat.dtype, device=flat.device)
+    dist.all_gather_into_tensor(gathered, flat, group=mesh.get_group())  # one collective per bucket
+    gathered = gathered.view(ranks, -1)  # [ranks, sum of padded shard sizes]
+    fulls, offset = {}, 0
+    for p, piece, per_rank in zip(sharded, locals_, rows):
+        block = gathered[:, offset:offset + piece.numel()].reshape(ranks * per_rank, *p.shape[1:])
+        fulls[id(p)] = block[:p.shape[0]]  # drop the padding of the last shards
+        offset += piece.numel()
+    return [fulls[id(p)] if id(p) in fulls else p.detach() for p in params]
 
 
 def _sync_ranks(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:
