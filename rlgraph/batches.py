@@ -49,25 +49,42 @@ def _first_appearance(group: torch.Tensor) -> torch.Tensor:
     return rank[inverse]  # [R]
 
 
+def _positions(prompts: Prompts) -> torch.Tensor:
+    return torch.arange(prompts.ids.shape[0] if prompts.ids.dim() else 0, device=prompts.ids.device)
+
+
 @attrs.frozen
 class Prompts:
-    """A batch of B prompts: `ids` i64[B,P] left-padded, `mask` bool[B,P], per-prompt `meta`."""
+    """A batch of B prompts: `ids` i64[B,P] left-padded, `mask` bool[B,P], per-prompt `meta`.
+
+    `index` i64[B] is each prompt's position in the batch the controller built (default
+    0..B-1). It is the prompt's identity for sampling: a data-parallel shard keeps it, so a
+    prompt draws the same samples whichever rank generates it.
+    """
 
     ids: torch.Tensor
     mask: torch.Tensor
     meta: Meta = attrs.field(factory=dict)
+    index: torch.Tensor = attrs.field(default=attrs.Factory(_positions, takes_self=True))
 
     def __attrs_post_init__(self) -> None:
         if self.ids.shape != self.mask.shape or self.ids.dim() != 2:
             raise ValueError(f"Prompts: ids {tuple(self.ids.shape)} and mask {tuple(self.mask.shape)} must both be [B, P]")
-        _check_meta(self.meta, self.ids.shape[0], "Prompts")
+        rows = self.ids.shape[0]
+        if self.index.dtype != torch.long or tuple(self.index.shape) != (rows,):
+            raise ValueError(
+                f"Prompts: index must be i64[B] with B={rows} (each prompt's position in the controller's batch), "
+                f"got {self.index.dtype} {tuple(self.index.shape)}; leave it out for 0..B-1, or keep it with `select`"
+            )
+        _check_meta(self.meta, rows, "Prompts")
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
     def select(self, index: Sequence[int] | torch.Tensor) -> Prompts:
+        """Rows `index`; each keeps its `index` value (its sampling identity)."""
         index = torch.as_tensor(index, dtype=torch.long)
-        return Prompts(self.ids[index], self.mask[index], _take(self.meta, index.tolist()))
+        return Prompts(self.ids[index], self.mask[index], _take(self.meta, index.tolist()), self.index[index])
 
 
 @attrs.frozen

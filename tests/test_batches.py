@@ -1,9 +1,28 @@
-"""Rollouts.concat: padding, group renumbering, metadata."""
+"""Prompts: the sampling index. Rollouts.concat: padding, group renumbering, metadata."""
 
 import pytest
 import torch
 
-from rlgraph.batches import Rollouts
+from rlgraph.batches import Prompts, Rollouts
+
+
+def prompts(rows, **index):
+    return Prompts(torch.arange(rows * 2).reshape(rows, 2), torch.ones(rows, 2, dtype=torch.bool),
+                   {"id": list(range(rows))}, **index)
+
+
+def test_prompt_index_defaults_to_positions_and_select_keeps_it():
+    batch = prompts(5)
+    assert batch.index.tolist() == [0, 1, 2, 3, 4] and batch.index.dtype == torch.long
+    shard = batch.select([3, 1])
+    assert shard.index.tolist() == [3, 1] and shard.meta == {"id": [3, 1]}
+    assert shard.select([1]).index.tolist() == [1]  # a shard of a shard still names the controller's rows
+
+
+def test_prompt_index_must_be_i64_per_prompt():
+    for bad in (torch.arange(4), torch.zeros(5, dtype=torch.int32), torch.arange(5)[None]):
+        with pytest.raises(ValueError, match=r"index must be i64\[B\] with B=5"):
+            prompts(5, index=bad)
 
 
 def rollouts(groups, steps, width, fill=1.0, meta=None):

@@ -1,8 +1,8 @@
 """Atomic, exact-resume checkpoints.
 
 A checkpoint is a directory `step-<k>/` holding every trainable role's weights (safetensors),
-its optimizer state, the executor's sampling RNG, the data sampler's position and the run's
-counters. It is written to a temporary sibling and renamed into place, and `latest` is replaced
+its optimizer state, the executor's shuffling RNG and sampling stream, the data sampler's
+position and the run's counters. It is written to a temporary sibling and renamed into place, and `latest` is replaced
 atomically after that, so a crash leaves either the old or the new checkpoint, never half of one.
 """
 
@@ -15,10 +15,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
 from rlgraph.backends.local.executor import LocalExecutor
+from rlgraph.backends.local.generation import SamplingStream
 
 
 def _write_json_atomic(path: Path, payload: Any) -> None:
@@ -44,7 +46,8 @@ def save_checkpoint(run_dir: str | Path, step: int, executor: LocalExecutor, ext
             if worker.optimizer is not None:
                 torch.save(worker.optimizer.state_dict(), tmp / f"{role}.optim.pt")
             versions[role] = worker.version
-        torch.save({"generator": executor.generator.get_state(), "extra": extra}, tmp / "run_state.pt")
+        torch.save({"generator": executor.generator.get_state(), "sampling": attrs.asdict(executor.sampling),
+                    "extra": extra}, tmp / "run_state.pt")
         _write_json_atomic(tmp / "meta.json", {"step": step, "versions": versions})
         if final.exists():
             shutil.rmtree(final)
@@ -87,4 +90,5 @@ def load_checkpoint(path: str | Path, executor: LocalExecutor) -> dict[str, Any]
         worker.version = meta["versions"][role]
     run_state = torch.load(path / "run_state.pt", weights_only=False)
     executor.generator.set_state(run_state["generator"])
+    executor.sampling = SamplingStream(**run_state["sampling"])
     return {"step": meta["step"], **run_state["extra"]}

@@ -1,11 +1,15 @@
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, nucleus_filter, sample_tokens
+from rlgraph.backends.local.generation import (
+    NativeGenerator, SamplingParams, SamplingStream, as_int64, nucleus_filter, sample_tokens, sampling_keys, splitmix64,
+    uniform_from_bits,
+)
 from rlgraph.backends.local.models import build_causal_lm
-from rlgraph.batches import Prompts
+from rlgraph.batches import Prompts, Rollouts
+from rlgraph.testing import tiny_executor, tiny_prompts
 
 from tests.backends.conftest import prompts_of
 
@@ -60,12 +64,60 @@ def test_nucleus_filter_keeps_smallest_set_reaching_top_p():
     assert kept(1e-9) == [False, True, False]
 
 
-def test_sample_tokens_follows_the_tempered_distribution():
-    logits = torch.tensor([0.0, 1.0, 2.0]).expand(20_000, 3)
-    tokens, logprobs = sample_tokens(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(0))
-    expected = (logits[0] / 2.0).softmax(-1)
-    assert torch.allclose(torch.bincount(tokens, minlength=3) / 20_000, expected, atol=0.015)
-    assert torch.allclose(logprobs, expected.log()[tokens])
+# --- counter-based noise -------------------------------------------------------------------------
+
+def splitmix64_reference(key: int, counter: int) -> int:
+    """splitmix64 on Python ints mod 2**64: the spec the int64 tensor version must match bit for bit."""
+    z = (key + (counter + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
+def test_splitmix64_matches_the_unsigned_reference():
+    assert int(splitmix64(torch.tensor(0), 0)) == as_int64(0xE220A8397B1DCDAF)  # splitmix64(seed 0), first output
+    keys = [0, 1, -1, 2**63 - 1, -(2**63), 0x0123456789ABCDEF, -987654321]
+    counters = [0, 1, 5, 2**40, 2**62]
+    got = splitmix64(torch.tensor(keys)[:, None], torch.tensor(counters)[None])  # [K, C]
+    for i, key in enumerate(keys):
+        for j, counter in enumerate(counters):
+            assert int(got[i, j]) == as_int64(splitmix64_reference(key % 2**64, counter)), (key, counter)
+
+
+def test_noise_words_are_distinct_and_uniforms_uniform():
+    # every (call, prompt, sample, step, vocab id) of a small run: 2*64*4*8*47 = 192,512 words
+    keys = torch.cat([sampling_keys(5, call, torch.arange(64), 4) for call in (0, 1)])  # [512]
+    steps = splitmix64(keys[:, None], torch.arange(8)).reshape(-1)  # [4096]
+    words = splitmix64(steps[:, None], torch.arange(47)).reshape(-1)  # [192512]
+    assert len(torch.unique(words)) == len(words)
+    u = uniform_from_bits(words)  # [192512]
+    assert u.dtype == torch.float32 and 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 3e-3 and abs(u.var() - 1 / 12) < 3e-3
+    counts = torch.histc(u, bins=16, min=0, max=1)  # about 12,032 each, sd about 106
+    assert (counts - len(u) / 16).abs().max() < 600
+    neighbours = torch.corrcoef(uniform_from_bits(words.reshape(-1, 47))[:, :2].T)[0, 1]  # vocab v vs v+1
+    assert abs(neighbours) < 0.02
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (2.0, 1.0), (0.7, 0.8)])
+def test_sample_tokens_follows_the_filtered_tempered_softmax(temperature, top_p):
+    """Gumbel-max draws match softmax(nucleus_filter(logits / T)): chi-square over 40,000 rows."""
+    rows, logits = 40_000, torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5])
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    keys = splitmix64(sampling_keys(3, 0, torch.arange(rows), 1), 0)  # [R]
+    tokens, logprobs = sample_tokens(logits.expand(rows, 5), params, keys)
+    expected = nucleus_filter((logits / temperature)[None], top_p)[0].softmax(-1)  # [V]
+    counts = torch.bincount(tokens, minlength=5).double()  # [V]
+    kept = expected > 0
+    assert (counts[~kept] == 0).all()
+    chi2 = ((counts - rows * expected)[kept] ** 2 / (rows * expected[kept])).sum()
+    assert chi2 < 25, f"chi-square {chi2:.1f} on {int(kept.sum()) - 1} degrees of freedom (p < 1e-4 above 25)"
+    assert torch.allclose(logprobs, (logits / temperature).log_softmax(-1)[tokens])  # full-vocabulary log-probs
+
+
+def test_sampling_stream_counts_calls():
+    stream = SamplingStream(seed=9)
+    assert [stream.advance(), stream.advance(), stream.calls] == [0, 1, 2]
 
 
 # --- NativeGenerator -------------------------------------------------------------------------------
@@ -73,7 +125,7 @@ def test_sample_tokens_follows_the_tempered_distribution():
 def test_rows_groups_and_meta_are_repeated(model, tokenizer):
     prompts = prompts_of(tokenizer, TEXTS)
     ro = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(
-        prompts, 3, SamplingParams(max_new_tokens=4), generator=torch.Generator().manual_seed(0))
+        prompts, 3, SamplingParams(max_new_tokens=4), seed=0)
     assert len(ro) == 12
     assert ro.group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     assert torch.equal(ro.prompt_ids, prompts.ids.repeat_interleave(3, 0))
@@ -82,14 +134,59 @@ def test_rows_groups_and_meta_are_repeated(model, tokenizer):
     assert ro.response_ids.dtype == torch.long and ro.mask.dtype == torch.bool and ro.logprobs.dtype == torch.float32
 
 
-def test_same_generator_seed_same_rollouts(model, tokenizer):
+def test_same_seed_and_call_same_rollouts(model, tokenizer):
     gen = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD)
     prompts, params = prompts_of(tokenizer, TEXTS), SamplingParams(temperature=1.5, top_p=0.9, max_new_tokens=8)
-    a = gen.generate(prompts, 4, params, generator=torch.Generator().manual_seed(7))
-    b = gen.generate(prompts, 4, params, generator=torch.Generator().manual_seed(7))
-    c = gen.generate(prompts, 4, params, generator=torch.Generator().manual_seed(8))
+    a = gen.generate(prompts, 4, params, seed=7, call=3)
+    b = gen.generate(prompts, 4, params, seed=7, call=3)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
-    assert not torch.equal(a.response_ids, c.response_ids)
+    for other in (dict(seed=8, call=3), dict(seed=7, call=4)):
+        assert not torch.equal(a.response_ids, gen.generate(prompts, 4, params, **other).response_ids), other
+    moved = Prompts(prompts.ids, prompts.mask, prompts.meta, prompts.index + 100)  # same texts, other identities
+    assert not torch.equal(a.response_ids, gen.generate(moved, 4, params, seed=7, call=3).response_ids)
+
+
+SHARDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=5)
+
+
+cuts = st.integers(2, 7).flatmap(lambda rows: st.tuples(st.just(rows), st.integers(1, rows - 1)))  # (B, k)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cut=cuts, n=st.integers(1, 3), seed=st.integers(0, 2**32), call=st.integers(0, 50))
+@example(cut=(5, 2), n=3, seed=0, call=0)
+@example(cut=(6, 1), n=2, seed=123, call=7)
+def test_sharded_generation_equals_whole(cut, n, seed, call):
+    """Generating prompts[0:k] and prompts[k:B] (on two ranks, say) gives the rows of generating all B.
+
+    The sampling noise is bit-identical; the model's logits are not quite: CPU BLAS picks its
+    kernel by row count (a GEMV for one row), so log-probs may differ in the last bit or two.
+    """
+    rows, k = cut
+    executor, prompts = tiny_executor(), tiny_prompts(rows)
+    gen = NativeGenerator(executor.models["policy"].model, eos_token_id=EOS, pad_token_id=PAD)
+    whole = gen.generate(prompts, n, SHARDED, seed=seed, call=call)
+    parts = [gen.generate(prompts.select(range(lo, hi)), n, SHARDED, seed=seed, call=call)
+             for lo, hi in ((0, k), (k, rows))]
+    assert torch.equal(torch.cat([parts[0].group, parts[1].group + k]), whole.group)  # shard-local ids, offset
+    joined = Rollouts.concat(parts, pad_id=PAD)  # pads the shards to one T
+    for field in ("prompt_ids", "prompt_mask", "response_ids", "mask"):
+        assert torch.equal(getattr(joined, field), getattr(whole, field)), field
+    torch.testing.assert_close(joined.logprobs, whole.logprobs, rtol=0, atol=1e-6)
+
+
+def test_ranks_of_one_seed_generate_the_shards_of_one_batch():
+    """Executors with one seed making the same calls: rank r's shard is rows of the single-process batch."""
+    prompts, ranks = tiny_prompts(6), [tiny_executor() for _ in range(3)]
+    single = tiny_executor()
+    for _ in range(2):  # the second call draws new samples, on every rank alike
+        whole = single.generate(single.current("policy"), prompts, n=2, top_p=0.9)
+        shards = [rank.generate(rank.current("policy"), prompts.select(range(2 * r, 2 * r + 2)), n=2, top_p=0.9)
+                  for r, rank in enumerate(ranks)]
+        joined = Rollouts.concat(shards, pad_id=PAD)
+        assert torch.equal(joined.response_ids, whole.response_ids) and torch.equal(joined.mask, whole.mask)
+        torch.testing.assert_close(joined.logprobs, whole.logprobs, rtol=0, atol=1e-6)  # see above: BLAS by row count
+    assert single.sampling == ranks[0].sampling == SamplingStream(seed=0, calls=2)
 
 
 def test_model_mode_is_eval_during_the_call_and_restored(model, tokenizer):
@@ -120,7 +217,7 @@ def test_certain_eos_stops_after_one_token(model, tokenizer):
 def test_impossible_eos_runs_to_max_new_tokens(model, tokenizer):
     rigged = with_eos_bias(model, -1e4)
     ro = NativeGenerator(rigged, eos_token_id=EOS, pad_token_id=PAD).generate(
-        prompts_of(tokenizer, TEXTS), 2, SamplingParams(max_new_tokens=7), generator=torch.Generator().manual_seed(0))
+        prompts_of(tokenizer, TEXTS), 2, SamplingParams(max_new_tokens=7), seed=0)
     assert ro.response_ids.shape == (8, 7) and ro.mask.all() and (ro.response_ids != EOS).all()
 
 
@@ -130,7 +227,7 @@ def test_eos_mask_and_padding_invariants(model, tokenizer, texts, seed, n):
     rigged = with_eos_bias(model, 2.5)  # EOS likely but not certain: rows stop at different steps
     ro = NativeGenerator(rigged, eos_token_id=EOS, pad_token_id=PAD).generate(
         prompts_of(tokenizer, texts), n, SamplingParams(max_new_tokens=6),
-        generator=torch.Generator().manual_seed(seed))
+        seed=seed)
     lengths = ro.mask.sum(1)  # [N]
     steps = ro.response_ids.shape[1]
     assert 1 <= steps <= 6 and lengths.max() == steps
@@ -161,7 +258,7 @@ def test_greedy_matches_a_forward_without_cache(model, tokenizer, texts):
 def test_sampled_logprobs_match_a_forward_without_cache(model, tokenizer, texts, seed):
     params = SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=6)
     ro = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(
-        prompts_of(tokenizer, texts), 2, params, generator=torch.Generator().manual_seed(seed))
+        prompts_of(tokenizer, texts), 2, params, seed=seed)
     expected = (full_forward_logits(model, ro) / 0.7).log_softmax(-1)  # full vocabulary, no top-p renormalisation
     expected = expected.gather(-1, ro.response_ids[..., None]).squeeze(-1) * ro.mask
     torch.testing.assert_close(ro.logprobs, expected, atol=1e-5, rtol=1e-5)
@@ -172,7 +269,7 @@ def test_tiny_top_p_is_greedy(model, tokenizer):
     prompts = prompts_of(tokenizer, TEXTS)
     greedy = gen.generate(prompts, 2, SamplingParams(temperature=0, max_new_tokens=6))
     nucleus = gen.generate(prompts, 2, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=6),
-                           generator=torch.Generator().manual_seed(0))
+                           seed=0)
     assert torch.equal(greedy.response_ids, nucleus.response_ids)
     torch.testing.assert_close(greedy.logprobs, nucleus.logprobs)
 

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.protocols import LossFn, ModelRef, RewardRef, UpdateConfig
 from rlgraph.batches import Prompts, Rollouts
@@ -54,7 +54,8 @@ class LocalExecutor:
         self.rewards = dict(rewards)
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling
+        self.sampling = SamplingStream(seed)  # generation: counter-based, one call per generate
 
     # -- versions ----------------------------------------------------------------------------
     def current(self, role: str) -> ModelRef:
@@ -80,7 +81,7 @@ class LocalExecutor:
         engine = NativeGenerator(worker.model, eos_token_id=self.tokenizer.eos_token_id,
                                  pad_token_id=self.tokenizer.pad_token_id)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
-        return engine.generate(prompts, n, params, generator=self.generator)
+        return engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance())
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False) -> Any:
         worker = self._live(model)

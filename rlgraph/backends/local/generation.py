@@ -3,6 +3,12 @@
 It runs wherever the model runs (the CPU demo, tests, GPUs without vLLM). One prefill over the
 left-padded prompts, then one decode step per token for all rows at once; the only per-step
 Python work is a single "all rows finished?" check.
+
+Sampling is counter-based: the noise that picks token s of sample j of a prompt is a pure hash
+of (seed, call, the prompt's `Prompts.index`, j, s, vocab id), not a draw from a stateful
+generator shared by the batch. So a prompt gets the same noise whichever rank generates it and
+whatever else is in its batch: N data-parallel shards sample what one process would (up to the
+model's own rounding, which BLAS may vary with the number of rows).
 """
 
 from __future__ import annotations
@@ -60,23 +66,86 @@ def nucleus_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens i64[N], logprobs f32[N]) drawn from `logits` [N, V].
+# -- counter-based noise ---------------------------------------------------------------------------
+# splitmix64 on int64 tensors: int64 multiply and add wrap like uint64, and the bits are the same;
+# torch's `>>` on int64 is arithmetic, so a logical shift masks off the copied sign bits.
+_GAMMA = 0x9E3779B97F4A7C15 - 2**64  # the golden-ratio increment, as a signed int64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
 
-    The log-prob is taken from the temperature-scaled distribution over the full vocabulary
-    (before nucleus filtering; temperature 1 when greedy), which is what a training-side
-    recompute with the same temperature gives.
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 `z`."""
+    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def as_int64(value: int) -> int:
+    """`value` mod 2**64, as the int64 with the same bits (so any Python int can seed a stream)."""
+    value &= 2**64 - 1
+    return value - 2**64 if value >= 2**63 else value
+
+
+def splitmix64(key: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
+    """The `counter`-th output of the splitmix64 stream seeded with `key`, elementwise (broadcast):
+
+        z = key + (counter + 1) * 0x9E3779B97F4A7C15
+        z = (z ^ z >>> 30) * 0xBF58476D1CE4E5B9;  z = (z ^ z >>> 27) * 0x94D049BB133111EB;  z ^ z >>> 31
+
+    all mod 2**64 (`>>>` unsigned). For a fixed key distinct counters give distinct words, and
+    the finaliser spreads each input bit over all output bits, so chaining it
+    (`splitmix64(splitmix64(seed, a), b)`) hashes a tuple of counters to 64 well-mixed bits.
     """
-    logits = logits.float()  # [N, V]
+    z = key + (torch.as_tensor(counter, dtype=torch.long, device=key.device) + 1) * _GAMMA
+    # in place from here: on [N, V] a large vocabulary makes every int64 temporary count
+    z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX1)
+    z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX2)
+    return z.bitwise_xor_(_shift_right(z, 31))
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """f32 uniforms in (0, 1) from int64 hash words: u = (top 23 bits + 1/2) / 2**23.
+
+    Exact in float32 (23 significant bits plus the half), never 0 or 1, so -log(-log u) is
+    finite: it spans [-2.8, 16.6], cutting Gumbel tails of probability < 1e-7.
+    """
+    return _shift_right(bits, 41).float().add_(0.5).mul_(2.0**-23)
+
+
+def sampling_keys(seed: int, call: int, index: torch.Tensor, n: int) -> torch.Tensor:
+    """i64[B*n] row keys: row i*n + j (sample j of prompt `index[i]`) gets
+    splitmix64(splitmix64(splitmix64(seed, call), index[i]), j)."""
+    stream = splitmix64(torch.tensor(as_int64(seed), device=index.device), call)  # []
+    prompt = splitmix64(stream, index)  # [B]
+    return splitmix64(prompt[:, None], torch.arange(n, device=index.device)).reshape(-1)  # [B*n]
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """f32[N, V] standard Gumbel noise -log(-log u), u[r, v] = uniform(splitmix64(keys[r], v))."""
+    bits = splitmix64(keys[:, None], torch.arange(vocab, device=keys.device))  # [N, V]
+    return uniform_from_bits(bits).log_().neg_().log_().neg_()  # [N, V]
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens i64[N], logprobs f32[N]) drawn from `logits` [N, V] with the noise of `keys` i64[N].
+
+    Gumbel-max: token = argmax_v(filtered[v] + g[v]), g iid standard Gumbel from `gumbel_noise`,
+    is an exact draw from softmax(filtered), with filtered = nucleus_filter(logits / temperature).
+    Greedy (temperature 0) is argmax and needs no keys. The log-prob is taken from the
+    temperature-scaled distribution over the full vocabulary (before nucleus filtering;
+    temperature 1 when greedy), which is what a training-side recompute with the same
+    temperature gives.
+    """
+    logits = logits.float()  # [N, V]; the noise and its sums in float32 whatever the model's dtype
     if params.greedy:
         tokens = logits.argmax(dim=-1)  # [N]
         scaled = logits  # [N, V]
     else:
+        assert keys is not None, "sampling needs one key per row"
         scaled = logits / params.temperature  # [N, V]
-        probs = nucleus_filter(scaled, params.top_p).softmax(dim=-1)  # [N, V]
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [N]
+        filtered = nucleus_filter(scaled, params.top_p)  # [N, V], -inf outside the nucleus
+        tokens = (filtered + gumbel_noise(keys, logits.shape[-1])).argmax(dim=-1)  # [N]
     logprobs = scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # [N]
     return tokens, logprobs
 
@@ -91,6 +160,23 @@ def _check_prompts(prompts: Prompts) -> None:
         )
 
 
+@attrs.define
+class SamplingStream:
+    """An executor's sampling stream: its `seed` and how many generate `calls` it has made.
+
+    Generate call k samples with the key (seed, k), so every rank that makes the same calls
+    draws from the same stream; checkpoints save `calls` so a resumed run continues it.
+    """
+
+    seed: int
+    calls: int = 0
+
+    def advance(self) -> int:
+        """The call number for this generate call; the next call gets the one after."""
+        self.calls += 1
+        return self.calls - 1
+
+
 class NativeGenerator:
     """Samples `n` responses per prompt from a Hugging Face causal LM with its KV cache."""
 
@@ -100,13 +186,14 @@ class NativeGenerator:
         self.pad_token_id = int(pad_token_id)
 
     def generate(
-        self, prompts: Prompts, n: int, params: SamplingParams, *, generator: torch.Generator | None = None
+        self, prompts: Prompts, n: int, params: SamplingParams, *, seed: int = 0, call: int = 0
     ) -> Rollouts:
         """N = B*n rollouts; row `i*n + j` is sample j of prompt i and `group[i*n + j] = i`.
 
         Each response stops after its first EOS (kept, with mask True) or at `max_new_tokens`;
         later positions hold `pad_token_id` with mask False and log-prob 0. T is the longest
-        response produced. Same model, prompts, params and generator state give the same rollouts.
+        response produced. A row's noise depends only on the key (seed, call, prompts.index[i], j),
+        so generating a batch whole or in shards gives the same rows (up to the model's rounding).
         The model runs in eval mode without gradients; its previous mode is restored.
         """
         if n < 1:
@@ -116,14 +203,13 @@ class NativeGenerator:
         self.model.eval()
         try:
             with torch.no_grad():
-                return self._generate(prompts, n, params, generator)
+                return self._generate(prompts, n, params, seed, call)
         finally:
             self.model.train(was_training)
 
-    def _generate(
-        self, prompts: Prompts, n: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Rollouts:
+    def _generate(self, prompts: Prompts, n: int, params: SamplingParams, seed: int, call: int) -> Rollouts:
         device = self.model.device
+        keys = sampling_keys(seed, call, prompts.index.to(device), n)  # [N]
         prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
         prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]
         rows, width = prompt_ids.shape
@@ -138,7 +224,7 @@ class NativeGenerator:
         tokens, logprobs, alive = [], [], []
         running = torch.ones(rows, dtype=torch.bool, device=device)  # [N]
         for step in range(steps):
-            token, logprob = sample_tokens(out.logits[:, -1], params, generator)  # [N], [N]
+            token, logprob = sample_tokens(out.logits[:, -1], params, splitmix64(keys, step))  # [N], [N]
             alive.append(running)
             tokens.append(token.masked_fill(~running, self.pad_token_id))
             logprobs.append(logprob.masked_fill(~running, 0.0))
