@@ -18,7 +18,8 @@ import torch
 
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream
 from rlgraph.backends.local.logprobs import sequence_logprobs
-from rlgraph.backends.protocols import LossFn, ModelRef, RewardRef, UpdateConfig
+from rlgraph.backends.protocols import LossCounts, LossFn, ModelRef, RewardRef, UpdateConfig
+from rlgraph.functional.aggregate import global_counts
 from rlgraph.batches import Prompts, Rollouts
 
 
@@ -74,31 +75,49 @@ class LocalExecutor:
             )
         return worker
 
+    def _engine(self, model: ModelRef) -> torch.nn.Module:
+        """The module that generates for `model`: here the training module itself."""
+        return self._live(model).model
+
+    def sync_weights(self, model: ModelRef, route: Any = None) -> ModelRef:
+        """Make the generation engine serve `model`. Here the engine reads the training module
+        itself, so there is nothing to copy: only a stale version is refused."""
+        self._live(model)
+        return model
+
     # -- primitives --------------------------------------------------------------------------
     def generate(self, model: ModelRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int | None = None) -> Rollouts:
-        worker = self._live(model)
-        engine = NativeGenerator(worker.model, eos_token_id=self.tokenizer.eos_token_id,
+        engine = NativeGenerator(self._engine(model), eos_token_id=self.tokenizer.eos_token_id,
                                  pad_token_id=self.tokenizer.pad_token_id)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
         return engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance())
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False) -> Any:
         worker = self._live(model)
-        was_training = worker.model.training
-        worker.model.eval()
-        try:
-            with torch.no_grad():
-                return sequence_logprobs(worker.model, rollouts, temperature=temperature, with_entropy=entropy)
-        finally:
-            worker.model.train(was_training)
+        output, ent = self._inference(worker, rollouts, temperature=temperature, with_entropy=entropy)
+        return (output, ent) if entropy else output
 
     def values(self, model: ModelRef, rollouts: Rollouts) -> torch.Tensor:
         worker = self._live(model)
         if worker.kind != "critic":
             raise ValueError(f"role {model.role!r} is a {worker.kind} model; values need a critic (LMWorker(kind='critic'))")
-        with torch.no_grad():
-            return worker.model.values(rollouts)
+        return self._inference(worker, rollouts, temperature=1.0, with_entropy=False)[0]
+
+    def _inference(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool):
+        """`_forward` in eval mode without gradients (reference and old log-probs, critic values)."""
+        was_training = worker.model.training
+        worker.model.eval()
+        try:
+            with torch.no_grad():
+                return self._forward(worker, rollouts, temperature=temperature, with_entropy=with_entropy)
+        finally:
+            worker.model.train(was_training)
+
+    def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs or values [n, T], entropy [n, T] or None) of `rollouts`, with gradients."""
+        return role_outputs(worker.model, worker.kind, rollouts, temperature=temperature, with_entropy=with_entropy)
 
     def score(self, reward: RewardRef, rollouts: Rollouts) -> torch.Tensor:
         if reward.role not in self.rewards:
@@ -114,9 +133,65 @@ class LocalExecutor:
         worker = self._live(model)
         if worker.optimizer is None:
             raise ValueError(f"role {model.role!r} is frozen (no optimizer); only trainable roles can be updated")
-        stats = train_epochs(worker, batch, loss_fn, config, self.generator)
+        stats = self._train_epochs(worker, batch, loss_fn, config)
         worker.version += 1
         return ModelRef(model.role, worker.version), stats
+
+    # -- training: the data-parallel hooks a sharded executor overrides -------------------------
+    def _all_reduce_sum(self, role: str, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the role's data-parallel ranks; one process holds every row."""
+        return values
+
+    def _clip_grads(self, worker: LMWorker, clip: float) -> float:
+        """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
+
+    def _train_epochs(self, worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig) -> dict[str, float]:
+        """Epochs x mini-batches x micro-batches; returns the mean of each statistic over optimizer steps.
+
+        Each mini-batch's token and sequence counts, and each step's statistics, are summed over
+        the data-parallel ranks (`_all_reduce_sum`), so N ranks holding N shards compute the loss,
+        gradients and statistics of the whole batch.
+        """
+        role, optimizer = self._role_of(worker), worker.optimizer
+        worker.model.train()
+        wants_entropy = getattr(loss_fn, "wants_entropy", False)
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(config.epochs):
+            order = torch.randperm(len(batch), generator=self.generator) if config.shuffle else torch.arange(len(batch))
+            for minibatch in split_rows(order, parts=config.minibatches):
+                optimizer.zero_grad(set_to_none=True)
+                counts = self._all_reduce_sum(role, torch.stack(global_counts(batch.mask[minibatch.to(batch.mask.device)])))
+                step: dict[str, torch.Tensor] = {}
+                for micro in split_rows(minibatch, size=config.micro_batch_size or len(minibatch)):
+                    output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
+                                                    with_entropy=wants_entropy)
+                    loss, metrics = loss_fn(micro, LossCounts(counts[0], counts[1]), output, entropy)
+                    loss.backward()
+                    for key, value in {"loss": loss, **metrics}.items():
+                        step[key] = step.get(key, 0.0) + value.detach().double()
+                summed = self._all_reduce_sum(role, torch.stack(list(step.values())).cpu()) if step else torch.zeros(0)
+                clip = config.grad_clip if config.grad_clip is not None else float("inf")
+                grad_norm = self._clip_grads(worker, clip)
+                optimizer.step()
+                for key, value in zip(step, summed.tolist()):
+                    totals[key] = totals.get(key, 0.0) + value
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
+                steps += 1
+        return {key: value / steps for key, value in totals.items()}
+
+    def _role_of(self, worker: LMWorker) -> str:
+        return next(role for role, held in self.models.items() if held is worker)
+
+
+def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A role's per-token outputs: the critic's values, or an LM's log-probs (and entropy)."""
+    if kind == "critic":
+        return module.values(rollouts), None
+    output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy)
+    return output if with_entropy else (output, None)
 
 
 def decode_responses(tokenizer: Any, rollouts: Rollouts) -> list[str]:
@@ -130,36 +205,3 @@ def split_rows(rows: torch.Tensor, parts: int | None = None, size: int | None = 
         return [chunk for chunk in torch.tensor_split(rows, parts) if len(chunk)]
     assert size is not None
     return list(torch.split(rows, size))
-
-
-def train_epochs(worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig,
-                 generator: torch.Generator) -> dict[str, float]:
-    """Epochs x mini-batches x micro-batches; returns the mean of each statistic over steps."""
-    model, optimizer = worker.model, worker.optimizer
-    model.train()
-    wants_entropy = getattr(loss_fn, "wants_entropy", False)
-    totals: dict[str, float] = {}
-    steps = 0
-    for _ in range(config.epochs):
-        order = torch.randperm(len(batch), generator=generator) if config.shuffle else torch.arange(len(batch))
-        for minibatch in split_rows(order, parts=config.minibatches):
-            optimizer.zero_grad(set_to_none=True)
-            step: dict[str, float] = {}
-            for micro in split_rows(minibatch, size=config.micro_batch_size or len(minibatch)):
-                if worker.kind == "critic":
-                    output, entropy = model.values(batch.select(micro)), None  # [n, T] values, with gradients
-                else:
-                    output = sequence_logprobs(model, batch.select(micro), temperature=config.temperature,
-                                               with_entropy=wants_entropy)
-                    output, entropy = output if wants_entropy else (output, None)
-                loss, metrics = loss_fn(micro, minibatch, output, entropy)
-                loss.backward()
-                for key, value in {"loss": loss, **metrics}.items():
-                    step[key] = step.get(key, 0.0) + float(value.detach())
-            clip = config.grad_clip if config.grad_clip is not None else float("inf")
-            step["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-            optimizer.step()
-            for key, value in step.items():
-                totals[key] = totals.get(key, 0.0) + value
-            steps += 1
-    return {key: value / steps for key, value in totals.items()}
