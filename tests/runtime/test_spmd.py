@@ -16,6 +16,7 @@ import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
+from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.runtime.plan_runner import PlanInputError, PlanRunner, PlanStepError
@@ -68,6 +69,12 @@ def test_grpo_on_two_fsdp_ranks_matches_local_with_and_without_micro_batches():
             _assert_same_metrics(local, spmd)
             _assert_same_weights(local_executor.models["policy"].model, transport.pull_state("policy"))
         assert local["policy/grad_norm"] > 0  # the step trained something
+        dapo = _compile("dapo", n=4, max_rounds=3)  # the same groups: one transport runs both programs
+        more = iter([tiny_prompts(4, 4 * k) for k in range(1, 10)])
+        local = PlanRunner(dapo, local_executor).run(prompts, more_prompts=lambda: next(more))[1]
+        more = iter([tiny_prompts(4, 4 * k) for k in range(1, 10)])
+        spmd = PlanRunner(dapo, transport, controller=world.controller()).run(prompts, more_prompts=lambda: next(more))[1]
+        _assert_same_metrics(local, spmd)  # the refill loop re-ran worker stages on fresh prompts alike
         reports = transport.weights_report("policy")
         for report in reports.values():  # between steps each rank holds only its FSDP2 shards
             assert report["local_numel"] < 0.6 * report["global_numel"]
@@ -91,7 +98,9 @@ def test_sync_weights_fills_the_engines_with_the_gathered_fsdp2_weights_bucket_b
 
 def test_ppo_with_its_critic_on_two_fsdp_ranks_matches_local():
     world = _world(policy=RoleSpec(optimizer="sgd", lr=0.1), critic=RoleSpec(kind="critic", optimizer="sgd", lr=0.1, seed=1))
-    compiled, prompts = _compile("ppo", n=2), tiny_prompts(4)
+    checkpointed = rg.colocated(offload=False, checkpointing=True)  # spmd recomputes activations; local keeps them
+    compiled, prompts = _compile("ppo", placement=checkpointed, n=2), tiny_prompts(4)
+    assert all(group.train.checkpointing for group in compiled.plan.groups)
     local_executor = world.build_local()
     with SpmdTransport(compiled.plan, world, device="cpu") as transport:
         for _ in range(2):
@@ -101,8 +110,9 @@ def test_ppo_with_its_critic_on_two_fsdp_ranks_matches_local():
             _assert_same_weights(local_executor.models[role].model, transport.pull_state(role))
 
 
-def test_split_placement_trains_on_rank_0_and_generates_on_rank_1_like_local():
-    world, prompts = _world(), tiny_prompts(4)
+def test_split_placement_trains_on_rank_0_and_generates_on_rank_1_like_local(tmp_path):
+    build_causal_lm(tokenizer=load_tokenizer(), seed=3).save_pretrained(tmp_path)  # a Hugging Face model directory
+    world, prompts = _world(policy=RoleSpec(source=str(tmp_path), optimizer="sgd", lr=0.1)), tiny_prompts(4)
     compiled = _compile("grpo", placement=rg.split({"policy": 1, "rollout": 1}), n=4)
     assert any(t.kind == "send_recv" for t in compiled.plan.transfers())
     local_executor = world.build_local()
