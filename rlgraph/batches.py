@@ -127,6 +127,15 @@ class Rollouts:
             self.logprobs[index], self.group[index], _take(self.meta, index.tolist()),
         )
 
+    def pad_responses(self, steps: int, *, pad_id: int = 0) -> Rollouts:
+        """The same rollouts with responses right-padded to `steps` tokens (mask False, log-prob 0)."""
+        if steps < self.response_ids.shape[1]:
+            raise ValueError(f"Rollouts.pad_responses: responses have {self.response_ids.shape[1]} tokens, more than {steps}")
+        if steps == self.response_ids.shape[1]:
+            return self
+        return attrs.evolve(self, response_ids=_pad(self.response_ids, steps, pad_id), mask=_pad(self.mask, steps, False),
+                            logprobs=_pad(self.logprobs, steps, 0.0))
+
     @staticmethod
     def concat(parts: Sequence[Rollouts], *, pad_id: int = 0) -> Rollouts:
         """The rows of `parts`, in order, as one batch.

@@ -60,3 +60,18 @@ def test_concat_refuses_nothing_and_mismatched_meta():
         Rollouts.concat([])
     with pytest.raises(ValueError, match="meta fields differ"):
         Rollouts.concat([rollouts([0], 1, 1), rollouts([0], 1, 1, meta={"other": [1]})])
+
+
+def test_pad_responses_right_pads_to_a_static_length_and_refuses_shrinking():
+    from rlgraph.testing import tiny_executor, tiny_prompts
+    from rlgraph.backends.protocols import ModelRef
+
+    executor = tiny_executor(max_new_tokens=6)
+    ro = executor.generate(ModelRef("policy", 0), tiny_prompts(3), n=2)
+    assert ro.response_ids.shape == (6, 6)  # the executor's rollouts always have T = max_new_tokens
+    padded = ro.pad_responses(9, pad_id=0)
+    assert padded.response_ids.shape == (6, 9) and not padded.mask[:, 6:].any()
+    assert torch.equal(padded.logprobs[:, :6], ro.logprobs) and (padded.logprobs[:, 6:] == 0).all()
+    assert ro.pad_responses(6) is ro
+    with pytest.raises(ValueError, match="more than 3"):
+        ro.pad_responses(3)

@@ -91,7 +91,11 @@ class LocalExecutor:
         engine = NativeGenerator(self._engine(model), eos_token_id=self.tokenizer.eos_token_id,
                                  pad_token_id=self.tokenizer.pad_token_id)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
-        return engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance())
+        rollouts = engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance())
+        # Static T: every rank's rollouts have the same shape, whatever its responses' lengths, so
+        # shards concatenate and move between ranks without re-padding, and horizon-normalised
+        # losses see the same T on one rank or many.
+        return rollouts.pad_responses(params.max_new_tokens, pad_id=self.tokenizer.pad_token_id)
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False) -> Any:
         worker = self._live(model)
