@@ -72,6 +72,7 @@ def main() -> None:
             _timed_steps(runner, prompts, 2)
             runner.step_seconds.clear()
         transport.busy_s = [0.0] * transport.world
+        transport.step_busy.clear()
         times = {"local": [], "spmd": []}
         for _ in range(args.rounds):
             times["local"].append(_timed_steps(local, prompts, args.steps))
@@ -87,18 +88,21 @@ def _report(args, times, spmd: PlanRunner, transport: SpmdTransport) -> None:
     wall = sum(times["spmd"])
     print(f"controller overhead: {1 - max(transport.busy_s) / wall:.1%} of a spmd step "
           f"(busiest worker busy {max(transport.busy_s) / steps * 1e3:.1f} ms of {wall / steps * 1e3:.1f} ms)")
-    print("spmd time per plan step (ms/iteration):")
+    print("spmd plan steps (ms/iteration): controller time (dispatch, or the whole step when it runs there) "
+          "| busiest worker's time on the step's commands")
     for index, seconds in sorted(spmd.step_seconds.items()):
-        print(f"  {spmd.compiled.plan.steps[index].text().splitlines()[0][:70]:<70} {seconds / steps * 1e3:7.2f}")
+        busy = max(transport.step_busy.get(index, [0.0]))
+        print(f"  {spmd.compiled.plan.steps[index].text().splitlines()[0][:66]:<66} {seconds / steps * 1e3:7.2f} "
+              f"| {busy / steps * 1e3:7.2f}")
     sync = next(step for step in spmd.compiled.plan.steps if isinstance(step, SyncWeights))
-    sync_s = spmd.step_seconds[sync.index] / steps
+    sync_s = max(transport.step_busy[sync.index]) / steps
     copy_s = _copy_seconds(sync.bytes)
     print(f"weight sync: {sync.bytes / 1e6:.2f} MB in {sync_s * 1e3:.2f} ms = {sync.bytes / sync_s / 1e9:.2f} GB/s; "
           f"a plain copy of the same bytes {sync.bytes / copy_s / 1e9:.2f} GB/s (sync/copy {copy_s / sync_s:.3f})")
     if transport.device == "cuda":
         for step in spmd.compiled.plan.steps:
             if isinstance(step, Offload):
-                seconds = spmd.step_seconds[step.index] / steps
+                seconds = max(transport.step_busy[step.index]) / steps
                 print(f"{step.direction}: {step.bytes / 1e6:.2f} MB in {seconds * 1e3:.2f} ms = {step.bytes / seconds / 1e9:.2f} GB/s")
         _pinned_round_trip(sync.bytes)
 

@@ -70,6 +70,7 @@ class WorldSpec:
     tokenizer: str | None = None  # a directory; None: the shipped character tokenizer
     max_new_tokens: int = 16
     seed: int = 0
+    fsdp_unit_params: int = 1_000_000  # a decoder layer with at least this many parameters is its own FSDP2 unit
 
     def load_tokenizer(self) -> Any:
         from rlgraph.backends.local.models import load_tokenizer

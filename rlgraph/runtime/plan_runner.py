@@ -41,10 +41,11 @@ from rlgraph.runtime.transport import LocalTransport, SyncRoute, Transport
 class WorkerFailure(RLGraphError):
     """A worker raised, died or did not answer in time; `rank` says which (None: several)."""
 
-    def __init__(self, message: str, rank: int | None = None, cause: str = ""):
+    def __init__(self, message: str, rank: int | None = None, cause: str = "", step: Any = None):
         super().__init__(message)
         self.rank = rank
         self.cause = cause
+        self.step = step  # the plan step whose command failed, when it was sent before the current one
 
 
 class PlanInputError(RLGraphError):
@@ -87,15 +88,19 @@ class PlanRunner(Interpreter):
         require_prompt_source(lowered.annotations.get("loops", ()), lowered, more_prompts)
         env = self._bind(lowered, batch)
         loop_at = {loop.filter_step: loop for loop in plan.loops}
+        at_step = getattr(self.transport, "at_step", lambda step: None)
         for step in plan.steps:
             start = time.perf_counter()
+            at_step(step)
             with self._context(step):
                 if step.index in loop_at:
                     self._run_filter_step(step, loop_at[step.index], env, more_prompts)
                 else:
                     self._run_step(step, env)
             self.step_seconds[step.index] = self.step_seconds.get(step.index, 0.0) + time.perf_counter() - start
-        state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
+        with self._context(plan.steps[-1]):
+            state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
+            getattr(self.transport, "flush", lambda: None)()  # every command of this iteration has finished
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)
         return state, flatten_metrics(metrics)
@@ -213,7 +218,7 @@ class _StepContext:
     def __exit__(self, kind, error, traceback) -> bool:
         if not isinstance(error, WorkerFailure):
             return False
-        step = self.step
+        step = error.step or self.step
         role = getattr(step, "group", None) or getattr(step, "role", None) or getattr(step, "dst", "?")
         where = f"rank {error.rank}" if error.rank is not None else "its ranks"
         raise PlanStepError(

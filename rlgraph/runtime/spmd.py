@@ -28,6 +28,7 @@ import signal
 import socket
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -88,55 +89,93 @@ class SpmdTransport:
             self.connections.append(ours)
             self.processes.append(process)
         self._closed = False
+        self._step: Any = None
+        self.step_busy: dict[int, list[float]] = {}  # plan step index -> seconds each rank spent on its commands
+        self.outstanding: list[deque] = [deque() for _ in range(self.world)]  # (what, step) sent, not yet answered
+        for rank in range(self.world):
+            self.outstanding[rank].append(("start", None))
         self.busy_s = [0.0] * self.world  # seconds each worker spent running commands (the controller overhead's complement)
         try:
-            self._wait(range(self.world), "start")  # each worker built its roles (or said why not)
+            self._wait(range(self.world))  # each worker built its roles (or said why not)
         except BaseException:
             self.close()
             raise
 
     # -- commands ------------------------------------------------------------------------------
-    def _call(self, calls: Mapping[int, tuple[str, tuple]], what: str) -> dict[int, Any]:
-        """Send each rank its command, then wait for every answer (or the first failure)."""
+    def at_step(self, step: Any) -> None:
+        """The plan step the next commands belong to (named in a failure that surfaces later)."""
+        self._step = step
+
+    def _call(self, calls: Mapping[int, tuple[str, tuple]], what: str, *, wait: bool = True) -> dict[int, Any]:
+        """Send each rank its command; with `wait`, return every answer (or raise the first failure).
+
+        Commands whose answer the controller does not need (`wait=False`) are not waited for: a
+        worker runs them in order while the controller goes on, and their answers (or a failure,
+        still naming its own step) are read at the next wait for that rank, at the latest at the
+        end of the iteration (`flush`).
+        """
         if self._closed:
             raise WorkerFailure("the spmd workers were stopped after an earlier failure; start a new transport")
         for rank, (command, args) in calls.items():
             try:
                 _send(self.connections[rank], (command, args))
             except (BrokenPipeError, OSError):
-                self._fail(WorkerFailure(f"rank {rank} is gone ({self._exit(rank)}) before {what}", rank))
-        return self._wait(calls, what)
+                self._fail(WorkerFailure(f"rank {rank} is gone ({self._exit(rank)}) before {what}", rank, step=self._step))
+            self.outstanding[rank].append((what, self._step))
+        return self._wait(calls) if wait else {}
 
-    def _wait(self, ranks, what: str) -> dict[int, Any]:
-        pending = {self.connections[rank]: rank for rank in ranks}
+    def flush(self) -> None:
+        """Wait for every command sent so far (the end of an iteration)."""
+        self._wait([rank for rank in range(self.world) if self.outstanding[rank]])
+
+    def _wait(self, ranks) -> dict[int, Any]:
+        """Read each rank's answers up to its last command; returns the last answers."""
+        pending = {self.connections[rank]: rank for rank in ranks if self.outstanding[rank]}
         sentinels = {self.processes[rank].sentinel: rank for rank in pending.values()}
         results: dict[int, Any] = {}
         while pending:
             ready = wait([*pending, *sentinels], timeout=self.timeout_s)
             if not ready:
                 missing = sorted(pending.values())
+                what, step = self.outstanding[missing[0]][0]
                 self._fail(WorkerFailure(
                     f"rank(s) {missing} did not finish {what} within {self.timeout_s:.0f} s (a collective waiting for a "
                     "peer, or a stuck worker); raise the timeout with timeout_s= / --timeout if the step is just slow",
-                    missing[0] if len(missing) == 1 else None))
+                    missing[0] if len(missing) == 1 else None, step=step))
             for item in ready:
                 if item in pending:
-                    rank = pending.pop(item)
-                    try:
-                        status, payload = _receive(item)
-                    except EOFError:
-                        self._fail(WorkerFailure(f"rank {rank} died during {what} ({self._exit(rank)})", rank))
-                    if status == "error":
-                        name, message, remote = payload
-                        self._fail(WorkerFailure(f"rank {rank} raised {name} during {what}: {message}", rank, remote))
-                    results[rank], busy = payload if what != "start" else (payload, 0.0)
-                    self.busy_s[rank] += busy
-                    sentinels = {s: r for s, r in sentinels.items() if r != rank}
+                    rank = pending[item]
+                    what, step = self.outstanding[rank].popleft()
+                    results[rank] = self._answer(item, rank, what, step)
+                    if not self.outstanding[rank]:
+                        del pending[item]
+                        sentinels = {s: r for s, r in sentinels.items() if r != rank}
                 elif item in sentinels and sentinels[item] in pending.values():
                     rank = sentinels[item]
                     if not self.connections[rank].poll():  # it may have answered just before exiting
-                        self._fail(WorkerFailure(f"rank {rank} died during {what} ({self._exit(rank)})", rank))
+                        what, step = self.outstanding[rank][0]
+                        self._fail(WorkerFailure(f"rank {rank} died during {what} ({self._exit(rank)})", rank, step=step))
         return results
+
+    def _answer(self, connection: Connection, rank: int, what: str, step: Any) -> Any:
+        try:
+            status, payload = _receive(connection)
+        except (EOFError, OSError):  # the pipe closed (EOF) or was reset under a killed worker
+            self._fail(WorkerFailure(f"rank {rank} died during {what} ({self._exit(rank)})", rank, step=step))
+        if status == "error":
+            name, message, remote = payload
+            dead = [other for other, process in enumerate(self.processes) if other != rank and not process.is_alive()]
+            if dead:  # a collective broke because a peer died: the death is the cause to report
+                self._fail(WorkerFailure(f"rank {dead[0]} died during {what} ({self._exit(dead[0])}); rank {rank}'s "
+                                         f"collective then failed: {name}: {message.splitlines()[0][:200]}", dead[0], step=step))
+            self._fail(WorkerFailure(f"rank {rank} raised {name} during {what}: {message}", rank, remote, step=step))
+        if what == "start":
+            return payload
+        result, busy = payload
+        self.busy_s[rank] += busy
+        if step is not None:
+            self.step_busy.setdefault(step.index, [0.0] * self.world)[rank] += busy
+        return result
 
     def _exit(self, rank: int) -> str:
         process = self.processes[rank]
@@ -152,22 +191,22 @@ class SpmdTransport:
         self.close()
         raise failure
 
-    def _all(self, ranks, command: str, *args: Any) -> dict[int, Any]:
-        return self._call({rank: (command, args) for rank in ranks}, command)
+    def _all(self, ranks, command: str, *args: Any, wait: bool = True) -> dict[int, Any]:
+        return self._call({rank: (command, args) for rank in ranks}, command, wait=wait)
 
     # -- the transport protocol ----------------------------------------------------------------
     def load(self, key: str, program: Program) -> None:
         self._all(range(self.world), "load", key, program)
 
     def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None:
-        self._call({rank: ("begin", (dict(bindings.get(rank, {})),)) for rank in range(self.world)}, "begin")
+        self._call({rank: ("begin", (dict(bindings.get(rank, {})),)) for rank in range(self.world)}, "begin", wait=False)
 
     def run(self, key: str, ranks: tuple[int, ...], names: tuple[str, ...]) -> None:
-        self._all(ranks, "run", key, names)
+        self._all(ranks, "run", key, names, wait=False)
 
     def scatter(self, name: str, value: Any, layout: tuple) -> None:
         pieces = C.shard(value, layout)
-        self._call({rank: ("put", (name, piece)) for rank, piece in pieces.items()}, f"the scatter of {name}")
+        self._call({rank: ("put", (name, piece)) for rank, piece in pieces.items()}, f"the scatter of {name}", wait=False)
 
     def gather(self, name: str, layout: tuple) -> Any:
         pieces = self._all(layout[0], "get", name)
@@ -175,15 +214,15 @@ class SpmdTransport:
 
     def move(self, source: str, name: str, src: tuple, dst: tuple, kind: str, per_row: bool) -> None:
         ranks = sorted(set(src[0]) | set(dst[0]))
-        self._all(ranks, "move", source, name, src, dst, kind, per_row)
+        self._all(ranks, "move", source, name, src, dst, kind, per_row, wait=False)
 
     def sync_weights(self, name: str, source: str, route: SyncRoute) -> None:
         calls = {rank: ("sync_weights", (name, source if rank in route.src else None, route))
                  for rank in sorted(set(route.src) | set(route.dst))}
-        self._call(calls, f"sync_weights of {route.role}")
+        self._call(calls, f"sync_weights of {route.role}", wait=False)
 
     def offload(self, ranks: tuple[int, ...], role: str, direction: str) -> None:
-        self._all(ranks, "offload", role, direction)
+        self._all(ranks, "offload", role, direction, wait=False)
 
     def fetch(self, name: str, rank: int) -> Any:
         return self._all([rank], "get", name)[rank]
