@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc", type=_positive_int, default=2, help="spmd worker processes (mesh ranks)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="where spmd workers run: cuda when a GPU is present (auto), else cpu")
+    demo.add_argument("--timeout", type=float, default=None,
+                      help="spmd: seconds a step may wait on a worker before failing (default 60 on CPU, 600 on CUDA)")
     demo.add_argument("--rl-steps", type=_positive_int, default=None, help="stop RL after this many steps (default: time-bound)")
 
     check = sub.add_parser("check", parents=[common],
@@ -180,7 +182,7 @@ def _demo(args) -> int:
     ALGORITHMS[args.algorithm].trace(**hparams)  # a wrong name or hyper-parameter fails now, not after SFT
     run_demo(DemoConfig(algorithm=args.algorithm, hparams=hparams, seed=args.seed, rl_seconds=args.rl_seconds,
                         rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir, runtime=args.runtime,
-                        nproc=args.nproc, device=args.device, rl_max_steps=args.rl_steps))
+                        nproc=args.nproc, device=args.device, rl_max_steps=args.rl_steps, timeout_s=args.timeout))
     return 0
 
 

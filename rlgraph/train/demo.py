@@ -66,6 +66,7 @@ class DemoConfig:
     runtime: str = attrs.field(default="local", validator=attrs.validators.in_(("local", "spmd")))
     nproc: int = 2                # spmd: worker processes (mesh ranks); the policy trains with FSDP2 over them
     device: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "cpu", "cuda")))
+    timeout_s: float | None = None  # spmd: how long a step may wait on a worker (None: 60 s on CPU, 600 s on CUDA)
 
 
 @attrs.frozen
@@ -112,6 +113,7 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
     if fixed:
         raise ValueError(f"demo: set {', '.join(fixed)} through DemoConfig (rl_samples, temperature, max_new_tokens), "
                          "not hparams: the demo sizes its batches and figures from them")
+    _check_runtime(config)
     console = console or Console()
     torch.manual_seed(config.seed)
     torch.set_num_threads(config.threads)
@@ -144,6 +146,17 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
     )
     _report(console, result, rl_trainer.run_dir)
     return result
+
+
+def _check_runtime(config: DemoConfig) -> None:
+    """Refuse, before the warm start, a runtime that cannot run the RL plan."""
+    if config.runtime != "spmd":
+        return
+    if config.nproc < 1 or config.rl_prompts % config.nproc:
+        raise ValueError(f"demo: --nproc {config.nproc} must divide the {config.rl_prompts} prompts of an RL step "
+                         "(each rank generates and trains on an equal share); try --nproc 2 or 4")
+    if config.timeout_s is not None and not config.timeout_s > 0:
+        raise ValueError(f"demo: --timeout must be a positive number of seconds, got {config.timeout_s}")
 
 
 def _warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer, dev_accuracy, console: Console):
@@ -192,7 +205,7 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
     if spmd:
         world = world_of(executor, {"reward": exact_match}, config)
         console.print(f"starting {config.nproc} worker processes ({device}) for the plan's ranks ...")
-        transport = SpmdTransport(compiled.plan, world, device=device)
+        transport = SpmdTransport(compiled.plan, world, device=device, timeout_s=config.timeout_s)
         runner = PlanRunner(compiled, transport, controller=world.controller())
     else:
         runner = PlanRunner(compiled, executor)

@@ -35,3 +35,30 @@ def test_a_kl_penalty_gets_a_frozen_reference_copy_of_the_warm_started_policy(tm
     assert result.rl_steps == 2
     plan = (tmp_path / "plan.txt").read_text()
     assert "ref" in plan and "adaptive_kl_coef" in plan and "kl_coef:f32[]" in plan
+
+
+@pytest.mark.slow
+def test_the_demo_runs_rl_on_two_spmd_worker_processes(tmp_path):
+    config = DemoConfig(sft_max_steps=2, sft_eval_every=1, rl_max_steps=3, rl_prompts=4, rl_samples=2, threads=1,
+                        run_dir=str(tmp_path), runtime="spmd", nproc=2, device="cpu")
+    result = run_demo(config, Console(quiet=True))
+    assert result.rl_steps == 3
+    assert "fsdp2 shard=2" in (tmp_path / "plan.txt").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc", "3"], "must divide the 32 prompts"),
+    (["--timeout", "-1"], "positive number of seconds"),
+    (["--timeout", "0"], "positive number of seconds"),
+])
+def test_the_demo_refuses_a_runtime_it_cannot_run_before_training(flags, message, capsys):
+    with pytest.raises(ValueError, match=message):
+        main(["demo", "--runtime", "spmd", *flags])
+
+
+@pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "two"], ["--runtime", "ray"], ["--device", "gpu"]])
+def test_the_demo_flags_refuse_bad_values(flags, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", *flags])
+    err = capsys.readouterr().err
+    assert "error: argument " + flags[0] in err  # argparse names the flag

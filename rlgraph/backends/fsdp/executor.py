@@ -39,7 +39,9 @@ from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorke
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.batches import Rollouts
 
-GENERATOR_OF = {"rollout": "policy"}  # a split placement's generation group serves the policy
+GENERATOR_OF = {"rollout": "policy"}
+# torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases have only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # a split placement's generation group serves the policy
 
 
 class RoleForward(torch.nn.Module):
@@ -227,7 +229,7 @@ def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
         rows.append(per_rank)
     flat = torch.cat(locals_)  # [sum of padded shard sizes]
     gathered = torch.empty(ranks * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(gathered, flat, group=mesh.get_group())  # one collective per bucket
+    _all_gather(gathered, flat, group=mesh.get_group())  # one collective per bucket
     gathered = gathered.view(ranks, -1)  # [ranks, sum of padded shard sizes]
     fulls, offset = {}, 0
     for p, piece, per_rank in zip(sharded, locals_, rows):
