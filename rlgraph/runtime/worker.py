@@ -13,6 +13,8 @@ runs one per process and calls it through a pipe.
 
 from __future__ import annotations
 
+import time
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +71,45 @@ class Worker:
         version in `source` (None on a rank that only receives them)."""
         model = self.store.get(source) if source is not None else None
         self.store[name] = self.executor.sync_weights(model, route)
+
+
+    # -- what needs the process group (spmd and Ray workers) ------------------------------------
+    def move(self, source: str, name: str, src: tuple, dst: tuple, kind: str, per_row: bool) -> None:
+        """This rank's part of a rank-to-rank collective (`runtime/distributed.py`)."""
+        from rlgraph.runtime.distributed import move_distributed
+
+        piece, _ = move_distributed(self.store.get(source), src, dst, kind, per_row=per_row)
+        if piece is not None:
+            self.store[name] = piece
+
+    def offload(self, role: str, direction: str) -> None:
+        offload = getattr(self.executor, "offload", None)
+        if offload is not None:
+            offload(role, direction)
+
+    def full_state(self, role: str) -> dict[str, torch.Tensor] | None:
+        return self.executor.full_state(role)
+
+    def weights_report(self, role: str) -> dict[str, Any]:
+        return self.executor.weights_report(role)
+
+
+def serve(worker: Worker, command: str, args: tuple) -> tuple[str, Any]:
+    """Run one command: `("ok", (result, seconds))`, or `("error", (type, message, traceback))`.
+
+    Every failure goes back to the controller as data: a worker never dies of a user's mistake.
+    """
+    start = time.perf_counter()
+    try:
+        result = getattr(worker, command)(*args)
+    except BaseException as error:  # noqa: BLE001
+        return "error", describe_error(error)
+    return "ok", (result, time.perf_counter() - start)
+
+
+def describe_error(error: BaseException) -> tuple[str, str, str]:
+    """(type name, message, traceback): an exception as data that crosses a pipe or a Ray call."""
+    return type(error).__name__, str(error), "".join(traceback.format_exception(error))
 
 
 class _StoreView(dict):

@@ -1,0 +1,217 @@
+"""What every remote transport shares: one worker per rank, commands in order, answers as data.
+
+`WorkerPool` implements the transport protocol (`rlgraph.runtime.transport`) over abstract
+"post a command to rank r" and "which ranks have answered" operations; `SpmdTransport` (pipes
+to local processes) and `RayTransport` (Ray actors) supply those. The pool keeps, per rank, the
+commands sent and not yet answered, so commands whose answer the controller does not need (a
+stage, a scatter, a sync) are pipelined: a worker runs them in order while the controller goes
+on, and their answers, or a failure still naming its own plan step, are read at the next wait for
+that rank, at the latest at the end of the iteration (`flush`).
+
+A failure is a `WorkerFailure` naming the rank and, once the runner adds it, the step, stage and
+role. When a worker raises because a peer died in a collective, the dead peer is reported as the
+cause. After any failure every worker is stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rlgraph.ir.program import Program
+from rlgraph.runtime import collectives as C
+from rlgraph.runtime.plan_runner import WorkerFailure
+from rlgraph.runtime.transport import SyncRoute
+
+DEFAULT_TIMEOUT_S = {"cpu": 60.0, "cuda": 600.0}
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when a GPU is present, else cpu; `cuda` without a GPU is refused."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise WorkerFailure("device 'cuda' was asked for, but torch sees no CUDA GPU here; use --device cpu or auto")
+    return device
+
+
+def start_worker(rank: int, world: int, master: tuple[str, int], plan: Any, spec: Any, device: str,
+                 timeout_s: float, local_device: int = 0) -> Any:
+    """Join the job's process group (gloo on CPU, NCCL on CUDA) and build rank `rank`'s `Worker`."""
+    import torch.distributed as dist
+
+    from rlgraph.runtime.worker import Worker
+
+    os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+    if device == "cuda":
+        torch.cuda.set_device(local_device)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    executor = spec.build(rank, plan, torch.device("cuda", local_device) if device == "cuda" else torch.device("cpu"))
+    return Worker(executor, rank)
+
+
+class WorkerPool:
+    """The transport protocol over `world` remote workers; subclasses say how to reach them."""
+
+    world: int
+    device: str
+    timeout_s: float
+
+    def _init_pool(self) -> None:
+        self._closed = False
+        self._step: Any = None
+        self.outstanding: list[deque] = [deque() for _ in range(self.world)]  # (what, step, token) not yet answered
+        self.busy_s = [0.0] * self.world  # seconds each worker spent running commands
+        self.step_busy: dict[int, list[float]] = {}  # plan step index -> seconds each rank spent on its commands
+
+    # -- what a subclass provides ------------------------------------------------------------
+    def _post(self, rank: int, command: str, args: tuple) -> Any:
+        """Send a command to `rank` without waiting; returns a token for `_poll` (or None)."""
+        raise NotImplementedError
+
+    def _poll(self, ranks: list[int], timeout: float) -> list[tuple[int, str, Any]]:
+        """Answers that arrived for the oldest outstanding command of some of `ranks`:
+        `(rank, "ok" | "error", payload)` or `(rank, "died", how)`; [] after `timeout` seconds."""
+        raise NotImplementedError
+
+    def _dead(self) -> dict[int, str]:
+        """Ranks whose worker is gone, with how (exit code, signal, node lost)."""
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    # -- commands ------------------------------------------------------------------------------
+    def at_step(self, step: Any) -> None:
+        """The plan step the next commands belong to (named in a failure that surfaces later)."""
+        self._step = step
+
+    def _call(self, calls: Mapping[int, tuple[str, tuple]], what: str, *, wait: bool = True) -> dict[int, Any]:
+        """Send each rank its command; with `wait`, return every answer (or raise the first failure)."""
+        if self._closed:
+            raise WorkerFailure("the workers were stopped after an earlier failure; start a new transport")
+        for rank, (command, args) in calls.items():
+            try:
+                token = self._post(rank, command, args)
+            except (BrokenPipeError, OSError):
+                self._fail(WorkerFailure(f"rank {rank} is gone ({self._dead().get(rank, '?')}) before {what}", rank,
+                                         step=self._step))
+            self.outstanding[rank].append((what, self._step, token))
+        return self._wait(list(calls)) if wait else {}
+
+    def _all(self, ranks, command: str, *args: Any, wait: bool = True) -> dict[int, Any]:
+        return self._call({rank: (command, args) for rank in ranks}, command, wait=wait)
+
+    def flush(self) -> None:
+        """Wait for every command sent so far (the end of an iteration)."""
+        self._wait([rank for rank in range(self.world) if self.outstanding[rank]])
+
+    def _wait(self, ranks: list[int]) -> dict[int, Any]:
+        """Read each rank's answers up to its last command; returns the last answers."""
+        pending = [rank for rank in ranks if self.outstanding[rank]]
+        results: dict[int, Any] = {}
+        while pending:
+            answers = self._poll(pending, self.timeout_s)
+            if not answers:
+                what, step, _ = self.outstanding[pending[0]][0]
+                self._fail(WorkerFailure(
+                    f"rank(s) {sorted(pending)} did not finish {what} within {self.timeout_s:.0f} s (a collective waiting "
+                    "for a peer, or a stuck worker); raise the timeout (timeout_s= / --timeout) if the step is just slow",
+                    pending[0] if len(pending) == 1 else None, step=step))
+            for rank, status, payload in answers:
+                what, step, _ = self.outstanding[rank].popleft()
+                results[rank] = self._answer(rank, status, payload, what, step)
+                if not self.outstanding[rank]:
+                    pending.remove(rank)
+        return results
+
+    def _answer(self, rank: int, status: str, payload: Any, what: str, step: Any) -> Any:
+        if status == "died":
+            self._fail(WorkerFailure(f"rank {rank} died during {what} ({payload})", rank, step=step))
+        if status == "error":
+            name, message, remote = payload
+            dead = {other: how for other, how in self._dead().items() if other != rank}
+            if dead:  # a collective broke because a peer died: the death is the cause to report
+                other, how = next(iter(dead.items()))
+                self._fail(WorkerFailure(f"rank {other} died during {what} ({how}); rank {rank}'s collective then "
+                                         f"failed: {name}: {message.splitlines()[0][:200] if message else ''}", other, step=step))
+            self._fail(WorkerFailure(f"rank {rank} raised {name} during {what}: {message}", rank, remote, step=step))
+        result, busy = payload
+        self.busy_s[rank] += busy
+        if step is not None:
+            self.step_busy.setdefault(step.index, [0.0] * self.world)[rank] += busy
+        return result
+
+    def _fail(self, failure: WorkerFailure) -> None:
+        self.close()
+        raise failure
+
+    # -- the transport protocol ----------------------------------------------------------------
+    def load(self, key: str, program: Program) -> None:
+        self._all(range(self.world), "load", key, program)
+
+    def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None:
+        self._call({rank: ("begin", (dict(bindings.get(rank, {})),)) for rank in range(self.world)}, "begin", wait=False)
+
+    def run(self, key: str, ranks: tuple[int, ...], names: tuple[str, ...]) -> None:
+        self._all(ranks, "run", key, names, wait=False)
+
+    def scatter(self, name: str, value: Any, layout: tuple) -> None:
+        pieces = C.shard(value, layout)
+        self._call({rank: ("put", (name, piece)) for rank, piece in pieces.items()}, f"the scatter of {name}", wait=False)
+
+    def gather(self, name: str, layout: tuple) -> Any:
+        return C.unshard(self._all(layout[0], "get", name), layout)
+
+    def move(self, source: str, name: str, src: tuple, dst: tuple, kind: str, per_row: bool) -> None:
+        self._all(sorted(set(src[0]) | set(dst[0])), "move", source, name, src, dst, kind, per_row, wait=False)
+
+    def sync_weights(self, name: str, source: str, route: SyncRoute) -> None:
+        calls = {rank: ("sync_weights", (name, source if rank in route.src else None, route))
+                 for rank in sorted(set(route.src) | set(route.dst))}
+        self._call(calls, f"sync_weights of {route.role}", wait=False)
+
+    def offload(self, ranks: tuple[int, ...], role: str, direction: str) -> None:
+        self._all(ranks, "offload", role, direction, wait=False)
+
+    def fetch(self, name: str, rank: int) -> Any:
+        return self._all([rank], "get", name)[rank]
+
+    def current(self, role: str, rank: int) -> Any:
+        return self._all([rank], "current", role)[rank]
+
+    def weights_report(self, role: str) -> dict[int, dict[str, Any]]:
+        """Per rank: how much of `role` it holds and whether its engine matches the trained weights."""
+        return self._all(range(self.world), "weights_report", role)
+
+    def pull_state(self, role: str) -> dict[str, torch.Tensor]:
+        """The full (unsharded) weights of `role`, on the CPU, from the ranks that train or hold it."""
+        states = self._all(range(self.world), "full_state", role)
+        return next(state for state in states.values() if state is not None)
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._stop()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
