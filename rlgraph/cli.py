@@ -70,8 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rl-lr", type=float, default=1e-4)
     demo.add_argument("--critic-lr", type=float, default=1e-4, help="PPO's critic")
     demo.add_argument("--run-dir", default="runs/demo")
-    demo.add_argument("--runtime", choices=("local", "spmd"), default="local",
-                      help="local: every role in this process; spmd: --nproc worker processes, the policy FSDP2-sharded")
+    demo.add_argument("--runtime", choices=("local", "spmd", "ray"), default="local",
+                      help="local: every role in this process; spmd: --nproc worker processes on this machine, the "
+                      "policy FSDP2-sharded; ray: --nproc Ray actors (a local cluster, or --address)")
+    demo.add_argument("--address", default=None, help="ray: the cluster to join, e.g. auto after `ray start --head`")
     demo.add_argument("--nproc", type=_positive_int, default=2, help="spmd worker processes (mesh ranks)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="where spmd workers run: cuda when a GPU is present (auto), else cpu")
@@ -182,7 +184,8 @@ def _demo(args) -> int:
     ALGORITHMS[args.algorithm].trace(**hparams)  # a wrong name or hyper-parameter fails now, not after SFT
     run_demo(DemoConfig(algorithm=args.algorithm, hparams=hparams, seed=args.seed, rl_seconds=args.rl_seconds,
                         rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir, runtime=args.runtime,
-                        nproc=args.nproc, device=args.device, rl_max_steps=args.rl_steps, timeout_s=args.timeout))
+                        nproc=args.nproc, device=args.device, rl_max_steps=args.rl_steps, timeout_s=args.timeout,
+                        address=args.address))
     return 0
 
 

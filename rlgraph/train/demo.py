@@ -63,8 +63,9 @@ class DemoConfig:
     max_new_tokens: int = 5
     threads: int = 2
     run_dir: str | None = "runs/demo"
-    runtime: str = attrs.field(default="local", validator=attrs.validators.in_(("local", "spmd")))
-    nproc: int = 2                # spmd: worker processes (mesh ranks); the policy trains with FSDP2 over them
+    runtime: str = attrs.field(default="local", validator=attrs.validators.in_(("local", "spmd", "ray")))
+    nproc: int = 2                # spmd/ray: workers (mesh ranks); the policy trains with FSDP2 over them
+    address: str | None = None    # ray: a running cluster ("auto" after `ray start --head`); None starts a local one
     device: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "cpu", "cuda")))
     timeout_s: float | None = None  # spmd: how long a step may wait on a worker (None: 60 s on CPU, 600 s on CUDA)
 
@@ -150,7 +151,7 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
 
 def _check_runtime(config: DemoConfig) -> None:
     """Refuse, before the warm start, a runtime that cannot run the RL plan."""
-    if config.runtime != "spmd":
+    if config.runtime == "local":
         return
     if config.nproc < 1 or config.rl_prompts % config.nproc:
         raise ValueError(f"demo: --nproc {config.nproc} must divide the {config.rl_prompts} prompts of an RL step "
@@ -178,15 +179,15 @@ def _warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer,
 def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, console: Console):
     """The RL phase through the compiled plan; returns (trainer, seconds, smoothed reward).
 
-    RL starts a fresh AdamW at `rl_lr` from the warm-started weights. With `runtime="spmd"` the
+    RL starts a fresh AdamW at `rl_lr` from the warm-started weights. With `runtime="spmd"` or `"ray"` the
     same algorithm is compiled for a mesh of `nproc` ranks and runs in worker processes (the
     policy FSDP2-sharded over them); the trained weights come back to `executor` at the end.
     """
     hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams,
                "n": config.rl_samples, "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}
-    spmd = config.runtime == "spmd"
-    device = resolve_device(config.device) if spmd else "cpu"
-    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, config.nproc) if spmd else "cpu:1"
+    remote = config.runtime != "local"  # spmd or ray: worker processes, one per mesh rank
+    device = resolve_device(config.device) if remote else "cpu"
+    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, config.nproc) if remote else "cpu:1"
     # RL runs the compiled plan, not the eager interpreter: the plan is the truth.
     compiled = compile_algorithm(ALGORITHMS[config.algorithm], mesh=mesh, placement=colocated(offload=False, checkpointing=False),
                                  sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
@@ -202,15 +203,20 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
     transport = None
-    if spmd:
+    if remote:
         world = world_of(executor, {"reward": exact_match}, config)
-        console.print(f"starting {config.nproc} worker processes ({device}) for the plan's ranks ...")
-        transport = SpmdTransport(compiled.plan, world, device=device, timeout_s=config.timeout_s)
+        console.print(f"starting {config.nproc} {config.runtime} workers ({device}) for the plan's ranks ...")
+        if config.runtime == "ray":
+            from rlgraph.runtime.ray_transport import RayTransport
+
+            transport = RayTransport(compiled.plan, world, address=config.address, device=device, timeout_s=config.timeout_s)
+        else:
+            transport = SpmdTransport(compiled.plan, world, device=device, timeout_s=config.timeout_s)
         runner = PlanRunner(compiled, transport, controller=world.controller())
     else:
         runner = PlanRunner(compiled, executor)
     rl_trainer = Trainer(compiled.program, runner, lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer),
-                         rl_sampler, run_dir=None if spmd else run_dir)
+                         rl_sampler, run_dir=None if remote else run_dir)
     reward, start, label = 0.0, time.perf_counter(), config.algorithm.upper()
     try:
         with _progress(console) as progress:
