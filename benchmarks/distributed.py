@@ -1,6 +1,6 @@
-"""The demo's GRPO step on the `local` transport and on `spmd` (N worker processes, FSDP2), side by side.
+"""The demo's GRPO step on the `local` transport and on `spmd` or `ray` (N workers, FSDP2), side by side.
 
-    .venv/bin/python benchmarks/distributed.py [--nproc 2] [--rounds 3] [--steps 10] [--device cpu]
+    .venv/bin/python benchmarks/distributed.py [--runtime spmd|ray] [--nproc 2] [--rounds 3] [--steps 10] [--device cpu]
 
 Both sides run the demo configuration (tiny Qwen2, 32 prompts x 8 samples, 5 new tokens, AdamW
 1e-4) from the same weights; rounds alternate local and spmd so machine noise hits both. Reports
@@ -53,6 +53,7 @@ def _copy_seconds(nbytes: int, repeats: int = 50) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtime", choices=("spmd", "ray"), default="spmd")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -66,7 +67,13 @@ def main() -> None:
     # On CUDA the plan parks optimizer state and gradients in host memory around generation.
     spmd_plan = _compile(Mesh("cpu" if device == "cpu" else "h100", 1, args.nproc), offload=device == "cuda")
     local = PlanRunner(_compile("cpu:1"), world.build_local())
-    with SpmdTransport(spmd_plan.plan, world, device=device) as transport:
+    if args.runtime == "ray":
+        from rlgraph.runtime.ray_transport import RayTransport
+
+        transport = RayTransport(spmd_plan.plan, world, device=device)
+    else:
+        transport = SpmdTransport(spmd_plan.plan, world, device=device)
+    with transport:
         spmd = PlanRunner(spmd_plan, transport, controller=world.controller())
         for runner in (local, spmd):  # warm-up: first-call allocations, spawn-time imports
             _timed_steps(runner, prompts, 2)
@@ -80,15 +87,15 @@ def main() -> None:
         _report(args, times, spmd, transport)
 
 
-def _report(args, times, spmd: PlanRunner, transport: SpmdTransport) -> None:
+def _report(args, times, spmd: PlanRunner, transport) -> None:
     steps = args.rounds * args.steps
     rate = {side: B * N_SAMPLES * args.steps / statistics.median(values) for side, values in times.items()}
-    print(f"samples/s  local {rate['local']:,.0f}  spmd x{args.nproc} {rate['spmd']:,.0f}  "
-          f"ratio spmd/local {rate['spmd'] / rate['local']:.2f}  (median of {args.rounds} rounds x {args.steps} steps)")
+    print(f"samples/s  local {rate['local']:,.0f}  {args.runtime} x{args.nproc} {rate['spmd']:,.0f}  "
+          f"ratio {args.runtime}/local {rate['spmd'] / rate['local']:.2f}  (median of {args.rounds} rounds x {args.steps} steps)")
     wall = sum(times["spmd"])
-    print(f"controller overhead: {1 - max(transport.busy_s) / wall:.1%} of a spmd step "
+    print(f"controller overhead: {1 - max(transport.busy_s) / wall:.1%} of a {args.runtime} step "
           f"(busiest worker busy {max(transport.busy_s) / steps * 1e3:.1f} ms of {wall / steps * 1e3:.1f} ms)")
-    print("spmd plan steps (ms/iteration): controller time (dispatch, or the whole step when it runs there) "
+    print(f"{args.runtime} plan steps (ms/iteration): controller time (dispatch, or the whole step when it runs there) "
           "| busiest worker's time on the step's commands")
     for index, seconds in sorted(spmd.step_seconds.items()):
         busy = max(transport.step_busy.get(index, [0.0]))
