@@ -8,25 +8,38 @@ RLHF form of Ouyang et al., 2022, as verl's `gae` estimator).
     R_t    = A_t (before whitening) + V_t
     L_pi   = token_mean( max(-A rho, -A clip(rho, 1-eps, 1+eps)) )
     L_V    = 0.5 token_mean( max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) )
+
+`tis_cap` (e.g. 2.0) turns on the rollout correction (`rlgraph.algorithms.correction`): pi_old's
+log-probs are recomputed on the trainer (in rho and in the KL), each token's policy loss is
+weighted by min(exp(log pi_old - log pi_sampler), tis_cap), and `logprob_mismatch/mean|max`
+report |log pi_old - log pi_sampler| every step.
 """
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.correction import check_tis_cap, rollout_correction
 from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 
 @rg.algorithm
 def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, kl=0.0, kl_target=None,
         kl_horizon=10000, gamma=1.0, lam=0.95, temperature=1.0, max_new_tokens=None, epochs=1, minibatches=1,
-        micro_batch_size=None):
+        micro_batch_size=None, tis_cap=None):
+    tis_cap = check_tis_cap(tis_cap, "ppo")                            # None: no rollout correction
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     metrics = {"reward": r.mean()}
+    correction = rollout_correction(state, ro, cap=tis_cap, temperature=temperature) if tis_cap is not None else None
+    old_lp = None if correction is None else correction.old_logprobs  # [N, T]; None: the sampler's ro.logprobs
+    if correction is not None:
+        metrics.update(correction.metrics)
     if kl_target is None:                                              # fixed beta (0: no reference pass)
-        token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
+        token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature,
+                                                   old_lp=old_lp)    # [N, T]
     else:                                                              # adaptive beta, carried in the state
         beta = state.carry("kl_coef", init=kl)                         # []
-        ref_kl = F.kl_k1(ro.logprobs, rg.logprobs(state.ref, ro, temperature=temperature))  # [N, T]
+        old = ro.logprobs if old_lp is None else old_lp                # [N, T]
+        ref_kl = F.kl_k1(old, rg.logprobs(state.ref, ro, temperature=temperature))  # [N, T]
         token_rewards = F.rewards_at_last_token(r, ro.mask) - beta * ref_kl  # [N, T]
         state = state.replace(kl_coef=F.adaptive_kl_coef(beta, ref_kl, ro.mask, target=kl_target, horizon=kl_horizon))
         metrics.update(kl_coef=beta, ref_kl=F.masked_mean(ref_kl, ro.mask))
@@ -35,7 +48,8 @@ def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, 
     adv = F.masked_whiten(adv, ro.mask)                                # [N, T]
 
     def policy_loss(lp):                                               # lp: [N, T], with gradients
-        value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)
+        old, weighted = (ro.logprobs, adv) if correction is None else (old_lp, adv * correction.weights)  # w_t * loss_t
+        value, clip_frac, approx_kl = F.ppo_clip(lp, old, weighted, ro.mask, clip_low=clip)
         return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
 
     def critic_loss(values):                                           # values: [N, T], with gradients

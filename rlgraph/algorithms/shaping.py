@@ -4,13 +4,14 @@ import rlgraph as rg
 from rlgraph import functional as F
 
 
-def kl_penalized_token_rewards(state, ro, r, *, kl, temperature):
+def kl_penalized_token_rewards(state, ro, r, *, kl, temperature, old_lp=None):
     """The sequence reward on the last response token, minus `kl * KL_k1(pi_old || pi_ref)` per token.
 
     r_t = [t = last] * r - kl * (log pi_old(y_t) - log pi_ref(y_t));  no reference pass when kl == 0.
+    `old_lp` [N, T] are the old policy's log-probs (default: the sampler's, `ro.logprobs`).
     """
     token_rewards = F.rewards_at_last_token(r, ro.mask)                # [N, T]
     if not kl:
         return token_rewards
     ref = rg.logprobs(state.ref, ro, temperature=temperature)          # [N, T]
-    return token_rewards - kl * F.kl_k1(ro.logprobs, ref)              # [N, T]
+    return token_rewards - kl * F.kl_k1(ro.logprobs if old_lp is None else old_lp, ref)  # [N, T]

@@ -10,9 +10,10 @@ from rlgraph.functional.advantages import (
     rewards_at_last_token, rloo,
 )
 from rlgraph.functional.aggregate import (
-    LossNormalization, active_loss_normalization, global_counts, loss_normalization, masked_mean, masked_sum,
-    masked_var, masked_whiten, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_mean,
+    LossNormalization, active_loss_normalization, global_counts, loss_normalization, masked_max, masked_mean,
+    masked_sum, masked_var, masked_whiten, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_mean,
 )
+from rlgraph.functional.correction import truncated_is_weights
 from rlgraph.functional.estimator import estimator
 from rlgraph.functional.kl import (
     KL_ESTIMATORS, adaptive_kl_coef, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
@@ -26,9 +27,11 @@ from rlgraph.functional.registry import (
 
 __all__ = [
     # aggregate
-    "LossNormalization", "active_loss_normalization", "global_counts", "loss_normalization", "masked_mean",
-    "masked_sum", "masked_var", "masked_whiten", "seq_mean_token_mean", "seq_mean_token_sum",
+    "LossNormalization", "active_loss_normalization", "global_counts", "loss_normalization", "masked_max",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten", "seq_mean_token_mean", "seq_mean_token_sum",
     "seq_mean_token_sum_norm", "token_mean",
+    # correction
+    "truncated_is_weights",
     # estimator
     "estimator",
     # kl

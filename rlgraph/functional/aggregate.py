@@ -1,9 +1,9 @@
 """Masked statistics and loss aggregations, with global normalisation across micro-batches.
 
-Statistics (`masked_sum`, `masked_mean`, `masked_var`, `masked_whiten`) summarise the values they
-are given. Loss aggregations (`token_mean`, `seq_mean_token_sum`, `seq_mean_token_mean`,
-`seq_mean_token_sum_norm`) reduce a per-token loss f32[N,T] to a scalar and divide by a *count*:
-unmasked tokens, non-empty sequences, or sequences x horizon.
+Statistics (`masked_sum`, `masked_mean`, `masked_max`, `masked_var`, `masked_whiten`) summarise
+the values they are given. Loss aggregations (`token_mean`, `seq_mean_token_sum`,
+`seq_mean_token_mean`, `seq_mean_token_sum_norm`) reduce a per-token loss f32[N,T] to a scalar and
+divide by a *count*: unmasked tokens, non-empty sequences, or sequences x horizon.
 
 Global normalisation. `rg.update` splits a mini-batch into micro-batches (and data-parallel
 shards) and sums their gradients. For that sum to equal the full mini-batch loss, every piece
@@ -120,6 +120,18 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     mask = mask.to(torch.bool)
     count = mask.sum() if dim is None else mask.sum(dim=dim)
     return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+@traceable
+def masked_max(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """max(values[mask]): 0 where nothing is unmasked (as `masked_mean`); masked values never win, even NaN."""
+    mask = mask.to(torch.bool)
+    kept = torch.where(mask, values, -torch.inf)  # like values
+    if dim is None:
+        kept, mask, dim = kept.reshape(-1), mask.reshape(-1), 0
+    if kept.shape[dim] == 0:  # amax refuses an empty dim; nothing is unmasked there
+        return kept.sum(dim=dim)
+    return torch.where(mask.any(dim=dim), kept.amax(dim=dim), 0.0)
 
 
 @traceable

@@ -1,11 +1,17 @@
 """GRPO's `estimator` and `loss` hyper-parameters: any registered name, the op itself in the program."""
 
+import math
+
+import attrs
 import pytest
+import torch
 
 import rlgraph as rg
+import rlgraph.testing as rgt
 from rlgraph import functional as F
 from rlgraph.algorithms import grpo
 from rlgraph.functional.registry import UnknownNameError
+from rlgraph.runtime.eager import Interpreter
 from tests.algorithms._steps import two_steps
 
 KERNELS = {"group_normalize": "fused_group_normalize", "dr_grpo": "fused_group_normalize", "rloo": "fused_rloo",
@@ -65,3 +71,47 @@ def test_unknown_names_fail_while_tracing_at_the_line_of_grpo(hparams, message):
     with pytest.raises(UnknownNameError) as error:
         grpo.trace(**hparams)
     assert message in str(error.value) and "grpo.py" in str(error.value) and "rlgraph list" in str(error.value)
+
+
+# -- rollout correction (tis_cap) ------------------------------------------------------------------
+
+SIZES = {"B": 2, "P": 8, "T": 3}
+
+
+def test_tis_cap_traces_compiles_and_a_compiled_step_matches_eager():
+    text = str(grpo.trace(tis_cap=2.0))
+    assert "= logprobs[temperature=1.0 entropy=False] policy a" in text
+    assert "truncated_is_weights[cap=2.0]" in text
+    compiled = rg.compile(grpo, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False), sizes=SIZES,
+                          n=2, max_new_tokens=3, tis_cap=2.0)
+    assert "masked_max=masked_max" in compiled.as_text() and "kernels: fused_ppo_clip (in loss)" in compiled.as_text()
+    steps = rgt.assert_compiled_matches_eager(grpo, executor=rgt.tiny_executor, sizes=SIZES, n=2, max_new_tokens=3,
+                                              tis_cap=2.0, batches=[rgt.tiny_prompts(2, offset=2 * i) for i in range(2)])
+    for metrics in steps:
+        mean, largest = metrics["logprob_mismatch/mean"], metrics["logprob_mismatch/max"]
+        assert math.isfinite(mean) and math.isfinite(largest) and 0.0 <= mean <= largest
+        assert largest < 1e-4  # the native fp32 engine and the trainer agree: no mismatch to correct
+
+
+def _shifted_generator(shift: float):
+    """A tiny executor whose sampler reports log-probs `shift` below the trainer's, as a bf16 engine might."""
+    executor = rgt.tiny_executor(max_new_tokens=3)
+    native = executor.generate
+
+    def generate(*args, **kwargs):
+        ro = native(*args, **kwargs)
+        return attrs.evolve(ro, logprobs=torch.where(ro.mask, ro.logprobs - shift, 0.0))
+
+    executor.generate = generate
+    return executor
+
+
+def test_the_correction_reports_and_reweights_a_known_mismatch():
+    losses = {}
+    for cap in (1.0, 2.0):  # cap 1 truncates exp(0.25) to 1: the loss without the weight
+        program = grpo.trace(n=4, max_new_tokens=3, tis_cap=cap)
+        _, metrics = Interpreter(_shifted_generator(0.25)).run(program, rgt.tiny_prompts(3))
+        assert metrics["logprob_mismatch/mean"] == pytest.approx(0.25, abs=1e-5)
+        assert metrics["logprob_mismatch/max"] == pytest.approx(0.25, abs=1e-5)
+        losses[cap] = metrics["policy/loss"]
+    assert losses[1.0] != 0.0 and losses[2.0] == pytest.approx(math.exp(0.25) * losses[1.0], rel=1e-4)

@@ -124,3 +124,11 @@ def test_carried_values_are_checked_while_tracing():
 
     with pytest.raises(rg.TraceError, match="init must be a number"):
         traced_init.trace()
+
+
+def test_tis_cap_recomputes_old_logprobs_for_the_ratio_and_the_kl_and_reports_the_mismatch():
+    text, metrics = two_steps(ppo, executor=executor_with_critic(), n=2, kl=0.05, max_new_tokens=4, tis_cap=2.0)
+    assert "truncated_is_weights[cap=2.0]" in text
+    old = text.split(" = logprobs[temperature=1.0 entropy=False] policy a")[0].split()[-1].split(":")[0]  # its name
+    assert f"= kl_k1 {old} " in text and f"ppo_clip[clip_low=0.2] lp {old} " in text  # trainer's old log-probs
+    assert 0.0 <= metrics["logprob_mismatch/mean"] <= metrics["logprob_mismatch/max"] < 1e-4  # fp32: no mismatch

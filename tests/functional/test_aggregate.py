@@ -183,3 +183,14 @@ def test_whitening_equal_values_gives_exactly_zero_not_rounding_noise():
     mask = torch.tensor([[True, True, False], [True, True, True]])
     assert (F.masked_whiten(torch.full((2, 3), 1 / 3), mask) == 0).all()
     assert F.masked_var(torch.full((2, 3), 1 / 3), mask) == 0
+
+
+def test_masked_max_by_hand_and_when_empty():
+    close(F.masked_max(VALUES, MASK), 4.0)
+    close(F.masked_max(VALUES, MASK, dim=-1), [2.0, 4.0])
+    close(F.masked_max(-VALUES, MASK), -1.0)  # all negative: the largest unmasked, not 0
+    close(F.masked_max(VALUES, torch.zeros_like(MASK)), 0.0)  # nothing unmasked: 0, as masked_mean
+    close(F.masked_max(VALUES, torch.tensor([[True, False, False], [False, False, False]]), dim=-1), [1.0, 0.0])
+    close(F.masked_max(torch.empty(2, 0), torch.empty(2, 0, dtype=torch.bool), dim=-1), [0.0, 0.0])
+    dirty = torch.where(MASK, VALUES, torch.tensor([[math.inf, math.nan, math.nan]]))
+    close(F.masked_max(dirty, MASK), 4.0)  # masked inf or NaN never wins
