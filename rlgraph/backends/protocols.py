@@ -61,6 +61,29 @@ class UpdateConfig:
             raise ValueError(f"update: micro_batch_size must be >= 1, got {self.micro_batch_size}")
 
 
+@attrs.frozen
+class RoleState:
+    """One model role as a checkpoint holds it: the full (unsharded) weights, a full optimizer
+    state dict in the order of `model.parameters()` (None for a frozen role), its kind and version."""
+
+    model: Mapping[str, torch.Tensor]
+    optimizer: Mapping[str, Any] | None
+    optimizer_kind: str | None
+    version: int
+
+
+@attrs.frozen
+class ExecutorState:
+    """Everything an executor's future depends on: its roles and its random streams.
+
+    The same object comes from one process (`LocalExecutor.export_state`) or from N ranks
+    (`WorkerPool.checkpoint_state` merges their shards), so a checkpoint resumes on any runtime."""
+
+    roles: Mapping[str, RoleState]
+    shuffle_rng: torch.Tensor
+    sampling: Mapping[str, int]
+
+
 class Executor(Protocol):
     """Runs the primitives for every role it holds."""
 

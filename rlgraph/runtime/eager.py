@@ -130,6 +130,13 @@ class Interpreter:
                 inputs.append(batch)
         return inputs
 
+    def export_state(self) -> Any:
+        """The executor's roles and random streams, for a checkpoint (`rlgraph.train.checkpoint`)."""
+        return self.executor.export_state()
+
+    def import_state(self, state: Any, where: str = "the checkpoint") -> None:
+        self.executor.import_state(state, where)
+
     def model_ref(self, role: str) -> Any:
         """The live version of `role` (the plan runner asks the ranks that hold it)."""
         return self.executor.current(role)

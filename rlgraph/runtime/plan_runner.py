@@ -116,6 +116,17 @@ class PlanRunner(Interpreter):
                     f"the batch has {rows} rows, which group {group.name!r} cannot split evenly over its {ways} "
                     f"data-parallel ranks ({group.ranks_text()}); use a batch size divisible by {ways}")
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def export_state(self) -> Any:
+        """The roles' full weights and optimizer states and the random streams, wherever they live."""
+        export = getattr(self.transport, "checkpoint_state", None)
+        return export() if export is not None else self.transport.executor.export_state()
+
+    def import_state(self, state: Any, where: str = "the checkpoint") -> None:
+        restore = getattr(self.transport, "restore_state", None)
+        restore(state, where) if restore is not None else self.transport.executor.import_state(state, where)
+        self.versions.clear()  # asked again of the ranks
+
     # -- inputs and outputs --------------------------------------------------------------------
     def _bind(self, lowered: Any, batch: Any) -> dict[fx.Node, Any]:
         """The controller's inputs, and each rank's model versions sent to the workers."""

@@ -197,6 +197,26 @@ class WorkerPool:
         states = self._all(range(self.world), "full_state", role)
         return next(state for state in states.values() if state is not None)
 
+    def checkpoint_state(self) -> Any:
+        """The full `ExecutorState` of every rank's roles (weights gathered, optimizer shards merged)."""
+        from rlgraph.backends.fsdp.executor import merge_optimizer_states
+        from rlgraph.backends.protocols import ExecutorState, RoleState
+
+        parts = self._all(range(self.world), "export_state")
+        roles = {}
+        for role in sorted({role for part in parts.values() for role in part["roles"]}):
+            held = {rank: part["roles"][role] for rank, part in parts.items() if role in part["roles"]}
+            first = held[min(held)]
+            shards = [held[rank]["optimizer"] for rank in first["group"]]
+            roles[role] = RoleState(next(h["model"] for h in held.values() if h["model"] is not None),
+                                    merge_optimizer_states(shards) if shards[0] is not None else None,
+                                    first["optimizer_kind"], first["version"])
+        return ExecutorState(roles, parts[0]["shuffle_rng"], parts[0]["sampling"])
+
+    def restore_state(self, state: Any, where: str = "the checkpoint") -> None:
+        """Every rank loads its shards of `state` (each checks the whole state before touching anything)."""
+        self._all(range(self.world), "import_state", state, where)
+
     def close(self) -> None:
         """Stop every worker (idempotent)."""
         if getattr(self, "_closed", True):

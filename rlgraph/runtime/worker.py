@@ -93,6 +93,12 @@ class Worker:
     def weights_report(self, role: str) -> dict[str, Any]:
         return self.executor.weights_report(role)
 
+    def export_state(self) -> Any:
+        return self.executor.export_state()
+
+    def import_state(self, state: Any, where: str) -> None:
+        self.executor.import_state(state, where)
+
 
 def serve(worker: Worker, command: str, args: tuple) -> tuple[str, Any]:
     """Run one command: `("ok", (result, seconds))`, or `("error", (type, message, traceback))`.

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlgraph.backends.local.executor import LocalExecutor
-from rlgraph.backends.local.generation import SamplingStream
+from rlgraph.backends.protocols import ExecutorState, RoleState
 
 
 def _write_json_atomic(path: Path, payload: Any) -> None:
@@ -32,23 +32,27 @@ def _write_json_atomic(path: Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, executor: LocalExecutor, extra: dict[str, Any]) -> Path:
-    """Write `run_dir/step-<step>` atomically and point `run_dir/latest` at it."""
+def save_checkpoint(run_dir: str | Path, step: int, state: ExecutorState | LocalExecutor, extra: dict[str, Any]) -> Path:
+    """Write `run_dir/step-<step>` atomically and point `run_dir/latest` at it.
+
+    `state` is an `ExecutorState` (from any runtime: `interpreter.export_state()`) or a local executor.
+    """
+    if not isinstance(state, ExecutorState):
+        state = state.export_state()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".step-{step:06d}."))
     try:
-        versions = {}
-        for role, worker in executor.models.items():
-            state = {k: v.detach().contiguous() for k, v in worker.model.state_dict().items()}
-            save_file(_untie(state), str(tmp / f"{role}.safetensors"))
-            if worker.optimizer is not None:
-                torch.save(worker.optimizer.state_dict(), tmp / f"{role}.optim.pt")
-            versions[role] = worker.version
-        torch.save({"generator": executor.generator.get_state(), "sampling": attrs.asdict(executor.sampling),
-                    "extra": extra}, tmp / "run_state.pt")
-        _write_json_atomic(tmp / "meta.json", {"step": step, "versions": versions})
+        roles = {}
+        for role, held in state.roles.items():
+            save_file(_untie({k: v.contiguous() for k, v in held.model.items()}), str(tmp / f"{role}.safetensors"))
+            if held.optimizer is not None:
+                torch.save(dict(held.optimizer), tmp / f"{role}.optim.pt")
+            roles[role] = {"version": held.version, "optimizer": held.optimizer_kind}
+        torch.save({"generator": state.shuffle_rng, "sampling": dict(state.sampling), "extra": extra}, tmp / "run_state.pt")
+        _write_json_atomic(tmp / "meta.json", {"step": step, "versions": {r: v["version"] for r, v in roles.items()},
+                                               "roles": roles})
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -77,18 +81,25 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return Path(run_dir) / json.loads(pointer.read_text())["path"]
 
 
-def load_checkpoint(path: str | Path, executor: LocalExecutor) -> dict[str, Any]:
-    """Restore weights, optimizer states, versions and RNG; returns `{"step": k, **extra}`."""
+def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any]]:
+    """(state, step, extra) of the checkpoint in `path`, every file read before anything is used."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    for role, worker in executor.models.items():
-        if role not in meta["versions"]:
-            raise ValueError(f"checkpoint {path} has no role {role!r}; it has {', '.join(meta['versions'])}")
-        worker.model.load_state_dict(load_file(str(path / f"{role}.safetensors")), strict=True)
-        if worker.optimizer is not None:
-            worker.optimizer.load_state_dict(torch.load(path / f"{role}.optim.pt", weights_only=False))
-        worker.version = meta["versions"][role]
+    roles = {}
+    for role, version in meta["versions"].items():
+        kind = meta.get("roles", {}).get(role, {}).get("optimizer")
+        optim = path / f"{role}.optim.pt"
+        optimizer = torch.load(optim, weights_only=False) if optim.exists() else None
+        if kind is None and optimizer is not None:  # written before the optimizer kind was recorded
+            kind = "AdamW" if any("exp_avg" in s for s in optimizer.get("state", {}).values()) else "SGD"
+        roles[role] = RoleState(load_file(str(path / f"{role}.safetensors")), optimizer, kind, version)
     run_state = torch.load(path / "run_state.pt", weights_only=False)
-    executor.generator.set_state(run_state["generator"])
-    executor.sampling = SamplingStream(**run_state["sampling"])
-    return {"step": meta["step"], **run_state["extra"]}
+    return ExecutorState(roles, run_state["generator"], run_state["sampling"]), meta["step"], run_state["extra"]
+
+
+def load_checkpoint(path: str | Path, executor: Any) -> dict[str, Any]:
+    """Restore weights, optimizer states, versions and RNG into `executor` (or anything with
+    `import_state`: an interpreter, a plan runner); returns `{"step": k, **extra}`."""
+    state, step, extra = read_checkpoint(path)
+    executor.import_state(state, where=f"checkpoint {path}")
+    return {"step": step, **extra}

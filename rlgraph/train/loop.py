@@ -42,7 +42,7 @@ class Trainer:
         path = latest_checkpoint(self.run_dir) if self.run_dir else None
         if path is None:
             return False
-        restored = load_checkpoint(path, self.interpreter.executor)
+        restored = load_checkpoint(path, self.interpreter)
         self.step = restored["step"]
         self.history = list(restored.get("history", []))
         if self.sampler is not None:
@@ -54,7 +54,7 @@ class Trainer:
         assert self.run_dir is not None, "set run_dir to checkpoint"
         extra = {"history": self.history, "sampler": self.sampler.state_dict() if self.sampler is not None else None,
                  "carried": dict(self.interpreter.carried)}  # state.carry values (e.g. an adaptive KL coefficient)
-        return save_checkpoint(self.run_dir, self.step, self.interpreter.executor, extra)
+        return save_checkpoint(self.run_dir, self.step, self.interpreter.export_state(), extra)
 
     def run_step(self) -> dict[str, float]:
         start = time.perf_counter()

@@ -56,7 +56,7 @@ def test_the_demo_refuses_a_runtime_it_cannot_run_before_training(flags, message
         main(["demo", "--runtime", "spmd", *flags])
 
 
-@pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "two"], ["--runtime", "ray"], ["--device", "gpu"]])
+@pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "two"], ["--runtime", "mpi"], ["--device", "gpu"]])
 def test_the_demo_flags_refuse_bad_values(flags, capsys):
     with pytest.raises(SystemExit):
         main(["demo", *flags])

@@ -26,17 +26,20 @@ the plan runner sends a stage to all of a group's ranks, so they do.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker, StaleVersionError, role_outputs
-from rlgraph.backends.protocols import ModelRef
+from rlgraph.backends.local.executor import (LMWorker, LocalExecutor, RewardWorker, StaleVersionError, _optimizer_kind,
+                                             check_role_state, role_outputs)
+from rlgraph.backends.local.generation import SamplingStream
+from rlgraph.backends.protocols import ExecutorState, ModelRef
 from rlgraph.batches import Rollouts
 
 GENERATOR_OF = {"rollout": "policy"}
@@ -196,6 +199,40 @@ class FSDPExecutor(LocalExecutor):
         return state if self.rank == first else None
 
 
+    # -- checkpoints: this rank's part ------------------------------------------------------------
+    def export_state(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint: per role, the full weights (from the group's first rank
+        only; gathering them is a collective every rank of the group joins), this rank's optimizer
+        shard state, its position in the group and the version; plus the random streams."""
+        roles = {}
+        for role, worker in self.models.items():
+            group_ranks = sorted(dist.get_process_group_ranks(self.role_groups[role]))
+            roles[role] = {"model": self.full_state(role), "group": group_ranks, "version": worker.version,
+                           "optimizer": worker.optimizer.state_dict() if worker.optimizer is not None else None,
+                           "optimizer_kind": _optimizer_kind(worker.optimizer)}
+        return {"roles": roles, "shuffle_rng": self.generator.get_state(), "sampling": attrs.asdict(self.sampling)}
+
+    def import_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
+        """Load this rank's shards of a full checkpoint state (all or nothing, checked first)."""
+        for role, worker in self.models.items():
+            check_role_state(role, worker.model.module.state_dict(), _optimizer_kind(worker.optimizer), state, where)
+        for role, worker in self.models.items():
+            held, position, ways = state.roles[role], *self._position(role)
+            with torch.no_grad():
+                for name, param in worker.model.module.state_dict().items():
+                    target = param.to_local() if isinstance(param, DTensor) else param
+                    source = _rows(held.model[name], position, ways) if isinstance(param, DTensor) else held.model[name]
+                    target.copy_(source.to(target.device, target.dtype))
+            if worker.optimizer is not None:
+                worker.optimizer.load_state_dict(_shard_optimizer_state(held.optimizer, worker.optimizer.params, position, ways))
+            worker.version = held.version
+        self.generator.set_state(state.shuffle_rng)
+        self.sampling = SamplingStream(**state.sampling)
+
+    def _position(self, role: str) -> tuple[int, int]:
+        ranks = sorted(dist.get_process_group_ranks(self.role_groups[role]))
+        return ranks.index(self.rank), len(ranks)
+
     def weights_report(self, role: str) -> dict[str, Any]:
         """What this rank holds of `role`: parameter elements held locally and in the whole model,
         the version its engine serves, and the largest |engine - gathered FSDP2 weight| (every rank
@@ -237,6 +274,33 @@ def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
         fulls[id(p)] = block[:p.shape[0]]  # drop the padding of the last shards
         offset += piece.numel()
     return [fulls[id(p)] if id(p) in fulls else p.detach() for p in params]
+
+
+def _rows(full: torch.Tensor, position: int, ways: int) -> torch.Tensor:
+    """The dim-0 shard rank `position` of `ways` holds under FSDP2 (`torch.chunk`; possibly empty)."""
+    chunks = torch.chunk(full, ways, dim=0)
+    return chunks[position] if position < len(chunks) else full[:0]
+
+
+def _shard_optimizer_state(full: Mapping[str, Any], params: list[torch.Tensor], position: int, ways: int) -> dict:
+    """A full optimizer state dict cut to this rank's shards (tensors shaped like their parameter)."""
+    state = {}
+    for index, entries in full["state"].items():
+        shape = tuple(params[int(index)].shape)
+        state[index] = {key: _rows(value, position, ways) if isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+                        else value for key, value in entries.items()}
+    return {"state": state, "param_groups": full["param_groups"]}
+
+
+def merge_optimizer_states(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The full optimizer state dict from the ranks' shard states, in rank order (dim-0 shards
+    concatenate; scalars such as `step` are the same on every rank)."""
+    state = {}
+    for index, entries in parts[0]["state"].items():
+        state[index] = {key: torch.cat([part["state"][index][key] for part in parts])
+                        if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                        for key, value in entries.items()}
+    return {"state": state, "param_groups": parts[0]["param_groups"]}
 
 
 def _sync_ranks(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:

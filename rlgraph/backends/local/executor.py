@@ -18,7 +18,7 @@ import torch
 
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream
 from rlgraph.backends.local.logprobs import sequence_logprobs
-from rlgraph.backends.protocols import LossCounts, LossFn, ModelRef, RewardRef, UpdateConfig
+from rlgraph.backends.protocols import ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
 from rlgraph.functional.aggregate import global_counts
 from rlgraph.batches import Prompts, Rollouts
 
@@ -185,8 +185,58 @@ class LocalExecutor:
                 steps += 1
         return {key: value / steps for key, value in totals.items()}
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def export_state(self) -> ExecutorState:
+        roles = {role: RoleState({k: v.detach().cpu().contiguous() for k, v in worker.model.state_dict().items()},
+                                 worker.optimizer.state_dict() if worker.optimizer is not None else None,
+                                 _optimizer_kind(worker.optimizer), worker.version)
+                 for role, worker in self.models.items()}
+        return ExecutorState(roles, self.generator.get_state(), attrs.asdict(self.sampling))
+
+    def import_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
+        """Restore `state`, all or nothing: every role, shape and optimizer kind is checked first."""
+        for role, worker in self.models.items():
+            check_role_state(role, worker.model.state_dict(), _optimizer_kind(worker.optimizer), state, where)
+        for role, worker in self.models.items():
+            held = state.roles[role]
+            worker.model.load_state_dict(dict(held.model), strict=True)
+            if worker.optimizer is not None:
+                worker.optimizer.load_state_dict(dict(held.optimizer))
+            worker.version = held.version
+        self.generator.set_state(state.shuffle_rng)
+        self.sampling = SamplingStream(**state.sampling)
+
     def _role_of(self, worker: LMWorker) -> str:
         return next(role for role, held in self.models.items() if held is worker)
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not fit the executor it is loaded into."""
+
+
+def _optimizer_kind(optimizer: Any) -> str | None:
+    inner = getattr(optimizer, "optimizer", optimizer)  # a sharded executor wraps its optimizer
+    return None if inner is None else type(inner).__name__
+
+
+def check_role_state(role: str, expected: Mapping[str, torch.Tensor], optimizer_kind: str | None,
+                     state: ExecutorState, where: str) -> None:
+    """Refuse a checkpoint role that does not match: missing, other tensor names or shapes, other optimizer."""
+    if role not in state.roles:
+        raise CheckpointMismatch(f"{where} has no role {role!r} (it has {', '.join(state.roles) or 'none'}); "
+                                 "was it written by another algorithm?")
+    held = state.roles[role]
+    missing, extra = sorted(set(expected) - set(held.model)), sorted(set(held.model) - set(expected))
+    if missing or extra:
+        raise CheckpointMismatch(f"{where}: role {role!r} has other weights than the model (missing {missing[:3]}, "
+                                 f"unexpected {extra[:3]}): another architecture")
+    for name, tensor in expected.items():
+        if tuple(held.model[name].shape) != tuple(tensor.shape):
+            raise CheckpointMismatch(f"{where}: role {role!r} weight {name!r} is {tuple(held.model[name].shape)}, "
+                                     f"the model's is {tuple(tensor.shape)}: another model shape")
+    if held.optimizer_kind != optimizer_kind:
+        raise CheckpointMismatch(f"{where}: role {role!r} was trained with {held.optimizer_kind or 'no optimizer'}, "
+                                 f"this run uses {optimizer_kind or 'none'}")
 
 
 def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool
