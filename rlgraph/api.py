@@ -44,18 +44,21 @@ class Algorithm:
 
 
 def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: Mapping[str, int] | None = None,
-            models: Mapping[str, Any] | None = None, roles: Mapping[str, S.Spec] | None = None, **hparams: Any):
+            models: Mapping[str, Any] | None = None, roles: Mapping[str, S.Spec] | None = None, engine: str = "auto",
+            **hparams: Any):
     """Trace `algo` and lower it for `mesh` and `placement`; returns a `Compiled` to inspect and run.
 
     `sizes` gives the concrete dims byte counts use (B, P, T; n comes from the hparams),
-    `models` maps roles to HF configs or presets (`"llama3-70b"`). Nothing is run.
+    `models` maps roles to HF configs or presets (`"llama3-70b"`), `engine` the generation engine
+    ("auto": native on a cpu mesh, vllm on GPUs; "native"; "vllm"). Nothing is run.
     """
     from rlgraph.passes import compile_program
     from rlgraph.passes.options import CompileOptions
     from rlgraph.plan.mesh import Colocated, Mesh
 
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh or Mesh())
-    options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}))
+    options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}),
+                             engine=engine)
     return compile_program(algo.trace(roles=roles, **hparams), options)
 
 

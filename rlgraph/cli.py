@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -97,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("algorithm")
     plan.add_argument("--mesh", default="gpu:8", help="e.g. gpu:8, h200:8, 2x8:h100, cpu:2")
     plan.add_argument("--placement", default="colocated",
-                      help="colocated | colocated:fsdp=8,tp=2 | split:policy=4,rollout=4[,ref=policy]")
+                      help="colocated | colocated:fsdp=8,tp=2 | split:policy=4,rollout=4[,ref=policy][,tp=2]")
+    plan.add_argument("--engine", default="auto",
+                      help="generation engine: auto (native on a cpu mesh, vllm on GPUs), native (tp=1) or vllm")
     plan.add_argument("--model", default="tiny-qwen2", help="a preset (e.g. llama3-70b) or a config.json / model directory")
     plan.add_argument("--sizes", default="B=32,P=64,T=256", help="concrete dims, e.g. B=64,P=512,T=1024")
     plan.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. estimator=rloo")
@@ -257,17 +260,30 @@ def _listings() -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def parse_placement(text: str):
-    """`colocated`, `colocated:fsdp=8,tp=2,offload=False`, `split:policy=4,rollout=4,ref=policy`."""
+    """`colocated`, `colocated:fsdp=8,tp=2,offload=False`, `split:policy=4,rollout=4,ref=policy,tp=2`."""
     from rlgraph.plan.mesh import colocated, split
 
     kind, _, rest = text.partition(":")
     fields = _hparams([item for item in rest.split(",") if item])
     if kind == "colocated":
+        _check_colocated_options(text, fields)
         return colocated(**fields)
     if kind == "split":
-        tp = fields.pop("tp", 1)
-        return split(fields, tp=tp)
+        options = {key: fields.pop(key) for key in ("tp", "checkpointing") if key in fields}
+        return split(fields, **options)  # every other key names a group
     raise SystemExit(f"rlgraph: unknown placement {text!r}; use colocated[:fsdp=..,tp=..] or split:role=ranks,...")
+
+
+def _check_colocated_options(text: str, fields: dict[str, Any]) -> None:
+    """Exit naming the options `colocated` takes when `fields` has another (a typo, say)."""
+    from rlgraph.plan.mesh import colocated
+
+    known = list(inspect.signature(colocated).parameters)
+    for key in fields:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise SystemExit(f"rlgraph: --placement {text!r}: unknown option {key!r}{hint} (colocated takes {', '.join(known)})")
 
 
 def _plan(args) -> int:
@@ -281,7 +297,7 @@ def _plan(args) -> int:
     sizes.setdefault("n", hparams.get("n", 8))
     try:
         compiled = rg.compile(ALGORITHMS[args.algorithm], mesh=args.mesh, placement=parse_placement(args.placement),
-                              sizes=sizes, models={"policy": args.model}, **hparams)
+                              sizes=sizes, models={"policy": args.model}, engine=args.engine, **hparams)
     except ValueError as exc:  # placement and model-size mistakes; RLGraphError is handled by main
         print(f"rlgraph plan: {exc}", file=sys.stderr)
         return 1

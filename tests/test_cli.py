@@ -1,5 +1,6 @@
 """The command line, in process: `rlgraph list`, names in -p, `--import` of the user's module."""
 
+import re
 import sys
 import textwrap
 
@@ -82,6 +83,50 @@ def test_an_unknown_name_is_one_message_not_a_traceback(capsys, command):
     assert code == 1 and out == "" and "Traceback" not in err
     assert err.startswith(f"rlgraph {command}: estimator='rlo' is not a registered estimator; did you mean 'rloo'?")
     assert "fix: use one of dr_grpo, gpg, group_normalize" in err
+
+
+def test_plan_offloads_only_around_generation_and_update(capsys):
+    code, out, _ = run(capsys, "plan", "ppo", "--mesh", "4x8:h100", "--placement", "colocated:tp=8", "--model", "llama3-70b")
+    assert code == 0 and "policy    ranks 0-31   train: fsdp2 shard=32 ckpt; generate: vllm tp=8 dp=4" in out
+    assert [line for line in out.splitlines() if "optimizer+grads" in line] == [
+        "  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [19] onload     @policy    optimizer+grads 28.75 GiB"]
+
+
+def test_plan_engine_is_named_in_the_layout_and_checked(capsys):
+    code, out, _ = run(capsys, "plan", "grpo", "--mesh", "gpu:8", "--engine", "native")
+    assert code == 0 and "generate: native tp=1 dp=8" in out
+    code, out, err = run(capsys, "plan", "grpo", "--mesh", "cpu:2", "--placement", "colocated:tp=2")
+    assert code == 1 and out == "" and err.startswith("rlgraph plan: role 'policy': generate tp=2 needs an engine with "
+                                                      "tensor parallelism; the native engine runs tp=1 only")
+    assert "fix: rg.colocated(tp=1) (--placement colocated:tp=1), or engine='vllm' (--engine vllm) on a GPU mesh" in err
+    code, _, err = run(capsys, "plan", "grpo", "--mesh", "cpu:2", "--engine", "vllm")
+    assert code == 1 and err.startswith("rlgraph plan: engine='vllm' cannot run on the mesh 1x2 cpu")
+
+
+@pytest.mark.parametrize(("engine", "hint"), [("vlm", "; did you mean 'vllm'?"), ("NATIVE", "; did you mean 'native'?"),
+                                              ("", "")])
+def test_plan_names_the_engines_there_are(capsys, engine, hint):
+    code, out, err = run(capsys, "plan", "grpo", "--engine", engine)
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err == f"rlgraph plan: unknown generation engine {engine!r}: choose one of 'auto', 'native', 'vllm'{hint}\n"
+
+
+@pytest.mark.parametrize(("placement", "message"), [
+    ("colocated:tpp=2", "rlgraph: --placement 'colocated:tpp=2': unknown option 'tpp'; did you mean 'tp'? "
+                        "(colocated takes fsdp, tp, offload, checkpointing)"),
+    ("colocated:offlaod=False", "unknown option 'offlaod'; did you mean 'offload'?"),
+    ("colocated:engine=vllm", "unknown option 'engine' (colocated takes fsdp, tp, offload, checkpointing)"),
+])
+def test_plan_placement_with_an_unknown_option_says_which_there_are(placement, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        main(["plan", "grpo", "--mesh", "cpu:2", "--placement", placement])
+
+
+def test_plan_placement_values_are_checked_by_the_compiler(capsys):
+    code, _, err = run(capsys, "plan", "grpo", "--mesh", "cpu:2", "--placement", "colocated:tp=x")
+    assert code == 1 and "group 'policy' has 2 ranks, which tp='x' does not divide; tp must be one of [1, 2]" in err
+    code, out, _ = run(capsys, "plan", "grpo", "--mesh", "gpu:8", "--placement", "split:policy=4,rollout=4,tp=2,checkpointing=False")
+    assert code == 0 and "rollout   ranks 4-7    generate: vllm tp=2 dp=2" in out and "shard=4 ckpt" not in out
 
 
 def test_import_registers_the_users_estimator_and_loss(capsys, user_module):

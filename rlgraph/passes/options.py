@@ -1,20 +1,42 @@
-"""What a compilation is for: the mesh, the placement policy, concrete sizes and model shapes."""
+"""What a compilation is for: the mesh, the placement policy, the generation engine, concrete sizes
+and model shapes."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from rlgraph.ir.errors import RLGraphError
 from rlgraph.plan.mesh import Colocated, Mesh, Placement
+
+ENGINES = ("auto", "native", "vllm")  # auto: native on a cpu mesh, vllm on GPUs
+
+
+class PlacementConfigError(RLGraphError):
+    """The placement policy does not describe a valid layout for this program on this mesh."""
+
+
+def check_engine(engine: Any, mesh: Mesh) -> None:
+    """Refuse a generation engine that is not one of `ENGINES`, or that cannot run on `mesh`."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        close = difflib.get_close_matches(str(engine).lower(), ENGINES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise PlacementConfigError(f"unknown generation engine {engine!r}: choose one of {', '.join(map(repr, ENGINES))}{hint}")
+    if engine == "vllm" and mesh.device == "cpu":
+        raise PlacementConfigError(
+            f"engine='vllm' cannot run on the mesh {mesh}: vLLM has no CPU build here\n"
+            "  fix: engine='native' (--engine native; 'auto' is native on a cpu mesh), or a GPU mesh such as gpu:8")
 
 
 @attrs.frozen
 class CompileOptions:
     """`sizes` gives the concrete dims byte counts are computed for: B prompts, n samples per
     prompt, P prompt tokens, T response tokens (N = B*n is derived). `models` maps each model role
-    to its HF-style config (a dict) or a preset name."""
+    to its HF-style config (a dict) or a preset name. `engine` is the generation engine ("auto",
+    "native", "vllm"): the plan names it, and `place` refuses a layout it cannot run."""
 
     mesh: Mesh = Mesh()
     placement: Placement = Colocated()
@@ -22,6 +44,17 @@ class CompileOptions:
     models: Mapping[str, Any] = attrs.field(factory=dict)
     bucket_bytes: int = 512 << 20
     reward_on: str = "controller"
+    engine: str = "auto"
+
+    def __attrs_post_init__(self) -> None:
+        check_engine(self.engine, self.mesh)
+
+    @property
+    def generation_engine(self) -> str:
+        """The engine that runs generation: `engine`, with "auto" resolved for the mesh."""
+        if self.engine != "auto":
+            return self.engine
+        return "native" if self.mesh.device == "cpu" else "vllm"
 
     def concrete(self, n: int | None = None) -> dict[str, int]:
         sizes = dict(self.sizes)

@@ -2,27 +2,27 @@
 
 Colocated: every role on every rank; the policy trains with FSDP2 over `fsdp` ranks and generates
 with `tp`-way tensor parallel replicas. Split: each named group gets its own ranks (a count, an
-explicit list, or the name of a group to share). Explicit: groups as given.
+explicit list, or the name of a group to share). Explicit: groups as given. Every generation
+layout names its engine (`CompileOptions.engine`, "auto" resolved for the mesh).
 
 Guarantees: `annotations["groups"]` holds one `Group` per role the program uses (the controller
 excepted), ranks inside the mesh, layouts dividing their group; `annotations["memory"]` holds the
 per-rank memory of every group and phase, and a placement that cannot fit raises
-`PlacementError` naming the role, the rank, what it needs and what it has.
+`PlacementError` naming the role, the rank, what it needs and what it has. A layout no executor
+can run (tensor parallel generation on the native engine, which runs tp=1 only) raises
+`PlacementConfigError` naming the role and the option to change.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlgraph.ir.errors import RLGraphError
+import attrs
+
 from rlgraph.ir.program import Program, copy_program
-from rlgraph.passes.options import CompileOptions
+from rlgraph.passes.options import CompileOptions, PlacementConfigError, check_engine
 from rlgraph.passes.partition import CONTROLLER
-from rlgraph.plan.mesh import Colocated, Explicit, GenerateLayout, Group, Split, TrainLayout
-
-
-class PlacementConfigError(RLGraphError):
-    """The placement policy does not describe a valid layout for this program on this mesh."""
+from rlgraph.plan.mesh import Colocated, Explicit, GenerateLayout, Group, Placement, Split, TrainLayout
 
 
 def roles_used(program: Program) -> dict[str, set[str]]:
@@ -36,8 +36,10 @@ def roles_used(program: Program) -> dict[str, set[str]]:
 
 
 def _check_divides(what: str, degree: int, size: int, group: str) -> None:
-    if degree < 1 or size % degree:
-        raise PlacementConfigError(f"group {group!r} has {size} ranks, which {what}={degree} does not divide")
+    if not isinstance(degree, int) or degree < 1 or size % degree:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise PlacementConfigError(f"group {group!r} has {size} ranks, which {what}={degree!r} does not divide; "
+                                   f"{what} must be one of {divisors}")
 
 
 def _layouts(name: str, ranks: tuple[int, ...], phases: set[str], tp: int, fsdp: int | None, ckpt: bool) -> Group:
@@ -102,7 +104,37 @@ def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ..
             raise PlacementConfigError(f"explicit placement has no group for role(s) {', '.join(missing)}")
     else:
         raise PlacementConfigError(f"unknown placement {placement!r}; use rg.colocated(), rg.split({{...}}) or rg.explicit(...)")
-    return tuple(groups)
+    return tuple(_with_engine(group, options) for group in groups)
+
+
+def _with_engine(group: Group, options: CompileOptions) -> Group:
+    """`group` with its generation engine named; refused if that engine cannot run its layout."""
+    layout = group.generate
+    if layout is None:
+        return group
+    own = None if layout.engine in (None, "auto") else layout.engine  # an explicit layout may name its engine
+    if own is not None:
+        check_engine(own, options.mesh)
+        if options.engine not in ("auto", own):
+            raise PlacementConfigError(f"role {group.name!r}: its layout names engine {own!r}, but engine="
+                                       f"{options.engine!r} was asked for; drop one of the two")
+    engine = own or options.generation_engine
+    if engine == "native" and layout.tp > 1:
+        why, vllm = (("its layout names engine 'native'", "engine='vllm' in its GenerateLayout") if own else
+                     (f"engine={options.engine!r} on the mesh {options.mesh}", "engine='vllm' (--engine vllm)"))
+        raise PlacementConfigError(
+            f"role {group.name!r}: generate tp={layout.tp} needs an engine with tensor parallelism; the native engine "
+            f"runs tp=1 only ({why})\n  fix: {_tp1_fix(options.placement, group)}, or {vllm} on a GPU mesh")
+    return attrs.evolve(group, generate=attrs.evolve(layout, engine=engine))
+
+
+def _tp1_fix(placement: Placement, group: Group) -> str:
+    """How to ask for tp=1 in the placement the user wrote (Python, then the CLI's --placement)."""
+    if isinstance(placement, Colocated):
+        return "rg.colocated(tp=1) (--placement colocated:tp=1)"
+    if isinstance(placement, Split):
+        return "rg.split({...}, tp=1) (--placement split:...,tp=1)"
+    return f"GenerateLayout(tp=1, dp={len(group.ranks)}) for group {group.name!r}"
 
 
 def place(program: Program, options: CompileOptions) -> Program:

@@ -1,10 +1,22 @@
 """`schedule`: lower the placed, resharded program to the ordered `Plan`.
 
-Consecutive nodes of one role and phase form a stage; each transfer and weight sync is its own
-step; colocated groups that both generate and train get offload/onload points around
-generation. A refill loop (`filter_groups`) becomes a `Loop` over the steps of its region; no
-stage mixes nodes inside and outside a loop, so a step either re-runs whole or not at all. Program order is kept (it respects data dependencies by construction); the plan's
-steps name the program nodes they run, so an executor walking the plan runs exactly the program.
+Consecutive nodes of one group and phase form a stage; each transfer and weight sync is its own
+step. Program order is kept (it respects data dependencies by construction), and the plan's steps
+name the program nodes they run, every node in exactly one step, so an executor walking the plan
+runs exactly the program.
+
+Reads (`ro.mask`, or one output of a multi-output primitive) are not work on a worker, so a read
+never gives a stage its phase. It joins the stage of its group next to it: the one after it, whose
+work it feeds (`[8] train @policy logprobs=.logprobs  mask=.mask  update=update`, as the printed
+program puts `f = a.logprobs` above the `update` that reads it), else the one before it; an unpack
+stays with its primitive. Reads with no stage of their group on either side (a transfer or another
+group's step around them) form a `fields` stage. This keeps the printed plan one line per piece
+of work, each labelled with the work it does, without a line for every read.
+
+A refill loop (`filter_groups`) becomes a `Loop` over the steps of its region; no stage mixes
+nodes inside and outside a loop, so a step either re-runs whole or not at all. A colocated group
+that both generates and trains offloads its optimizer state and gradients right before the stage
+that runs `generate` and onloads them right before the stage that runs its next `update`.
 """
 
 from __future__ import annotations
@@ -24,7 +36,8 @@ from rlgraph.plan.mesh import Colocated
 from rlgraph.plan.plan import Loop, Offload, Plan, Stage, SyncWeights, Transfer
 
 
-def _stage_key(node: fx.Node) -> tuple[str, str]:
+def _role_phase(node: fx.Node) -> tuple[str, str]:
+    """A work node's role and phase; math on the controller is labelled `controller`."""
     phase = node.meta["phase"]
     return node.meta["role"], ("controller" if phase == "math" and node.meta["role"] == CONTROLLER else phase)
 
@@ -81,77 +94,136 @@ def _kernels(node: fx.Node) -> list[str]:
     return found
 
 
+Key = tuple[str, str, bool]  # (group, phase, inside a refill loop): consecutive nodes with one key form a stage
+
+
+def _is_unpack(node: fx.Node) -> bool:
+    """One output of a multi-output primitive (`update`'s new version and stats, `filter_groups`'s results)."""
+    return node.target is operator.getitem and (isinstance(node.meta["spec"], (S.ModelSpec, S.StatsSpec))
+                                                or isinstance(node.args[0].meta.get("spec"), S.TupleSpec))
+
+
+def _is_read(node: fx.Node) -> bool:
+    """A read of a record's field or of a primitive's output: bookkeeping, no work on a worker."""
+    return node.target is get_field or _is_unpack(node)
+
+
+def _stage_keys(nodes: list[fx.Node], region: set[str]) -> dict[fx.Node, Key | None]:
+    """Each node's stage key; None for a transfer or a weight sync (each a step of its own).
+
+    Work nodes are keyed by their role and phase. An unpack right after its primitive stays in the
+    primitive's stage. Any other read joins the stage of its group next to it: the one after it
+    (whose work it feeds), else the one before it; with neither, it is a `fields` stage.
+    """
+    keys: dict[fx.Node, Key | None] = {}
+    for before, node in zip([None, *nodes], nodes):
+        if node.meta.get("transfer") or node.meta.get("sync"):
+            keys[node] = None
+        elif _is_unpack(node) and keys.get(before) and _follows_its_primitive(node, before):
+            keys[node] = keys[before]  # `h i = update ...` prints as one line: one stage
+        elif not _is_read(node):
+            keys[node] = (*_role_phase(node), node.name in region)
+    after: Key | None = None
+    for node in reversed(nodes):  # a run of reads takes the key of the work after it ...
+        if node not in keys and _same_group(after, node, region):
+            keys[node] = after
+        after = keys.get(node)
+    before: Key | None = None
+    for node in nodes:  # ... else of the work before it
+        if node not in keys:
+            fields = (node.meta["role"], "fields", node.name in region)
+            keys[node] = before if _same_group(before, node, region) else fields
+        before = keys[node]
+    return keys
+
+
+def _follows_its_primitive(unpack: fx.Node, before: fx.Node) -> bool:
+    """Whether `before` is the unpack's primitive or another unpack of it."""
+    return before is unpack.args[0] or (_is_unpack(before) and before.args[0] is unpack.args[0])
+
+
+def _same_group(key: Key | None, node: fx.Node, region: set[str]) -> bool:
+    """Whether `node` may join a stage keyed `key`: same group, same side of a refill loop."""
+    return key is not None and (key[0], key[2]) == (node.meta["role"], node.name in region)
+
+
+def _segments(nodes: list[fx.Node], keys: dict[fx.Node, Key | None]) -> list[list[fx.Node]]:
+    """Program order cut into runs of one stage key; a transfer or sync is a run of its own."""
+    runs: list[list[fx.Node]] = []
+    for node in nodes:
+        if keys[node] is None or not runs or keys[runs[-1][0]] != keys[node]:
+            runs.append([node])
+        else:
+            runs[-1].append(node)
+    return runs
+
+
+def _op_text(node: fx.Node, stage: list[fx.Node]) -> str | None:
+    if node.target is get_field:
+        return f"{node.name}=.{node.args[1]}"
+    if _is_unpack(node):  # shown by its primitive's line when they share the stage
+        return None if node.args[0] in stage else f"{node.name}={node.args[0].name}[{node.args[1]}]"
+    return f"{node.name}={op_name(node)}"
+
+
+def _stage(index: int, key: Key, nodes: list[fx.Node], program: Program, options: CompileOptions,
+           sizes: dict[str, int]) -> Stage:
+    details = [_detail(node, program, options, sizes) for node in nodes]
+    ops = [_op_text(node, nodes) for node in nodes]
+    return Stage(index, key[0], key[1], tuple(node.name for node in nodes), tuple(op for op in ops if op),
+                 "; ".join(text for text, _ in details if text), sum(flops for _, flops in details),
+                 tuple(kernel for node in nodes for kernel in _kernels(node)))
+
+
+def _step(node: fx.Node, index: int) -> Transfer | SyncWeights:
+    """The step of a transfer or weight-sync node; the node remembers its step."""
+    kw = node.kwargs
+    node.meta["step"] = index
+    if node.meta.get("transfer"):
+        return Transfer(index, kw["kind"], node.args[0].name, str(node.meta["spec"]), kw["src"], kw["dst"],
+                        kw["nbytes"])
+    return SyncWeights(index, node.args[0].meta["spec"].role, str(node.meta["spec"]), kw["src"], kw["dst"],
+                       kw["nbytes"], kw["buckets"])
+
+
 def schedule(program: Program, options: CompileOptions) -> Plan:
     sizes = options.concrete(program.hparams.get("n"))
     memory = program.annotations["memory"]
     region = {name for loop in program.annotations.get("loops", ()) for name in loop.nodes}
+    nodes = [node for node in program.graph.nodes if node.op not in ("placeholder", "output")]
+    keys = _stage_keys(nodes, region)
+    offload = isinstance(options.placement, Colocated) and options.placement.offload
     steps: list = []
-    current: dict | None = None
-
-    def close() -> None:
-        nonlocal current
-        if current:
-            steps.append(Stage(len(steps), current["role"], current["phase"], tuple(current["nodes"]), tuple(current["ops"]),
-                               current["detail"], current["flops"], tuple(current["kernels"])))
-        current = None
-
     offloaded: set[str] = set()
-    for node in program.graph.nodes:
-        if node.op in ("placeholder", "output"):
+    for run in _segments(nodes, keys):
+        if keys[run[0]] is None:
+            steps.append(_step(run[0], len(steps)))
             continue
-        if node.meta.get("transfer"):
-            close()
-            kw = node.kwargs
-            steps.append(Transfer(len(steps), kw["kind"], node.args[0].name, str(node.meta["spec"]), kw["src"], kw["dst"], kw["nbytes"]))
-            _name_step(node, steps[-1])
-            continue
-        if node.meta.get("sync"):
-            close()
-            kw = node.kwargs
-            steps.append(SyncWeights(len(steps), node.args[0].meta["spec"].role, str(node.meta["spec"]), kw["src"], kw["dst"], kw["nbytes"], kw["buckets"]))
-            _name_step(node, steps[-1])
-            continue
-        if node.target is operator.getitem and isinstance(node.meta["spec"], (S.ModelSpec, S.StatsSpec)) or (
-            node.target is operator.getitem and isinstance(node.args[0].meta.get("spec"), S.TupleSpec)):
-            current["nodes"].append(node.name) if current else None
-            continue
-        role, phase = _stage_key(node)
-        if isinstance(options.placement, Colocated) and options.placement.offload and phase in ("generate", "train"):
-            _offload_points(steps, close, role, phase, memory, offloaded)
-        looped = node.name in region  # a stage is wholly inside a refill loop or wholly outside
-        if current is None or (current["role"], current["phase"], current["looped"]) != (role, phase, looped):
-            close()
-            current = {"role": role, "phase": phase, "looped": looped, "nodes": [], "ops": [], "detail": "", "flops": 0.0,
-                       "kernels": []}
-        current["nodes"].append(node.name)
-        current["ops"].append(f"{node.name}=.{node.args[1]}" if node.target is get_field else f"{node.name}={op_name(node)}")
-        detail, flops = _detail(node, program, options, sizes)
-        current["detail"] = "; ".join(text for text in (current["detail"], detail) if text)
-        current["flops"] += flops
-        current["kernels"].extend(_kernels(node))
-    close()
-    notes = ("offload/onload: optimizer state and gradients leave the device while the colocated generator runs",) if isinstance(options.placement, Colocated) and options.placement.offload else ()
+        if offload:
+            steps.extend(_offload_points(run, len(steps), memory, offloaded))
+        steps.append(_stage(len(steps), keys[run[0]], run, program, options, sizes))
+    notes = ("offload/onload: optimizer state and gradients leave the device while the colocated generator runs",
+             ) if offload else ()
     return Plan(program.name, options.mesh, _placement_text(options), program.annotations["groups"],
                 {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, notes, _loop_steps(program, steps))
 
 
-def _name_step(node: fx.Node, step) -> None:
-    node.meta["step"] = step.index
-
-
-def _offload_points(steps, close, role, phase, memory, offloaded) -> None:
-    phases = memory.get(role, {})
-    if "train" not in phases or "generate" not in phases:
-        return
-    parked = phases["train"].get("optimizer", 0) + phases["train"].get("grads", 0) + phases["train"].get("master_weights", 0)
-    if phase == "generate" and role not in offloaded:
-        close()
-        steps.append(Offload(len(steps), role, "optimizer+grads", "offload", parked))
-        offloaded.add(role)
-    elif phase == "train" and role in offloaded:
-        close()
-        steps.append(Offload(len(steps), role, "optimizer+grads", "onload", parked))
-        offloaded.discard(role)
+def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: set[str]) -> list[Offload]:
+    """Offload right before a stage that runs `generate` on a group that also trains, onload right
+    before the stage that runs its next `update`: a stage that only reads fields moves nothing."""
+    points = []
+    for node in stage:
+        prim, role = primitive_name(node), node.meta["role"]
+        phases = memory.get(role, {})
+        if "train" not in phases or "generate" not in phases:
+            continue
+        if (prim == "generate" and role not in offloaded) or (prim == "update" and role in offloaded):
+            train = phases["train"]
+            parked = train.get("optimizer", 0) + train.get("grads", 0) + train.get("master_weights", 0)
+            direction = "onload" if role in offloaded else "offload"
+            points.append(Offload(index + len(points), role, "optimizer+grads", direction, parked))
+            (offloaded.add if direction == "offload" else offloaded.discard)(role)  # the caller's set, across stages
+    return points
 
 
 def _placement_text(options: CompileOptions) -> str:

@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from rlgraph.plan.plan import Plan
 
 _PHASE_COLOURS = {"generate": "#cfe8ff", "infer": "#e6f5d0", "train": "#ffd9b3", "reward": "#f2e0ff", "controller": "#eeeeee",
-                  "filter": "#fde2e4"}
+                  "filter": "#fde2e4", "fields": "#fafafa"}
 
 
 def _quote(text: str) -> str:

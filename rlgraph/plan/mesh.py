@@ -73,13 +73,15 @@ class TrainLayout:
 
 @attrs.frozen
 class GenerateLayout:
-    """Generation engine: `tp`-way tensor parallel replicas, `dp` of them."""
+    """Generation engine: `tp`-way tensor parallel replicas, `dp` of them, run by `engine`
+    ("native" or "vllm"; None until `place` sets it from `CompileOptions.engine`)."""
 
     tp: int = 1
     dp: int = 1
+    engine: str | None = None
 
     def __str__(self) -> str:
-        return f"tp={self.tp} dp={self.dp}"
+        return (f"{self.engine} " if self.engine else "") + f"tp={self.tp} dp={self.dp}"
 
 
 @attrs.frozen

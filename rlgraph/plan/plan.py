@@ -34,7 +34,7 @@ def _mib(nbytes: float) -> str:
 class Stage:
     index: int
     group: str
-    phase: str  # controller | generate | infer | reward | train
+    phase: str  # generate | infer | train | reward | math | controller | filter | fields (reads only: no work)
     nodes: tuple[str, ...]
     ops: tuple[str, ...]
     detail: str = ""

@@ -49,9 +49,9 @@ def test_json_round_trip_is_the_identity(case):
 
 def test_plan_shows_roles_collectives_and_memory():
     text = compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4, "ref": "policy"})).as_text()
-    assert "rollout   ranks 4-7    generate: tp=1 dp=4" in text
+    assert "rollout   ranks 4-7    generate: vllm tp=1 dp=4" in text
     assert "policy    ranks 0-3    train: fsdp2 shard=4 ckpt" in text
-    assert "sync_weights policy@v  policy[fsdp2 shard=4 ckpt] -> rollout[tp=1 dp=4]" in text
+    assert "sync_weights policy@v  policy[fsdp2 shard=4 ckpt] -> rollout[vllm tp=1 dp=4]" in text
     assert "send_recv  generate:Rollouts[N,T]  rollout -> ref  8.75 MiB" in text
     assert "32 micro-batch(es) of 4 rows/rank" in text
 
@@ -60,7 +60,7 @@ def test_diff_of_two_plans_names_what_changed():
     a = compile_grpo("gpu:8", rg.colocated()).plan
     b = compile_grpo("gpu:8", rg.colocated(tp=2)).plan
     diff = a.diff(b)
-    assert "-" in diff and "tp=2 dp=4" in diff
+    assert "-" in diff and "+  policy    ranks 0-7    train: fsdp2 shard=8 ckpt; generate: vllm tp=2 dp=4" in diff
 
 
 
@@ -99,3 +99,4 @@ def test_golden_grpo_plan():
 
     golden = (Path(__file__).parent / "golden_grpo_split.txt").read_text()
     assert compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4, "ref": "policy"})).as_text() + "\n" == golden
+    assert golden in (Path(__file__).parents[2] / "docs" / "plans.md").read_text()  # docs/plans.md shows this plan

@@ -1,0 +1,109 @@
+"""The `place` pass and the generation engine: every generation layout names the engine that runs
+it, and a layout no engine can run is refused at compile time, naming the role and the option."""
+
+import json
+
+import pytest
+
+import rlgraph as rg
+from rlgraph.algorithms import grpo
+from rlgraph.passes.options import CompileOptions
+from rlgraph.passes.place import PlacementConfigError
+from rlgraph.plan.mesh import GenerateLayout, Group, Mesh, TrainLayout
+from rlgraph.plan.plan import Plan
+
+SIZES = {"B": 8, "P": 8, "T": 4}
+
+
+def compile_grpo(mesh="cpu:2", placement=None, **options):
+    return rg.compile(grpo, mesh=mesh, placement=placement or rg.colocated(), sizes=SIZES, n=2, **options)
+
+
+@pytest.mark.parametrize(("mesh", "engine", "wanted"), [
+    ("cpu:2", "auto", "native"), ("gpu:8", "auto", "vllm"), ("gpu:8", "native", "native"), ("gpu:8", "vllm", "vllm"),
+    ("cpu:2", "native", "native"),
+])
+def test_auto_is_native_on_cpu_and_vllm_on_gpus(mesh, engine, wanted):
+    options = CompileOptions(Mesh.parse(mesh), engine=engine)
+    assert options.generation_engine == wanted
+    (policy,) = compile_grpo(mesh, engine=engine).plan.groups
+    assert policy.generate.engine == wanted
+
+
+def test_the_printed_layout_names_the_engine():
+    assert "generate: native tp=1 dp=2" in compile_grpo().as_text()
+    text = compile_grpo("gpu:8", rg.colocated(tp=2)).as_text()
+    assert "policy    ranks 0-7    train: fsdp2 shard=8 ckpt; generate: vllm tp=2 dp=4" in text
+    assert "-> policy[vllm tp=2 dp=4]" in text  # the weight sync's destination layout
+
+
+def test_tensor_parallel_generation_on_the_native_engine_is_refused():
+    with pytest.raises(PlacementConfigError) as error:
+        compile_grpo("cpu:2", rg.colocated(tp=2))
+    assert str(error.value) == (
+        "role 'policy': generate tp=2 needs an engine with tensor parallelism; the native engine runs tp=1 only "
+        "(engine='auto' on the mesh 1x2 cpu)\n"
+        "  fix: rg.colocated(tp=1) (--placement colocated:tp=1), or engine='vllm' (--engine vllm) on a GPU mesh")
+
+
+def test_the_refusal_names_the_generator_role_and_the_placement_it_came_from():
+    with pytest.raises(PlacementConfigError, match=r"role 'rollout': generate tp=2 .*engine='native' on the mesh 1x8 h100\)"
+                       r"\n  fix: rg.split\(\{...\}, tp=1\)"):
+        compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4}, tp=2), engine="native")
+    explicit = rg.explicit(Group("policy", (0, 1), TrainLayout(2), GenerateLayout(tp=2, dp=1)))
+    with pytest.raises(PlacementConfigError, match=r"fix: GenerateLayout\(tp=1, dp=2\) for group 'policy'"):
+        compile_grpo("cpu:2", explicit)
+
+
+def test_native_runs_tp1_on_gpus():
+    (policy,) = compile_grpo("gpu:8", engine="native").plan.groups
+    assert str(policy.generate) == "native tp=1 dp=8"
+
+
+def test_vllm_on_a_cpu_mesh_is_refused():
+    with pytest.raises(PlacementConfigError) as error:
+        compile_grpo("cpu:2", engine="vllm")
+    assert str(error.value) == (
+        "engine='vllm' cannot run on the mesh 1x2 cpu: vLLM has no CPU build here\n"
+        "  fix: engine='native' (--engine native; 'auto' is native on a cpu mesh), or a GPU mesh such as gpu:8")
+
+
+@pytest.mark.parametrize(("engine", "hint"), [
+    ("vlm", "; did you mean 'vllm'?"), ("VLLM", "; did you mean 'vllm'?"), ("Native", "; did you mean 'native'?"),
+    ("", ""), (None, ""), (2, ""),
+])
+def test_an_unknown_engine_lists_the_choices(engine, hint):
+    with pytest.raises(PlacementConfigError) as error:
+        compile_grpo("gpu:8", engine=engine)
+    assert str(error.value) == f"unknown generation engine {engine!r}: choose one of 'auto', 'native', 'vllm'{hint}"
+
+
+def test_an_explicit_layout_may_name_its_engine_but_not_against_the_option():
+    def explicit(engine):
+        return rg.explicit(Group("policy", (0, 1), TrainLayout(2), GenerateLayout(tp=2, dp=1, engine=engine)))
+
+    (policy,) = compile_grpo("gpu:2", explicit("vllm")).plan.groups
+    assert str(policy.generate) == "vllm tp=2 dp=1"
+    with pytest.raises(PlacementConfigError, match="its layout names engine 'vllm', but engine='native' was asked for"):
+        compile_grpo("gpu:2", explicit("vllm"), engine="native")
+    with pytest.raises(PlacementConfigError, match=r"\(its layout names engine 'native'\)"):
+        compile_grpo("gpu:2", explicit("native"))
+    with pytest.raises(PlacementConfigError, match="unknown generation engine 'vlm'"):
+        compile_grpo("gpu:2", explicit("vlm"))
+
+
+@pytest.mark.parametrize("tp", ["2", 0, 1.5])
+def test_a_tp_that_is_not_a_divisor_says_which_are(tp):
+    with pytest.raises(PlacementConfigError, match=rf"tp={tp!r} does not divide; tp must be one of \[1, 2, 4, 8\]"):
+        compile_grpo("gpu:8", rg.colocated(tp=tp))
+
+
+def test_the_engine_survives_json():
+    plan = compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4}, tp=2)).plan
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.group("rollout").generate == GenerateLayout(2, 2, "vllm")
+    old = json.loads(plan.to_json())  # a plan written before layouts named their engine
+    for group in old["groups"]:
+        if group["generate"]:
+            del group["generate"]["engine"]
+    assert Plan.from_json(json.dumps(old)).group("rollout").generate == GenerateLayout(2, 2)
