@@ -135,8 +135,6 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
                   f"held-out accuracy before RL: [bold]{before:.1%}[/]")
     rl_trainer, rl_seconds, reward = _reinforce(config, executor, splits, tokenizer, console)
     after = accuracy(test)
-    if rl_trainer.run_dir is not None:
-        rl_trainer.save()  # local runtime: a resumable checkpoint (the spmd runtime's is not built yet)
     generated = sum(metrics.get("filter/rounds", 1.0) for metrics in rl_trainer.history) * config.rl_prompts * config.rl_samples
     result = DemoResult(
         algorithm=config.algorithm, sft_steps=sft_steps, sft_seconds=sft_seconds, rl_steps=rl_trainer.step,
@@ -216,7 +214,7 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
     else:
         runner = PlanRunner(compiled, executor)
     rl_trainer = Trainer(compiled.program, runner, lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer),
-                         rl_sampler, run_dir=None if remote else run_dir)
+                         rl_sampler, run_dir=run_dir)
     reward, start, label = 0.0, time.perf_counter(), config.algorithm.upper()
     try:
         with _progress(console) as progress:
@@ -226,6 +224,8 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
                 progress.update(task, completed=min(time.perf_counter() - start, config.rl_seconds),
                                 info=f"step {rl_trainer.step}  reward {reward:.2f}")
         seconds = time.perf_counter() - start
+        if rl_trainer.run_dir is not None:
+            rl_trainer.save()  # a resumable checkpoint, whichever runtime ran the plan
         if transport is not None:
             for role, worker in executor.models.items():  # the trained weights, for evaluation on the controller
                 if worker.optimizer is not None:

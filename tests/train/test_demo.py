@@ -44,6 +44,7 @@ def test_the_demo_runs_rl_on_two_spmd_worker_processes(tmp_path):
     result = run_demo(config, Console(quiet=True))
     assert result.rl_steps == 3
     assert "fsdp2 shard=2" in (tmp_path / "plan.txt").read_text()
+    assert (tmp_path / "latest").exists()  # the remote run's checkpoint, gathered from the ranks' shards
 
 
 @pytest.mark.parametrize("flags, message", [
