@@ -32,7 +32,7 @@ B, N_SAMPLES, TOKENS = 32, 8, 5
 
 def _compile(mesh, offload: bool = False):
     return rg.compile(ALGORITHMS["grpo"], mesh=mesh, placement=rg.colocated(offload=offload, checkpointing=False),
-                      sizes={"B": B, "P": 8, "T": TOKENS}, n=N_SAMPLES, max_new_tokens=TOKENS)
+                      sizes={"B": B, "P": 8, "T": TOKENS}, n=N_SAMPLES, max_new_tokens=TOKENS, engine="native")
 
 
 def _timed_steps(runner: PlanRunner, prompts, steps: int) -> float:

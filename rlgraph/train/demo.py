@@ -188,6 +188,7 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
     mesh = Mesh("cpu" if device == "cpu" else "h100", 1, config.nproc) if remote else "cpu:1"
     # RL runs the compiled plan, not the eager interpreter: the plan is the truth.
     compiled = compile_algorithm(ALGORITHMS[config.algorithm], mesh=mesh, placement=colocated(offload=False, checkpointing=False),
+                                 engine="native",  # the engine the workers run (vLLM: issue 13)
                                  sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
     roles = {node.target for node in compiled.source.inputs}
     executor.models["policy"].optimizer = torch.optim.AdamW(executor.models["policy"].model.parameters(), lr=config.rl_lr)

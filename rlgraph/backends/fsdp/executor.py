@@ -343,6 +343,10 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
             models[group.name] = _sharded_role(spec, group, role_groups[group.name], tokenizer, device,
                                                world.fsdp_unit_params)
         if group.generate is not None:
+            if group.generate.engine not in (None, "native"):
+                raise ValueError(f"group {group.name!r} generates with {group.generate.engine!r}, but the workers run the "
+                                 "native engine (the vLLM executor is not wired into them yet); compile with "
+                                 "engine='native' (rlgraph plan --engine native)")
             served = GENERATOR_OF.get(group.name, group.name)
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             engines[served] = _role_spec(world, served).build_module(tokenizer, dtype).to(device).eval().requires_grad_(False)
