@@ -1,0 +1,406 @@
+"""The vLLM engine: pure conversions and bookkeeping with fakes; a live vLLM only where one is installed."""
+
+import importlib.util
+import math
+import os
+import socket
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from rlgraph.backends.local.executor import StaleVersionError
+from rlgraph.backends.local.generation import SamplingParams, sampling_keys
+from rlgraph.backends.protocols import ModelRef
+from rlgraph.backends.vllm import (
+    VLLMEngine, import_vllm, request_seeds, rollouts_from_outputs, sampling_kwargs, token_prompts,
+)
+from rlgraph.batches import Prompts
+from rlgraph.testing import tiny_executor, tiny_prompts
+
+EOS, PAD = 2, 0
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+# -- fakes of vLLM's output records (vllm.outputs.RequestOutput / CompletionOutput, vllm.sequence.Logprob) --------
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+
+def completion(tokens, logprobs, reason):
+    return Completion(tokens, [{t: Logprob(lp)} for t, lp in zip(tokens, logprobs)], reason)
+
+
+# two prompts, left-padded to P = 3: "5 6" and "7 8 9"
+PROMPTS = Prompts(torch.tensor([[PAD, 5, 6], [7, 8, 9]]), torch.tensor([[False, True, True], [True, True, True]]),
+                  {"answer": ["a", "b"]})
+# n = 2 samples each, max_new_tokens = 4
+COMPLETIONS = [
+    completion([3, EOS], [-0.5, -0.25], "stop"),            # prompt 0, sample 0: stops at EOS
+    completion([4, 5, 6, 7], [-1.0, -2.0, -3.0, -4.0], "length"),  # prompt 0, sample 1: the token budget
+    completion([EOS], [-0.125], "stop"),                    # prompt 1, sample 0: EOS at once
+    completion([8], [-0.75], "length"),                     # prompt 1, sample 1: the context limit
+]
+
+
+def per_row_outputs(completions=COMPLETIONS, prompts=((5, 6), (7, 8, 9))):
+    """B*n outputs of one completion each (one request per row, as VLLMEngine sends them)."""
+    return [RequestOutput(list(prompts[row // 2]), [c]) for row, c in enumerate(completions)]
+
+
+def convert(outputs, prompts=PROMPTS, n=2):
+    return rollouts_from_outputs(outputs, prompts, n, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
+
+
+# -- conversions ---------------------------------------------------------------------------------
+
+
+def test_token_prompts_strip_the_left_padding():
+    assert token_prompts(PROMPTS) == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8, 9]}]
+
+
+@pytest.mark.parametrize("mask, message", [
+    ([[True, True, False], [True, True, True]], "left padding"),             # right-padded
+    ([[True, False, True], [True, True, True]], "rows \\[0\\] have padding between tokens"),
+    ([[False, False, False], [True, True, True]], "at least one token"),     # an empty prompt
+])
+def test_prompts_that_are_not_left_padded_are_refused(mask, message):
+    with pytest.raises(ValueError, match=message):
+        token_prompts(Prompts(PROMPTS.ids, torch.tensor(mask)))
+
+
+def test_outputs_become_rollouts_with_the_native_conventions():
+    ro = convert(per_row_outputs())
+    assert torch.equal(ro.response_ids, torch.tensor([[3, EOS, PAD, PAD], [4, 5, 6, 7], [EOS, PAD, PAD, PAD],
+                                                      [8, PAD, PAD, PAD]]))
+    assert torch.equal(ro.mask, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 0, 0, 0]]).bool())
+    assert torch.equal(ro.logprobs, torch.tensor([[-0.5, -0.25, 0, 0], [-1, -2, -3, -4], [-0.125, 0, 0, 0],
+                                                  [-0.75, 0, 0, 0]]))
+    assert ro.logprobs.dtype == torch.float32 and ro.response_ids.dtype == torch.long
+    assert torch.equal(ro.group, torch.tensor([0, 0, 1, 1]))                 # row i*n + j: sample j of prompt i
+    assert torch.equal(ro.prompt_ids, PROMPTS.ids.repeat_interleave(2, 0))  # still left-padded
+    assert torch.equal(ro.prompt_mask, PROMPTS.mask.repeat_interleave(2, 0))
+    assert ro.meta == {"answer": ["a", "a", "b", "b"]}
+
+
+def test_the_native_engines_rollouts_survive_a_round_trip_through_vllms_output_records():
+    executor = tiny_executor(max_new_tokens=5)
+    prompts = tiny_prompts(3)
+    native = executor.generate(executor.current("policy"), prompts, n=2, temperature=1.0)  # [6, 5], padded to 5
+    eos, pad = executor.tokenizer.eos_token_id, executor.tokenizer.pad_token_id
+    outputs = []
+    for row in range(len(native)):
+        tokens = native.response_ids[row][native.mask[row]].tolist()
+        reason = "stop" if tokens[-1] == eos else "length"
+        prompt = prompts.ids[row // 2][prompts.mask[row // 2]].tolist()
+        outputs.append(RequestOutput(prompt, [completion(tokens, native.logprobs[row][native.mask[row]].tolist(),
+                                                         reason)]))
+    again = rollouts_from_outputs(outputs, prompts, 2, max_new_tokens=5, eos_token_id=eos, pad_token_id=pad)
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "mask", "logprobs", "group"):
+        assert torch.equal(getattr(again, name), getattr(native, name)), name
+    assert again.meta == native.meta
+
+
+def test_one_output_per_prompt_with_n_completions_gives_the_same_rollouts():
+    grouped = [RequestOutput([5, 6], COMPLETIONS[:2]), RequestOutput([7, 8, 9], COMPLETIONS[2:])]
+    a, b = convert(grouped), convert(per_row_outputs())
+    for name in ("prompt_ids", "prompt_mask", "response_ids", "mask", "logprobs", "group"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("completions, message", [
+    (COMPLETIONS[:3], "3 completions for 2 prompts x n=2"),
+    ([completion([1, 2, 3, 4, 5], [-1.0] * 5, "length")] + COMPLETIONS[1:], "more than max_new_tokens=4"),
+    ([completion([3, EOS, 4], [-1.0] * 3, "length")] + COMPLETIONS[1:], "continues after EOS"),
+    ([completion([3, 4], [-1.0] * 2, "stop")] + COMPLETIONS[1:], "stopped without ending in EOS"),
+    ([Completion([3, EOS], None, "stop")] + COMPLETIONS[1:], "no log-prob per token"),
+    ([completion([3], [-1.0], "abort")] + COMPLETIONS[1:], "finished with 'abort'"),
+])
+def test_outputs_that_break_the_conventions_are_refused(completions, message):
+    with pytest.raises(ValueError, match=message):
+        convert(per_row_outputs(completions))
+
+
+def test_outputs_out_of_request_order_are_refused():
+    with pytest.raises(ValueError, match="row 0 answers another prompt than prompt 0"):
+        convert(per_row_outputs(prompts=((7, 8, 9), (5, 6))))
+
+
+def test_request_seeds_are_the_native_row_keys_on_any_shard():
+    index = torch.tensor([4, 9, 2])
+    seeds = request_seeds(7, 3, index, 2)
+    keys = sampling_keys(7, 3, index, 2)
+    assert seeds == [k & (2**63 - 1) for k in keys.tolist()] and all(0 <= s < 2**63 for s in seeds)
+    assert len(set(seeds)) == 6
+    shards = request_seeds(7, 3, index[:1], 2) + request_seeds(7, 3, index[1:], 2)
+    assert shards == seeds  # a prompt keeps its index on a shard: the same seeds, the same samples
+    assert request_seeds(7, 4, index, 2) != seeds  # the next generate call samples afresh
+
+
+def test_sampling_kwargs_map_the_native_params():
+    kwargs = sampling_kwargs(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5), [11, 12], eos_token_id=EOS)
+    assert kwargs == [
+        dict(n=1, temperature=0.7, top_p=0.9, max_tokens=5, logprobs=0, stop_token_ids=[EOS], ignore_eos=True,
+             detokenize=False, seed=seed) for seed in (11, 12)]
+    greedy = sampling_kwargs(SamplingParams(temperature=0.0, max_new_tokens=3), [11], eos_token_id=EOS)
+    assert greedy[0]["temperature"] == 0.0 and greedy[0]["seed"] is None  # greedy: vLLM's argmax, no noise
+
+
+# -- the engine, on a fake vLLM ------------------------------------------------------------------
+
+
+@dataclass
+class FakeModel:
+    loaded: list = field(default_factory=list)
+
+    def load_weights(self, weights):
+        self.loaded.append(list(weights))
+
+
+class FakeLLM:
+    """Records what VLLMEngine asks of `vllm.LLM`, and answers generate with COMPLETIONS."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.model = kwargs, [], FakeModel()
+        runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=self.model))
+        worker = types.SimpleNamespace(worker=runner)  # vLLM's WorkerWrapperBase holds the Worker
+        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+
+    def generate(self, prompts, sampling_params, use_tqdm):
+        self.calls.append(("generate", prompts, sampling_params))
+        return [RequestOutput(p["prompt_token_ids"], [c]) for p, c in zip(prompts, COMPLETIONS)]
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("vllm")
+    module.LLM = FakeLLM
+    module.SamplingParams = lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def synced_engine(version=3, **kwargs):
+    engine = VLLMEngine(FakeLLM(), role="policy", eos_token_id=EOS, pad_token_id=PAD, rank=1, **kwargs)
+    engine.load_weights([("model.embed_tokens.weight", torch.zeros(2, 2))])
+    engine.finish_sync(version)
+    return engine
+
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4)
+
+
+def test_build_asks_for_an_in_process_engine_with_sleep_mode_and_processed_logprobs(fake_vllm):
+    engine = VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD, seed=5,
+                              load_format="dummy")
+    assert engine.llm.kwargs == dict(model="/models/tiny", dtype="bfloat16", seed=5, gpu_memory_utilization=0.5,
+                                     enable_sleep_mode=True, skip_tokenizer_init=True,
+                                     distributed_executor_backend="external_launcher",
+                                     logprobs_mode="processed_logprobs", load_format="dummy")
+
+
+def test_generate_sends_one_seeded_request_per_row_and_returns_rollouts(fake_vllm):
+    engine = synced_engine()
+    ro = engine.generate(PROMPTS, 2, PARAMS, seed=7, call=0, model=ModelRef("policy", 3))
+    _, prompts, sampling = engine.llm.calls[-1]
+    assert [p["prompt_token_ids"] for p in prompts] == [[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]]
+    assert [s["seed"] for s in sampling] == request_seeds(7, 0, PROMPTS.index, 2)
+    assert torch.equal(ro.response_ids, convert(per_row_outputs()).response_ids)
+
+
+def test_weights_load_one_bucket_at_a_time_and_the_version_is_set_after_the_last(fake_vllm):
+    engine = VLLMEngine(FakeLLM(), role="policy", eos_token_id=EOS, pad_token_id=PAD, rank=1)
+    buckets = [[("a.weight", torch.ones(2))], [("b.weight", torch.ones(3)), ("c.bias", torch.ones(1))]]
+    for bucket in buckets:
+        engine.load_weights(iter(bucket))
+        assert engine.version is None  # half loaded: serves nothing
+    engine.finish_sync(4)
+    loaded = [[name for name, _ in bucket] for bucket in engine.llm.model.loaded]
+    assert loaded == [["a.weight"], ["b.weight", "c.bias"]]
+    assert engine.version == 4 and engine.llm.calls[-1] == ("reset_prefix_cache",)
+
+
+def test_a_version_the_engine_does_not_hold_is_refused_naming_both(fake_vllm):
+    fresh = VLLMEngine(FakeLLM(), role="policy", eos_token_id=EOS, pad_token_id=PAD, rank=1)
+    with pytest.raises(StaleVersionError, match="policy@0 but rank 1's vLLM engine serves no complete policy weights"):
+        fresh.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 0))
+    with pytest.raises(StaleVersionError, match="policy@2 but rank 1's vLLM engine serves policy@3"):
+        synced_engine().generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 2))
+    with pytest.raises(StaleVersionError, match="ref@3 but .* serves policy@3"):
+        synced_engine().generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("ref", 3))
+
+
+def test_sleep_and_wake_up_gate_loading_and_generating(fake_vllm):
+    engine = synced_engine()
+    engine.sleep()
+    engine.sleep()  # already asleep: nothing more to release
+    assert engine.llm.calls[-1] == ("sleep", 1) and engine.llm.calls.count(("sleep", 1)) == 1
+    with pytest.raises(RuntimeError, match="weights asleep"):
+        engine.load_weights([("a.weight", torch.ones(1))])
+    engine.wake_up(["weights"])
+    engine.load_weights([("a.weight", torch.ones(1))])  # a sync with the KV cache still released
+    engine.finish_sync(4)
+    with pytest.raises(RuntimeError, match=r"asleep \(kv_cache\)"):
+        engine.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 4))
+    engine.wake_up()
+    assert engine.llm.calls[-1] == ("wake_up", ["kv_cache"])  # only what is still asleep
+    engine.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 4))
+
+
+def test_level_2_sleep_drops_the_weights_and_their_version(fake_vllm):
+    engine = synced_engine(sleep_level=2)
+    engine.sleep()
+    engine.wake_up()
+    with pytest.raises(StaleVersionError, match="serves no complete policy weights"):
+        engine.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 3))
+
+
+@pytest.mark.parametrize("n", [0, -1, "2"])
+def test_bad_sample_counts_are_refused(fake_vllm, n):
+    with pytest.raises(ValueError, match="n \\(samples per prompt\\) must be an int >= 1"):
+        synced_engine().generate(PROMPTS, n, PARAMS, seed=0, call=0, model=ModelRef("policy", 3))
+
+
+@pytest.mark.parametrize("params", [None, {"temperature": 1.0}, 1.0])
+def test_params_other_than_rlgraphs_sampling_params_are_refused(fake_vllm, params):
+    with pytest.raises(TypeError, match="params must be rlgraph's SamplingParams"):
+        synced_engine().generate(PROMPTS, 2, params, seed=0, call=0, model=ModelRef("policy", 3))
+
+
+@pytest.mark.parametrize("token", [-1, "2", None])
+def test_bad_token_ids_are_refused(token):
+    with pytest.raises(ValueError, match="eos_token_id must be an int >= 0"):
+        VLLMEngine(FakeLLM(), role="policy", eos_token_id=token, pad_token_id=PAD)
+
+
+@pytest.mark.parametrize("level", [0, 3, "1"])
+def test_bad_sleep_levels_are_refused(level):
+    with pytest.raises(ValueError, match="sleep_level must be 1"):
+        VLLMEngine(FakeLLM(), role="policy", eos_token_id=EOS, pad_token_id=PAD, sleep_level=level)
+
+
+@pytest.mark.parametrize("version", [-1, "3", 2.0])
+def test_bad_versions_are_refused(version):
+    engine = VLLMEngine(FakeLLM(), role="policy", eos_token_id=EOS, pad_token_id=PAD)
+    with pytest.raises(ValueError, match="version must be an int >= 0"):
+        engine.finish_sync(version)
+
+
+@pytest.mark.parametrize("tags", [["weight"], [], "kv_cache"])
+def test_bad_wake_up_tags_are_refused(tags):
+    engine = VLLMEngine(FakeLLM(), role="policy", eos_token_id=EOS, pad_token_id=PAD)
+    with pytest.raises(ValueError, match="tags must be a non-empty subset"):
+        engine.wake_up(tags)
+
+
+def test_an_engine_core_in_another_process_is_explained():
+    llm = FakeLLM()
+    llm.llm_engine = types.SimpleNamespace()  # no model_executor: vLLM's multiprocess engine core
+    engine = VLLMEngine(llm, role="policy", eos_token_id=EOS, pad_token_id=PAD)
+    with pytest.raises(RuntimeError, match="external_launcher"):
+        engine.load_weights([("a.weight", torch.ones(1))])
+
+
+def test_without_vllm_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what a missing package looks like to `import`
+    with pytest.raises(ImportError, match=r"pip install 'rlgraph\[vllm\]'"):
+        import_vllm()
+    with pytest.raises(ImportError, match=r"pip install 'rlgraph\[vllm\]'"):
+        VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD)
+
+
+# -- a live vLLM (GPU machines with vLLM installed) ------------------------------------------------
+
+
+def needs_vllm(test):
+    """A `gpu` test, skipped with the reason where vLLM or a CUDA device is missing."""
+    test = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: CUDA-only wheel")(test)
+    test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test)
+    return pytest.mark.gpu(test)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """A tiny Qwen2 saved to disk, a vLLM engine for it (dummy weights, then one sync) and the HF model."""
+    from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+
+    with socket.socket() as probe:  # external_launcher reads torchrun's variables: a one-process "job"
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for key, value in launcher.items():
+        os.environ.setdefault(key, value)
+    tokenizer = load_tokenizer()
+    model = build_causal_lm(tokenizer=tokenizer, seed=0)
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    model.save_pretrained(path)
+    engine = VLLMEngine.build(path, role="policy", eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, load_format="dummy", gpu_memory_utilization=0.3,
+                              enforce_eager=True, max_model_len=64)
+    engine.load_weights((name, param.detach().cuda()) for name, param in model.named_parameters())
+    engine.finish_sync(0)
+    return engine, model
+
+
+@needs_vllm
+def test_live_logprobs_match_the_trainers_recompute(live):
+    from rlgraph.backends.local.logprobs import sequence_logprobs
+
+    engine, model = live
+    ro = engine.generate(tiny_prompts(4), 2, SamplingParams(max_new_tokens=6), seed=0, call=0,
+                         model=ModelRef("policy", 0))
+    assert ro.response_ids.shape == (8, 6) and bool(ro.mask[:, 0].all())
+    with torch.no_grad():
+        trainer = sequence_logprobs(model.float().eval(), ro)  # [N, T], the fp32 recompute on the CPU
+    gap = (trainer - ro.logprobs).abs()[ro.mask]  # [tokens]
+    assert math.isfinite(float(gap.max())) and float(gap.max()) < 0.1  # bf16 engine vs fp32 trainer
+
+
+@needs_vllm
+def test_live_samples_depend_on_the_row_not_the_shard(live):
+    engine, _ = live
+    prompts, params, model = tiny_prompts(4), SamplingParams(max_new_tokens=6), ModelRef("policy", 0)
+    whole = engine.generate(prompts, 2, params, seed=1, call=0, model=model)
+    halves = [engine.generate(prompts.select(rows), 2, params, seed=1, call=0, model=model)
+              for rows in ([0, 1], [2, 3])]
+    assert torch.equal(whole.response_ids, torch.cat([half.response_ids for half in halves]))
+
+
+@needs_vllm
+def test_live_sleep_wake_and_sync_keep_generating(live):
+    engine, model = live
+    engine.sleep()
+    engine.wake_up(["weights"])
+    engine.load_weights((name, param.detach().cuda()) for name, param in model.named_parameters())
+    engine.finish_sync(1)
+    engine.wake_up()
+    ro = engine.generate(tiny_prompts(4), 1, SamplingParams(temperature=0.0, max_new_tokens=4), seed=0, call=0,
+                         model=ModelRef("policy", 1))
+    assert ro.response_ids.shape == (4, 4)
