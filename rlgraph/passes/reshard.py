@@ -9,7 +9,8 @@ ranks; a scalar on a group, replicated. Collective kinds:
 - controller -> group: `scatter` (per-rollout values) or `broadcast` (scalars);
 - group -> controller: `gather`;
 - group -> another group on the same ranks, other split: `all_to_all`; on other ranks: `send_recv`.
-A field read of a record that is moved anyway is re-read at the destination instead of moved twice.
+A field read of a record that is moved anyway is re-read at the destination instead of moved twice
+(and the source's read, left without users, is dropped: it would be work the plan shows for nothing).
 
 Guarantees: after this pass, every edge joins equal layouts or passes through exactly one
 transfer node, and a transfer's `bytes` is the size of the value it moves.
@@ -84,6 +85,9 @@ def reshard(program: Program, options: CompileOptions) -> Program:
             if key not in moved:
                 moved[key] = _bring(out, arg, node, consumer_layout, groups, sizes, moved)
             node.replace_input_with(arg, moved[key])
+    for node in list(out.graph.nodes):  # a read whose record moved and was re-read at the destination
+        if node.target is get_field and not node.users:
+            out.graph.erase_node(node)
     return out.verify(after="reshard")
 
 

@@ -62,9 +62,9 @@ def test_ppo_70b_moves_optimizer_state_once_each_way_per_iteration():
     compiled = rg.compile(ppo, mesh="4x8:h100", placement=rg.colocated(tp=8), models={"policy": "llama3-70b"},
                           sizes={"B": 32, "P": 64, "T": 256, "n": 1})
     lines = [line for line in compiled.as_text().splitlines() if "optimizer+grads" in line]
-    assert lines == ["  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [19] onload     @policy    optimizer+grads 28.75 GiB"]
+    assert lines == ["  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [18] onload     @policy    optimizer+grads 28.75 GiB"]
     assert "[3] generate   @policy    generate=generate" in compiled.as_text()
-    assert "[20] train      @policy    update=update" in compiled.as_text()
+    assert "[19] train      @policy    update=update" in compiled.as_text()
 
 
 def steps_text(compiled) -> str:
@@ -108,7 +108,7 @@ def test_grpo_split_steps():
   [4] reward     @controller score=score
   [5] fields     @rollout   group=.group
   [6] scatter    score:f32[N]  controller -> rollout  1.0 KiB
-  [7] math       @rollout   group_normalize=group_normalize  getitem=getitem  logprobs=.logprobs  mask=.mask
+  [7] math       @rollout   group_normalize=group_normalize  getitem=getitem
           kernels: fused_group_normalize
   [8] send_recv  generate:Rollouts[N,T]  rollout -> policy  36.2 KiB
   [9] fields     @policy    mask_1=.mask  logprobs_1=.logprobs
