@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("ray", reason="the ray runtime is the optional extra rlgraph[ray] (make test installs it)")
 
 import ray  # noqa: E402
 
-import rlgraph as rg  # noqa: E402
-from rlgraph.algorithms import ALGORITHMS  # noqa: E402
-from rlgraph.backends.world import RoleSpec, WorldSpec  # noqa: E402
-from rlgraph.runtime.plan_runner import PlanRunner, PlanStepError  # noqa: E402
 from rlgraph.runtime.ray_transport import RayTransport  # noqa: E402
-from rlgraph.testing.tiny import length_parity_reward, tiny_prompts  # noqa: E402
-from tests.runtime.test_spmd import TOKENS, _assert_same_metrics, _assert_same_weights, _compile, _step_both, _world  # noqa: E402
+from rlgraph.testing.tiny import tiny_prompts  # noqa: E402
+from tests.runtime.test_spmd import (_assert_same_metrics, _assert_same_weights, _compile, _step_both, _world,  # noqa: E402
+                                     failure_when_rank_1_dies_mid_step)
 
 pytestmark = pytest.mark.slow
 
@@ -41,21 +36,5 @@ def test_grpo_on_two_ray_actors_matches_local():
 
 
 def test_a_killed_actor_is_reported_with_the_step_the_rank_and_the_node():
-    compiled = _compile("grpo", n=4)
-    box: list[RayTransport] = []
-
-    def reward_that_kills_rank_1(completions, **_):
-        ray.kill(box[0].actors[1])
-        return length_parity_reward(completions)
-
-    world = WorldSpec({"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": reward_that_kills_rank_1},
-                      max_new_tokens=TOKENS)
-    with RayTransport(compiled.plan, world, device="cpu", timeout_s=30) as transport:
-        box.append(transport)
-        runner = PlanRunner(compiled, transport, controller=world.controller())
-        start = time.monotonic()
-        with pytest.raises(PlanStepError) as caught:
-            runner.run(tiny_prompts(4))
-        assert time.monotonic() - start < 30
-    message = str(caught.value)
+    message = failure_when_rank_1_dies_mid_step(RayTransport, lambda t: ray.kill(t.actors[1]))
     assert "rank 1" in message and "died" in message and "on node" in message and "plan step [" in message

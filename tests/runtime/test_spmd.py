@@ -134,24 +134,29 @@ def test_a_batch_that_does_not_split_evenly_is_refused_before_any_work():
         runner.run(tiny_prompts(3))
 
 
-def test_a_worker_killed_mid_step_is_reported_with_the_step_and_the_rank():
-    compiled = _compile("grpo", n=4)
-    transport_box: list[SpmdTransport] = []
+def failure_when_rank_1_dies_mid_step(start_transport, kill) -> str:
+    """Run a GRPO step whose reward function (on the controller, mid-step) kills rank 1 with
+    `kill(transport)`; returns the error the controller raised, within the transport's timeout."""
+    compiled, box = _compile("grpo", n=4), []
 
     def reward_that_kills_rank_1(completions, **_):
-        os.kill(transport_box[0].processes[1].pid, signal.SIGKILL)
+        kill(box[0])
         return length_parity_reward(completions)
 
     world = WorldSpec({"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": reward_that_kills_rank_1},
                       max_new_tokens=TOKENS)
-    with SpmdTransport(compiled.plan, world, device="cpu", timeout_s=20) as transport:
-        transport_box.append(transport)
+    with start_transport(compiled.plan, world, device="cpu", timeout_s=20) as transport:
+        box.append(transport)
         runner = PlanRunner(compiled, transport, controller=world.controller())
         start = time.monotonic()
         with pytest.raises(PlanStepError) as caught:
             runner.run(tiny_prompts(4))
         assert time.monotonic() - start < 20
-    message = str(caught.value)
+    return str(caught.value)
+
+
+def test_a_worker_killed_mid_step_is_reported_with_the_step_and_the_rank():
+    message = failure_when_rank_1_dies_mid_step(SpmdTransport, lambda t: os.kill(t.processes[1].pid, signal.SIGKILL))
     assert "rank 1" in message and "SIGKILL" in message and "role 'policy'" in message
     assert "plan step [" in message
 
