@@ -49,7 +49,9 @@ def start_worker(rank: int, world: int, master: tuple[str, int], plan: Any, spec
 
     from rlgraph.runtime.worker import Worker
 
-    os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+    # The launcher's variables too: vLLM's external_launcher reads them to join this process group.
+    os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(local_device))
     if device == "cuda":
         torch.cuda.set_device(local_device)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,

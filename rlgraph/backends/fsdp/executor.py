@@ -26,6 +26,7 @@ the plan runner sends a stage to all of a group's ranks, so they do.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -38,8 +39,9 @@ from torch.distributed.tensor import DTensor
 
 from rlgraph.backends.local.executor import (LMWorker, LocalExecutor, RewardWorker, StaleVersionError, _optimizer_kind,
                                              check_role_state, role_outputs)
-from rlgraph.backends.local.generation import SamplingStream
+from rlgraph.backends.local.generation import SamplingParams, SamplingStream
 from rlgraph.backends.protocols import ExecutorState, ModelRef
+from rlgraph.backends.vllm.engine import VLLMEngine
 from rlgraph.batches import Rollouts
 
 GENERATOR_OF = {"rollout": "policy"}
@@ -82,6 +84,15 @@ class FSDPExecutor(LocalExecutor):
         self.offloaded: dict[str, bool] = {}
 
     # -- generation --------------------------------------------------------------------------
+    def generate(self, model: ModelRef, prompts: Any, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int | None = None) -> Rollouts:
+        engine = self.engines.get(model.role)
+        if not isinstance(engine, VLLMEngine):
+            return super().generate(model, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+        engine.wake_up()  # a plan without offload steps never put it to sleep; one with them woke it already
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
+        return engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance(), model=model)
+
     def _engine(self, model: ModelRef) -> torch.nn.Module:
         if model.role not in self.engines:
             raise KeyError(f"rank {self.rank} has no generation engine for {model.role!r}; the plan generates elsewhere")
@@ -97,32 +108,46 @@ class FSDPExecutor(LocalExecutor):
         trains = self.rank in route.src
         if trains:
             self._live(model)
-        version = model.version if trains else None
         group = None if route.colocated else self.sync_groups[_sync_ranks(route.src, route.dst)]
+        layout = [[(name, tuple(param.shape)) for name, param in bucket] for bucket in self._buckets(role, route)] \
+            if trains else None
+        version = model.version if trains else None
         if group is not None and self.rank in _sync_ranks(route.src, route.dst):
-            box = [version]
+            box = [(version, layout)]  # the generating ranks learn the version and the buckets' names and shapes
             dist.broadcast_object_list(box, src=route.src[0], group=group)
-            version = box[0]
+            version, layout = box[0]
         receives = self.rank in route.dst
-        for bucket in self._buckets(role, route, trains):
-            fulls = gather_full([param for _, param in bucket]) if trains else None
+        engine = self.engines.get(role) if receives else None
+        if isinstance(engine, VLLMEngine):
+            engine.wake_up(["weights"])  # before loading; the KV cache wakes at the offload before generate
+        params = dict(self.models[role].model.module.named_parameters()) if trains else {}
+        for names_shapes in layout:
+            fulls = gather_full([params[name] for name, _ in names_shapes]) if trains else None
             if group is not None:
-                fulls = self._broadcast_bucket(bucket, fulls, route, group)
+                fulls = self._broadcast_bucket(names_shapes, fulls, route, group)
             if receives:
-                engine_params = dict(self.engines[role].named_parameters())
-                with torch.no_grad():
-                    for (name, _), full in zip(bucket, fulls):
-                        engine_params[name].copy_(full)
+                self._load_bucket(engine, [name for name, _ in names_shapes], fulls)
             del fulls  # at most one gathered bucket is alive at a time
         if receives:
             self.served[role] = version
+            if isinstance(engine, VLLMEngine):
+                engine.finish_sync(version)
         return ModelRef(role, version)
 
-    def _buckets(self, role: str, route: Any, trains: bool) -> Iterator[list[tuple[str, Any]]]:
-        """The served model's parameters in order, grouped into buckets of <= `route.bucket_bytes`."""
-        source = self.models[role].model.module if trains else self.engines[role]
+    @staticmethod
+    def _load_bucket(engine: Any, names: list[str], fulls: list[torch.Tensor]) -> None:
+        if isinstance(engine, VLLMEngine):
+            engine.load_weights(zip(names, fulls))  # Hugging Face names; vLLM fuses q/k/v, gate/up itself
+            return
+        engine_params = dict(engine.named_parameters())
+        with torch.no_grad():
+            for name, full in zip(names, fulls):
+                engine_params[name].copy_(full)
+
+    def _buckets(self, role: str, route: Any) -> Iterator[list[tuple[str, Any]]]:
+        """The trained model's parameters in order, grouped into buckets of <= `route.bucket_bytes` (fp32)."""
         bucket, size = [], 0
-        for name, param in source.named_parameters():
+        for name, param in self.models[role].model.module.named_parameters():
             nbytes = param.numel() * 4
             if bucket and size + nbytes > route.bucket_bytes:
                 yield bucket
@@ -132,17 +157,18 @@ class FSDPExecutor(LocalExecutor):
         if bucket:
             yield bucket
 
-    def _broadcast_bucket(self, bucket, fulls, route, group) -> list[torch.Tensor] | None:
+    def _broadcast_bucket(self, names_shapes, fulls, route, group) -> list[torch.Tensor] | None:
         """The trainer's first rank sends one flat fp32 bucket to the generating ranks."""
         if self.rank not in _sync_ranks(route.src, route.dst):
             return fulls
-        shapes = [tuple(param.shape) for _, param in bucket]
+        shapes = [shape for _, shape in names_shapes]
+        sizes = [torch.Size(shape).numel() for shape in shapes]
         if self.rank == route.src[0]:
             flat = torch.cat([full.float().reshape(-1) for full in fulls]).to(self._comm_device())
         else:
-            flat = torch.empty(sum(torch.Size(s).numel() for s in shapes), dtype=torch.float32, device=self._comm_device())
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self._comm_device())
         dist.broadcast(flat, src=route.src[0], group=group)
-        return [piece.view(shape) for piece, shape in zip(flat.split([torch.Size(s).numel() for s in shapes]), shapes)]
+        return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
 
     # -- training hooks ----------------------------------------------------------------------
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool):
@@ -176,6 +202,9 @@ class FSDPExecutor(LocalExecutor):
         On a CPU device they are host memory already: the step is recorded, nothing moves.
         """
         self.offloaded[role] = direction == "offload"
+        engine = self.engines.get(role)
+        if isinstance(engine, VLLMEngine):  # the engine and the trainer's state take turns on the device
+            engine.sleep() if direction == "onload" else engine.wake_up(["kv_cache"])
         worker = self.models.get(role)
         if worker is None or worker.optimizer is None or self.device.type != "cuda":
             return
@@ -242,7 +271,7 @@ class FSDPExecutor(LocalExecutor):
             params = list(self.models[role].model.module.named_parameters())
             report["local_numel"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for _, p in params)
             report["global_numel"] = sum(p.numel() for _, p in params)
-            if role in self.engines:
+            if role in self.engines and not isinstance(self.engines[role], VLLMEngine):
                 engine = dict(self.engines[role].named_parameters())
                 report["engine_diff"] = max(float((engine[name].float() - (p.full_tensor() if isinstance(p, DTensor) else p)
                                                    .float()).abs().max()) for name, p in params)
@@ -343,16 +372,29 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
             models[group.name] = _sharded_role(spec, group, role_groups[group.name], tokenizer, device,
                                                world.fsdp_unit_params)
         if group.generate is not None:
-            if group.generate.engine not in (None, "native"):
-                raise ValueError(f"group {group.name!r} generates with {group.generate.engine!r}, but the workers run the "
-                                 "native engine (the vLLM executor is not wired into them yet); compile with "
-                                 "engine='native' (rlgraph plan --engine native)")
             served = GENERATOR_OF.get(group.name, group.name)
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            engines[served] = _role_spec(world, served).build_module(tokenizer, dtype).to(device).eval().requires_grad_(False)
+            engines[served] = _generation_engine(world, served, group, rank, tokenizer, device)
     return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
                         device=device, role_groups=role_groups, engines=engines, sync_groups=sync_groups,
                         max_new_tokens=world.max_new_tokens, seed=world.seed)
+
+
+def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device) -> Any:
+    """The engine a generating rank runs: a full copy of the model for the native generator, or
+    a vLLM engine (GPU only; UNTESTED against a live vLLM, see rlgraph/backends/vllm/engine.py)."""
+    spec = _role_spec(world, served)
+    if group.generate.engine == "vllm":
+        if device.type != "cuda":
+            raise ValueError(f"group {group.name!r} generates with vLLM, which needs CUDA; compile with engine='native'")
+        source = spec.source if isinstance(spec.source, (str, os.PathLike)) and os.path.isdir(spec.source) else None
+        if source is None:
+            raise ValueError(f"group {group.name!r} generates with vLLM, which loads a Hugging Face model directory: "
+                             f"set RoleSpec(source=<directory>) for {served!r} (it is {spec.source!r})")
+        return VLLMEngine.build(source, role=served, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, rank=rank, seed=world.seed, load_format="dummy",
+                                tensor_parallel_size=group.generate.tp)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return spec.build_module(tokenizer, dtype).to(device).eval().requires_grad_(False)
 
 
 def _role_spec(world: Any, role: str) -> Any:
