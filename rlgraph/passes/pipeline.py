@@ -45,8 +45,9 @@ class Compiled:
     def as_text(self) -> str:
         return self.plan.as_text()
 
-    def cost_analysis(self) -> dict[str, dict[str, float]]:
-        return self.plan.cost_analysis()
+    def cost_analysis(self, hardware=None):
+        """Estimated seconds per step and phase (`rlgraph.plan.cost.CostAnalysis`)."""
+        return self.plan.cost_analysis(hardware)
 
     def memory_analysis(self) -> dict[str, dict[str, dict[str, int]]]:
         return self.plan.memory_analysis()

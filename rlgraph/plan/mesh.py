@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from rlgraph.plan.hardware import DEVICE_MEMORY_GIB  # one table: the hardware profiles
+
 GiB = 1 << 30
-DEVICE_MEMORY_GIB = {"h100": 80, "h200": 141, "a100": 80, "l40s": 48, "cpu": 24}
 
 
 @attrs.frozen

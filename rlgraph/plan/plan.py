@@ -165,19 +165,19 @@ class Plan:
                 lines.append(f"  {name:<9} {phase:<9} {_mib(parts['total']):>11}  ({shown})")
         moved = sum(step.bytes for step in self.steps if isinstance(step, (Transfer, SyncWeights)))
         lines.append(f"total moved per iteration: {_mib(moved)}")
+        lines.append(self.cost_analysis().text())
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.as_text()
 
-    def cost_analysis(self) -> dict[str, dict[str, float]]:
-        """Per step: bytes moved and FLOP estimate."""
-        out = {}
-        for step in self.steps:
-            key = f"{step.index}:{type(step).__name__.lower()}"
-            out[key] = {"bytes": float(getattr(step, "bytes", 0)), "flops": float(getattr(step, "flops", 0.0))}
-        return out
+    def cost_analysis(self, hardware=None):
+        """Estimated seconds per step, per phase and in total (`rlgraph.plan.cost.CostAnalysis`) on
+        `hardware` (a `HardwareProfile`; default: the mesh's device)."""
+        from rlgraph.plan.cost import plan_cost
+
+        return plan_cost(self, hardware)
 
     def memory_analysis(self) -> dict[str, dict[str, dict[str, int]]]:
         return {group: {phase: dict(parts) for phase, parts in phases.items()} for group, phases in self.memory.items()}

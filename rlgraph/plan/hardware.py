@@ -1,0 +1,101 @@
+"""Hardware profiles as data: what one device computes, holds and moves, with the sources.
+
+    profile("h100").peak_flops            # 9.89e14 dense bf16 FLOP/s
+    register_profile(HardwareProfile("b200", ...))   # then Mesh.parse("b200:8") works
+
+The cost model (`rlgraph.plan.cost`) turns plan steps into seconds with these numbers; the memory
+model reads `memory_gib` (through `DEVICE_MEMORY_GIB`, which `rlgraph.plan.mesh` re-exports). Link
+bandwidths are per direction, per device, in bytes/s: the datasheets quote NVLink and PCIe as the
+sum of both directions, so the table halves them. Efficiencies are the fraction of a peak that a
+well-tuned run reaches; they are assumptions, stated where they come from, and what calibration
+(docs/benchmarks.md) adjusts.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@attrs.frozen
+class HardwareProfile:
+    """One device kind. `peak_flops`: dense bf16 (fp32 for the CPU, which trains in fp32);
+    `memory_bandwidth`, `intra_node_bandwidth` (NVLink, or PCIe where there is none),
+    `inter_node_bandwidth` (the network share of one device), `host_bandwidth` (device <-> host
+    memory): bytes/s, one direction. `latency_s`: fixed cost of one collective or copy.
+    `train_efficiency` (MFU of an FSDP step), `prefill_efficiency` (of peak FLOP/s),
+    `decode_efficiency` (of peak memory bandwidth), `link_efficiency` (of link bandwidth)."""
+
+    name: str
+    peak_flops: float
+    memory_bandwidth: float
+    memory_gib: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    host_bandwidth: float
+    source: str
+    latency_s: float = 20e-6
+    train_efficiency: float = 0.4
+    prefill_efficiency: float = 0.5
+    decode_efficiency: float = 0.6
+    link_efficiency: float = 0.8
+    stage_overhead_s: float = 0.0  # fixed cost of launching one stage (dispatch, Python), per stage
+
+
+# Efficiencies on GPUs: FSDP training of 7-70B dense models reports 38-45% MFU on H100 (PyTorch's
+# "Maximizing training throughput using PyTorch FSDP", 2024; Llama 3 paper, 38-43% BF16 MFU);
+# vLLM decode reaches ~60% of HBM bandwidth at small batch. Inter-node: one 400 Gb/s NIC per GPU
+# (DGX H100/H200 reference architecture), 200 Gb/s HDR on DGX A100.
+PROFILES: dict[str, HardwareProfile] = {}
+
+
+def register_profile(profile: HardwareProfile) -> HardwareProfile:
+    """Add (or replace) a device kind; `Mesh` then accepts its name and its memory."""
+    PROFILES[profile.name] = profile
+    DEVICE_MEMORY_GIB[profile.name] = profile.memory_gib
+    return profile
+
+
+def profile(device: str) -> HardwareProfile:
+    """The profile of `device` ("h100", "cpu", ...)."""
+    if device not in PROFILES:
+        raise ValueError(f"no hardware profile for device {device!r}; known: {', '.join(sorted(PROFILES))}; "
+                         "add one with rlgraph.plan.hardware.register_profile(HardwareProfile(...))")
+    return PROFILES[device]
+
+
+DEVICE_MEMORY_GIB: dict[str, float] = {}
+
+for _profile in (
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet:
+    # 989 TFLOPS BF16 dense (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s.
+    HardwareProfile("h100", 989 * TFLOPS, 3.35e12, 80, 450 * GB, 50 * GB, 64 * GB,
+                    "NVIDIA H100 Tensor Core GPU datasheet (SXM5); DGX H100: 400 Gb/s ConnectX-7 per GPU"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM), https://www.nvidia.com/en-us/data-center/h200/:
+    # 989 TFLOPS BF16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s.
+    HardwareProfile("h200", 989 * TFLOPS, 4.8e12, 141, 450 * GB, 50 * GB, 64 * GB,
+                    "NVIDIA H200 Tensor Core GPU datasheet (SXM); DGX H200: 400 Gb/s per GPU"),
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf:
+    # 312 TFLOPS BF16 dense, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s.
+    HardwareProfile("a100", 312 * TFLOPS, 2.039e12, 80, 300 * GB, 25 * GB, 32 * GB,
+                    "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); DGX A100: 200 Gb/s HDR per GPU"),
+    # NVIDIA H20 (HGX H20) product brief, https://www.nvidia.com/en-us/data-center/h20/ (as published
+    # by NVIDIA partners): 148 TFLOPS BF16 dense, 96 GB HBM3 at 4.0 TB/s, NVLink 900 GB/s, PCIe Gen5.
+    HardwareProfile("h20", 148 * TFLOPS, 4.0e12, 96, 450 * GB, 50 * GB, 64 * GB,
+                    "NVIDIA HGX H20 product brief; 400 Gb/s per GPU assumed"),
+    # NVIDIA L40S datasheet, https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413:
+    # 362.05 TFLOPS BF16 dense (733 with sparsity), 48 GB GDDR6 at 864 GB/s, no NVLink, PCIe Gen4 x16 64 GB/s.
+    HardwareProfile("l40s", 362.05 * TFLOPS, 864 * GB, 48, 32 * GB, 25 * GB, 32 * GB,
+                    "NVIDIA L40S datasheet; no NVLink (PCIe Gen4 between GPUs); 200 Gb/s per GPU assumed"),
+    # The project's development machine: 2 cores of an AMD EPYC (Zen, AVX2: 2 FMA units x 8 fp32
+    # lanes x 2 FLOP at ~2.5 GHz = 80 GFLOP/s per core), DDR4 at ~20 GB/s for two cores; a "device"
+    # is one worker process, so links are memory copies. Efficiencies calibrated on the demo step
+    # (docs/benchmarks.md): tiny matrices keep the CPU far from its peak.
+    HardwareProfile("cpu", 160e9, 20 * GB, 24, 10 * GB, 1 * GB, 10 * GB,
+                    "AMD EPYC, 2 cores, AVX2 fp32 (lscpu); 24 GiB (the memory model reads /proc/meminfo)",
+                    latency_s=100e-6, train_efficiency=0.05, prefill_efficiency=0.05, decode_efficiency=0.05,
+                    link_efficiency=0.5, stage_overhead_s=1e-3),
+):
+    register_profile(_profile)
