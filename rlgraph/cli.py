@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("algorithm")
     plan.add_argument("--mesh", default="gpu:8", help="e.g. gpu:8, h200:8, 2x8:h100, cpu:2")
     plan.add_argument("--placement", default="colocated",
-                      help="colocated | colocated:fsdp=8,tp=2 | split:policy=4,rollout=4[,ref=policy][,tp=2]")
+                      help="auto (the compiler searches) | colocated | colocated:fsdp=8,tp=2 | "
+                           "split:policy=4,rollout=4[,ref=policy][,tp=2]")
     plan.add_argument("--engine", default="auto",
                       help="generation engine: auto (native on a cpu mesh, vllm on GPUs), native (tp=1) or vllm")
     plan.add_argument("--model", default="tiny-qwen2", help="a preset (e.g. llama3-70b) or a config.json / model directory")
@@ -264,6 +265,8 @@ def parse_placement(text: str):
     from rlgraph.plan.mesh import colocated, split
 
     kind, _, rest = text.partition(":")
+    if text == "auto":
+        return "auto"  # the compiler searches (rlgraph.passes.search)
     fields = _hparams([item for item in rest.split(",") if item])
     if kind == "colocated":
         _check_colocated_options(text, fields)
@@ -271,7 +274,9 @@ def parse_placement(text: str):
     if kind == "split":
         options = {key: fields.pop(key) for key in ("tp", "checkpointing") if key in fields}
         return split(fields, **options)  # every other key names a group
-    raise SystemExit(f"rlgraph: unknown placement {text!r}; use colocated[:fsdp=..,tp=..] or split:role=ranks,...")
+    close = difflib.get_close_matches(kind, ["auto", "colocated", "split"], n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise SystemExit(f"rlgraph: unknown placement {text!r}{hint}; use auto, colocated[:fsdp=..,tp=..] or split:role=ranks,...")
 
 
 def _check_colocated_options(text: str, fields: dict[str, Any]) -> None:

@@ -190,3 +190,12 @@ def test_check_prints_the_counterexample_of_a_broken_estimator(capsys):
 def test_check_names_an_unknown_estimator(capsys):
     assert main(["check", "estimator", "rlo"]) == 1
     assert "did you mean 'rloo'" in capsys.readouterr().err
+
+
+def test_plan_placement_auto_prints_the_winner_the_runners_up_and_why(capsys):
+    code, out, _ = run(capsys, "plan", "ppo", "--mesh", "2x8:h100", "--model", "qwen2.5-7b", "--placement", "auto",
+                       "--sizes", "B=64,P=512,T=1024")
+    assert code == 0 and "estimated step time on h100:" in out and "placement search:" in out
+    assert "  #2 " in out and "why: " in out and "The runner-up" in out
+    with pytest.raises(SystemExit, match="unknown placement 'atuo'; did you mean 'auto'?"):
+        main(["plan", "ppo", "--placement", "atuo"])

@@ -41,9 +41,10 @@ class Compiled:
     program: Program  # after every pass: placed, resharded, fused
     plan: Plan
     options: CompileOptions
+    search: object = None  # `rlgraph.passes.search.SearchResult` when the placement was "auto"
 
     def as_text(self) -> str:
-        return self.plan.as_text()
+        return self.plan.as_text() + (f"\n{self.search.text()}" if self.search is not None else "")
 
     def cost_analysis(self, hardware=None):
         """Estimated seconds per step and phase (`rlgraph.plan.cost.CostAnalysis`)."""
@@ -59,8 +60,21 @@ class Compiled:
         return self.as_text()
 
 
-def compile_program(program: Program, options: CompileOptions) -> Compiled:
+def compile_program(program: Program, options: CompileOptions, *, top_k: int = 3) -> Compiled:
+    """Run the pipeline; `placement="auto"` searches the placements (`rlgraph.passes.search`) and
+    returns the fastest, with the search's ranking in `Compiled.search`."""
+    if isinstance(options.placement, str):
+        from rlgraph.passes.search import check_auto, search
+
+        check_auto(options.placement)
+        checked = infer_specs(program, options)  # independent of the placement: run once
+        result = search(checked, options, lambda prog, trial: _lower(program, prog, trial, PIPELINE[1:]), top_k=top_k)
+        return attrs.evolve(result.best.compiled, search=result)
+    return _lower(program, program, options, PIPELINE)
+
+
+def _lower(source: Program, program: Program, options: CompileOptions, passes) -> Compiled:
     lowered = program
-    for _name, run_pass in PIPELINE:
+    for _name, run_pass in passes:
         lowered = run_pass(lowered, options)
-    return Compiled(program, lowered, schedule(lowered, options), options)
+    return Compiled(source, lowered, schedule(lowered, options), options)
