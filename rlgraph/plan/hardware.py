@@ -89,13 +89,17 @@ for _profile in (
     # 362.05 TFLOPS BF16 dense (733 with sparsity), 48 GB GDDR6 at 864 GB/s, no NVLink, PCIe Gen4 x16 64 GB/s.
     HardwareProfile("l40s", 362.05 * TFLOPS, 864 * GB, 48, 32 * GB, 25 * GB, 32 * GB,
                     "NVIDIA L40S datasheet; no NVLink (PCIe Gen4 between GPUs); 200 Gb/s per GPU assumed"),
-    # The project's development machine: 2 cores of an AMD EPYC (Zen, AVX2: 2 FMA units x 8 fp32
-    # lanes x 2 FLOP at ~2.5 GHz = 80 GFLOP/s per core), DDR4 at ~20 GB/s for two cores; a "device"
-    # is one worker process, so links are memory copies. Efficiencies calibrated on the demo step
-    # (docs/benchmarks.md): tiny matrices keep the CPU far from its peak.
-    HardwareProfile("cpu", 160e9, 20 * GB, 24, 10 * GB, 1 * GB, 10 * GB,
-                    "AMD EPYC, 2 cores, AVX2 fp32 (lscpu); 24 GiB (the memory model reads /proc/meminfo)",
-                    latency_s=100e-6, train_efficiency=0.05, prefill_efficiency=0.05, decode_efficiency=0.05,
-                    link_efficiency=0.5, stage_overhead_s=1e-3),
+    # The project's development machine as one device (the local runtime: one process, 2 threads):
+    # 2 cores of an AMD EPYC at 2.6 GHz (/proc/cpuinfo) with AVX2/AVX-512 (Zen 4 runs 512-bit FMAs on
+    # two 256-bit pipes: 2 x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle, 83 GFLOP/s per core); DDR at
+    # ~20 GB/s for two cores; links are memory copies. Efficiencies fitted on the per-step breakdown
+    # of the spmd benchmark (docs/benchmarks.md: per worker, 1 thread, half the demo batch, update
+    # 55.4 ms for 1.30e9 FLOP = 23.4 GFLOP/s, generate 21.7 ms for 4.32e8 FLOP = 19.9 GFLOP/s): the
+    # tiny model's 64-wide matrices keep a core at a quarter of its peak. A cpu:2 mesh on this
+    # machine splits these two cores; the profile does not know that.
+    HardwareProfile("cpu", 166e9, 20 * GB, 24, 10 * GB, 1 * GB, 10 * GB,
+                    "AMD EPYC (Zen 4), 2 cores at 2.6 GHz, fp32 FMA peak; 24 GiB (the memory model reads /proc/meminfo)",
+                    latency_s=100e-6, train_efficiency=0.28, prefill_efficiency=0.24, decode_efficiency=0.5,
+                    link_efficiency=0.5, stage_overhead_s=0.5e-3),
 ):
     register_profile(_profile)
