@@ -175,3 +175,26 @@ class Rollouts:
             prompts.ids, prompts.mask, response_ids, mask.bool(),
             torch.zeros(response_ids.shape, dtype=torch.float32), torch.arange(rows), dict(prompts.meta),
         )
+
+
+def to_device(value: Any, device: torch.device | str) -> Any:
+    """`value` with its tensors on `device`: a tensor, a `Prompts` or `Rollouts`, or a tuple, list or
+    dict of them; anything else is returned as is. A tensor already on `device` is not copied.
+
+    The one device move of the runtime: workers (`Worker.put/get`), executors (a primitive's inputs
+    to its device and its outputs back) and the eager interpreter all use it.
+
+    >>> to_device((torch.zeros(2), "meta"), "cpu")[1]
+    'meta'
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (Prompts, Rollouts)):
+        tensors = {field.name: getattr(value, field.name) for field in attrs.fields(type(value))}
+        return attrs.evolve(value, **{name: tensor.to(device) for name, tensor in tensors.items()
+                                      if isinstance(tensor, torch.Tensor)})
+    if type(value) in (tuple, list):  # not namedtuples: their fields are positional arguments
+        return type(value)(to_device(item, device) for item in value)
+    if type(value) is dict:
+        return {key: to_device(item, device) for key, item in value.items()}
+    return value

@@ -1,9 +1,9 @@
-"""Prompts: the sampling index. Rollouts.concat: padding, group renumbering, metadata."""
+"""Prompts: the sampling index. Rollouts.concat: padding, group renumbering, metadata. to_device."""
 
 import pytest
 import torch
 
-from rlgraph.batches import Prompts, Rollouts
+from rlgraph.batches import Prompts, Rollouts, to_device
 
 
 def prompts(rows, **index):
@@ -75,3 +75,21 @@ def test_pad_responses_right_pads_to_a_static_length_and_refuses_shrinking():
     assert ro.pad_responses(6) is ro
     with pytest.raises(ValueError, match="more than 3"):
         ro.pad_responses(3)
+
+
+def test_to_device_moves_every_tensor_and_leaves_the_rest():
+    batch = prompts(3, index=torch.tensor([4, 5, 6]))
+    moved = to_device(batch, "meta")  # a second device without a GPU: tensors with shapes and no data
+    assert all(t.device.type == "meta" for t in (moved.ids, moved.mask, moved.index))
+    assert moved.meta == batch.meta and moved.ids.shape == (3, 2)
+    nested = to_device((torch.zeros(2), [torch.ones(1), "name"], {"n": torch.ones(3), "v": 2}), "meta")
+    assert isinstance(nested, tuple) and isinstance(nested[1], list) and nested[1][1] == "name" and nested[2]["v"] == 2
+    assert nested[0].is_meta and nested[1][0].is_meta and nested[2]["n"].is_meta
+
+
+def test_to_device_on_the_device_already_copies_nothing():
+    value = torch.arange(3)
+    assert to_device(value, "cpu") is value
+    batch = prompts(2)
+    same = to_device(batch, torch.device("cpu"))
+    assert all(getattr(same, name) is getattr(batch, name) for name in ("ids", "mask", "index"))

@@ -1,7 +1,7 @@
 """What a run's roles are made of, as plain picklable data: the recipe every rank builds its executor from.
 
     world = WorldSpec(roles={"policy": RoleSpec(optimizer="adamw", lr=1e-4)}, rewards={"reward": exact_match})
-    executor = world.build_local()                 # every role in this process
+    executor = world.build_local(device)           # every role in this process, on `device`
     executor = world.build(rank, plan, device)     # rank `rank` of a compiled plan: FSDP2 roles, engines
 
 A worker process receives the `WorldSpec` (not live models) and builds only the roles the plan
@@ -77,17 +77,19 @@ class WorldSpec:
 
         return load_tokenizer(self.tokenizer)
 
-    def build_local(self) -> Any:
-        """Every role in this process: the local executor."""
-        from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
+    def build_local(self, device: torch.device | str = "cpu") -> Any:
+        """Every role in this process: the local executor, its models on `device` (fp32 weights;
+        on CUDA it computes in bf16 autocast)."""
+        from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker, require_device
 
+        device = require_device(device)
         tokenizer = self.load_tokenizer()
         models = {}
         for role, spec in self.roles.items():
-            module = spec.build_module(tokenizer)
+            module = spec.build_module(tokenizer).to(device)  # built on the CPU: the same weights on any device
             models[role] = LMWorker(module, spec.build_optimizer(module.parameters()), kind=spec.kind)
         return LocalExecutor(models, {name: RewardWorker(fn) for name, fn in self.rewards.items()}, tokenizer,
-                             max_new_tokens=self.max_new_tokens, seed=self.seed)
+                             max_new_tokens=self.max_new_tokens, seed=self.seed, device=device)
 
     def controller(self) -> Any:
         """The controller's executor: reward functions and the tokenizer, no models."""

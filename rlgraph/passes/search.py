@@ -6,7 +6,8 @@ step time (`rlgraph.plan.cost`), and say why the winner wins.
 
 Candidates, for a mesh of `nodes` x `per_node` ranks:
 - colocated: FSDP shards dividing the mesh, generation tensor parallelism in {1, 2, 4, 8} dividing
-  a node (and the model's attention heads), with and without offloading the trainer's state;
+  a node (and the model's attention heads), with and without offloading the trainer's state, with
+  and without activation checkpointing (this and the split's);
 - split: the policy's trainer on `p` ranks and its generator (`rollout`) on the rest, `p` a power
   of two, a multiple of a node, or the mesh less one of those; every other model role sharing
   either group; tp as above, aligned so no replica straddles the trainer's ranks.
@@ -114,9 +115,9 @@ def candidates(roles: set[str], options: CompileOptions, heads: int) -> list[Pla
     """Every placement the search compiles, in a fixed order."""
     mesh = options.mesh
     tps = _tp_sizes(options, heads)
-    out: list[Placement] = [colocated(fsdp=fsdp, tp=tp, offload=offload)
+    out: list[Placement] = [colocated(fsdp=fsdp, tp=tp, offload=offload, checkpointing=ckpt)
                             for fsdp in _divisors(mesh.size) for tp in tps if mesh.size % tp == 0
-                            for offload in (True, False)]
+                            for offload in (True, False) for ckpt in (True, False)]
     if "policy" not in roles or mesh.size < 2:
         return out
     chunks = {2 ** k for k in range(mesh.size.bit_length()) if 2 ** k < mesh.size}
@@ -127,8 +128,18 @@ def candidates(roles: set[str], options: CompileOptions, heads: int) -> list[Pla
         rollout = mesh.size - policy
         for shares in itertools.product(("policy", "rollout"), repeat=len(others)):
             groups = {"policy": policy, "rollout": rollout, **dict(zip(others, shares))}
-            out.extend(split(groups, tp=tp) for tp in tps if rollout % tp == 0 and policy % tp == 0)
+            out.extend(split(groups, tp=tp, checkpointing=ckpt) for tp in tps if rollout % tp == 0 and policy % tp == 0
+                       for ckpt in (True, False))
     return out
+
+
+def describe(placement: Placement, options: CompileOptions) -> str:
+    """How to write `placement` in Python: `colocated(fsdp=8, tp=4, offload=False, checkpointing=False)`."""
+    ckpt = "" if placement.checkpointing else ", checkpointing=False"
+    if isinstance(placement, Colocated):
+        return f"colocated(fsdp={placement.fsdp or options.mesh.size}, tp={placement.tp}, offload={placement.offload}{ckpt})"
+    assert isinstance(placement, Split)
+    return f"split({dict(placement.groups)}, tp={placement.tp}{ckpt})"
 
 
 def search(program: Program, options: CompileOptions, compile_rest: Callable, *, top_k: int = 3) -> SearchResult:
@@ -138,7 +149,6 @@ def search(program: Program, options: CompileOptions, compile_rest: Callable, *,
     from rlgraph.passes.memory_plan import model_shape
     from rlgraph.passes.partition import partition
     from rlgraph.passes.place import roles_used
-    from rlgraph.passes.schedule import _placement_text  # the plan's own spelling of a placement
 
     start = time.perf_counter()
     roles = set(roles_used(partition(program, attrs.evolve(options, placement=Colocated()))))
@@ -153,12 +163,12 @@ def search(program: Program, options: CompileOptions, compile_rest: Callable, *,
             found = _SHORT.search(str(exc))
             short = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 1 << 62
             if closest is None or short < closest.shortfall:
-                closest = Candidate(placement, _placement_text(trial), error=str(exc), shortfall=short)
+                closest = Candidate(placement, describe(placement, options), error=str(exc), shortfall=short)
             continue
         except PlacementConfigError:
             dropped += 1
             continue
-        feasible.append(Candidate(placement, compiled.plan.placement, compiled.plan.cost_analysis(), compiled))
+        feasible.append(Candidate(placement, describe(placement, options), compiled.plan.cost_analysis(), compiled))
     if not feasible:
         raise PlacementError(_nothing_fits(options, dropped, closest))
     ranked = tuple(sorted(feasible, key=lambda c: (c.cost.total, c.text)))

@@ -12,7 +12,8 @@ Steps run one after another, so the step time is the sum over steps. Per kind of
   `memory_bandwidth * decode_efficiency`, or is compute-bound if that is slower. Tensor
   parallelism splits the bytes but adds two all-reduces per layer per token; that is folded into
   `TP_DECODE_SCALING` (each doubling of tp keeps this fraction of the ideal speed-up).
-- **train / infer**: `flops / (ranks * peak * train_efficiency)`, overlapped with FSDP's traffic
+- **train / infer**: `flops / (ranks * peak * train_efficiency)` (4/3 of it for a trainer with
+  activation checkpointing, which recomputes the forward), overlapped with FSDP's traffic
   (all-gather forward, all-gather backward, reduce-scatter gradients of the full parameters, per
   micro-batch, `(s-1)/s` of it per rank over the link the shard group crosses; with replicas, a
   ring all-reduce of the gradient shards per optimizer step); the slower wins.
@@ -179,7 +180,8 @@ def _generate(stage, group, plan, hw: HardwareProfile) -> tuple[float, str]:
 
 def _compute(stage, group, plan, hw: HardwareProfile) -> tuple[float, str]:
     ranks = len(group.ranks)
-    compute = stage.flops / (ranks * hw.peak_flops * hw.train_efficiency)
+    recompute = 4 / 3 if stage.phase == "train" and group.train and group.train.checkpointing else 1.0
+    compute = recompute * stage.flops / (ranks * hw.peak_flops * hw.train_efficiency)
     phases = plan.memory.get(group.name, {})
     shards = group.train.fsdp if group.train else ranks
     params = phases.get("train", phases.get(stage.phase, {})).get("params", 0) * shards  # full parameter bytes

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from rlgraph.backends.protocols import Executor, LossCounts, LossFn, RewardRef, UpdateConfig
-from rlgraph.batches import Rollouts
+from rlgraph.batches import Rollouts, to_device
 from rlgraph.functional.aggregate import active_loss_normalization, loss_normalization
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
@@ -146,6 +146,9 @@ class Interpreter:
         assert name != "filter_groups", "filter_groups runs through run_filter, with its refill loop"
         if name == "update":
             model, batch, *captured = args
+            # The loss runs where the executor trains: its captured values and batch go there too.
+            device = getattr(self.executor, "device", torch.device("cpu"))
+            batch, captured = to_device(batch, device), to_device(captured, device)
             config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"})
             loss_fn = make_loss_fn(node.meta["program"], batch, captured)
             return self.executor.update(model, batch, loss_fn, config)

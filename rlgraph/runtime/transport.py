@@ -16,8 +16,10 @@ where, which value moves from which layout to which. A transport only carries it
 | `fetch(name, rank)` | one rank's value (a model version, update statistics) |
 
 `LocalTransport` runs every rank in this process with one `Worker`: a layout's pieces are all the
-whole value, so moves are renames. `rlgraph.runtime.spmd.SpmdTransport` runs one worker process
-per rank; `rlgraph.runtime.collectives` is the reference both agree with.
+whole value, so moves are renames; values cross between the controller (CPU) and the executor's
+device at scatters, gathers and fetches, as they do between processes.
+`rlgraph.runtime.spmd.SpmdTransport` runs one worker process per rank;
+`rlgraph.runtime.collectives` is the reference both agree with.
 """
 
 from __future__ import annotations
@@ -96,10 +98,10 @@ class LocalTransport:
         self.worker.run(key, names)
 
     def scatter(self, name: str, value: Any, layout: tuple) -> None:
-        self.worker.store[name] = value
+        self.worker.put(name, value)  # to the executor's device: a CUDA run keeps worker-side values there
 
     def gather(self, name: str, layout: tuple) -> Any:
-        return self.worker.store[name]
+        return self.worker.get(name)  # back to the CPU, where the controller's values live
 
     def move(self, source: str, name: str, src: tuple, dst: tuple, kind: str, per_row: bool) -> None:
         self.worker.alias(name, source)
@@ -113,7 +115,7 @@ class LocalTransport:
             offload(role, direction)
 
     def fetch(self, name: str, rank: int) -> Any:
-        return self.worker.store[name]
+        return self.worker.get(name)
 
     def current(self, role: str, rank: int) -> Any:
         return self.executor.current(role)

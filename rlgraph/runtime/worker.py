@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from rlgraph.backends.protocols import Executor, ModelRef
+from rlgraph.batches import to_device
 from rlgraph.ir.program import Program
 from rlgraph.runtime.eager import Interpreter, run_node
 
@@ -54,10 +55,12 @@ class Worker:
 
     # -- values ------------------------------------------------------------------------------
     def put(self, name: str, value: Any) -> None:
-        self.store[name] = _to(value, _device_of(self.executor))
+        """Keep a value from the controller, on this rank's device (worker-side values live there)."""
+        self.store[name] = to_device(value, _device_of(self.executor))
 
     def get(self, name: str) -> Any:
-        return _to(self.store[name], torch.device("cpu"))
+        """A value for the controller, whose values live on the CPU."""
+        return to_device(self.store[name], torch.device("cpu"))
 
     def alias(self, name: str, source: str) -> None:
         """`name` holds the same piece as `source` (a move whose layouts collapse on one worker)."""
@@ -132,16 +135,3 @@ class _StoreView(dict):
 def _device_of(executor: Any) -> torch.device:
     return getattr(executor, "device", torch.device("cpu"))
 
-
-def _to(value: Any, device: torch.device) -> Any:
-    """Tensors and records moved to `device` (a no-op when they are there already)."""
-    from rlgraph.batches import Prompts, Rollouts
-
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (Prompts, Rollouts)):
-        import attrs
-
-        return attrs.evolve(value, **{f.name: getattr(value, f.name).to(device) for f in attrs.fields(type(value))
-                                      if isinstance(getattr(value, f.name), torch.Tensor)})
-    return value

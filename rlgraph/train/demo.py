@@ -1,4 +1,4 @@
-"""The demo run: a tiny Qwen2 learns two-number addition, SFT warm start then RL, on CPU.
+"""The demo run: a tiny Qwen2 learns two-number addition, SFT warm start then RL, on CPU (or CUDA).
 
 Everything runs through traced algorithms (`sft`, the RL algorithm, `evaluate`) and the
 interpreter; this module only wires the roles, the data and the clock. The RL algorithm is any
@@ -66,6 +66,7 @@ class DemoConfig:
     runtime: str = attrs.field(default="local", validator=attrs.validators.in_(("local", "spmd", "ray")))
     nproc: int = 2                # spmd/ray: workers (mesh ranks); the policy trains with FSDP2 over them
     address: str | None = None    # ray: a running cluster ("auto" after `ray start --head`); None starts a local one
+    # Where the models live and run, on every runtime: auto is cuda when a GPU is present, else cpu.
     device: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "cpu", "cuda")))
     timeout_s: float | None = None  # spmd: how long a step may wait on a worker (None: 60 s on CPU, 600 s on CUDA)
 
@@ -86,11 +87,13 @@ class DemoResult:
 
 
 def build_roles(config: DemoConfig) -> tuple[LocalExecutor, Any]:
+    """The policy on `config.device` (`auto`: CUDA when present; `cuda` without a GPU is refused)."""
+    device = resolve_device(config.device)
     tokenizer = load_tokenizer()
-    model = build_causal_lm(tokenizer=tokenizer, seed=config.seed)
+    model = build_causal_lm(tokenizer=tokenizer, seed=config.seed).to(device)  # built on the CPU: same weights anywhere
     policy = LMWorker(model, torch.optim.AdamW(model.parameters(), lr=config.sft_lr))
     executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(exact_match)}, tokenizer,
-                             max_new_tokens=config.max_new_tokens, seed=config.seed)
+                             max_new_tokens=config.max_new_tokens, seed=config.seed, device=device)
     return executor, tokenizer
 
 
@@ -102,7 +105,7 @@ def add_reference(executor: LocalExecutor) -> None:
 
 def add_critic(executor: LocalExecutor, config: DemoConfig) -> None:
     """PPO's critic: the warm-started policy's backbone (as verl initialises it) plus a value head."""
-    critic = build_critic(tokenizer=executor.tokenizer, seed=config.seed + 1)
+    critic = build_critic(tokenizer=executor.tokenizer, seed=config.seed + 1).to(executor.device)
     critic.backbone.load_state_dict(executor.models["policy"].model.state_dict())
     executor.models["critic"] = LMWorker(critic, torch.optim.AdamW(critic.parameters(), lr=config.critic_lr), kind="critic")
 
@@ -174,22 +177,30 @@ def _warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer,
     return sft_trainer.step, time.perf_counter() - start, dev_acc
 
 
+def compile_rl(config: DemoConfig, device: str, ranks: int = 1) -> Any:
+    """The demo's RL plan (`config.algorithm` and its hyper-parameters) for a mesh of `ranks` devices
+    of kind `device` ("cpu" or "cuda"), colocated, native generation engine."""
+    hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams,
+               "n": config.rl_samples, "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}
+    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, ranks)
+    placement = colocated(offload=False, checkpointing=False)
+    return compile_algorithm(ALGORITHMS[config.algorithm], mesh=mesh, placement=placement,
+                             engine="native",  # the engine the workers run (vLLM: issue 13)
+                             sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
+
+
 def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, console: Console):
     """The RL phase through the compiled plan; returns (trainer, seconds, smoothed reward).
 
-    RL starts a fresh AdamW at `rl_lr` from the warm-started weights. With `runtime="spmd"` or `"ray"` the
-    same algorithm is compiled for a mesh of `nproc` ranks and runs in worker processes (the
-    policy FSDP2-sharded over them); the trained weights come back to `executor` at the end.
+    RL starts a fresh AdamW at `rl_lr` from the warm-started weights. Locally the plan is compiled
+    for a mesh of one device, the executor's. With `runtime="spmd"` or `"ray"` the same algorithm
+    is compiled for a mesh of `nproc` ranks of that kind and runs in worker processes (the policy
+    FSDP2-sharded over them); the trained weights come back to `executor` at the end.
     """
-    hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams,
-               "n": config.rl_samples, "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}
     remote = config.runtime != "local"  # spmd or ray: worker processes, one per mesh rank
-    device = resolve_device(config.device) if remote else "cpu"
-    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, config.nproc) if remote else "cpu:1"
+    device = executor.device.type  # where the models live: the workers use the same kind of device
     # RL runs the compiled plan, not the eager interpreter: the plan is the truth.
-    compiled = compile_algorithm(ALGORITHMS[config.algorithm], mesh=mesh, placement=colocated(offload=False, checkpointing=False),
-                                 engine="native",  # the engine the workers run (vLLM: issue 13)
-                                 sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
+    compiled = compile_rl(config, device, ranks=config.nproc if remote else 1)
     roles = {node.target for node in compiled.source.inputs}
     executor.models["policy"].optimizer = torch.optim.AdamW(executor.models["policy"].model.parameters(), lr=config.rl_lr)
     if "critic" in roles:
@@ -244,7 +255,8 @@ def world_of(executor: LocalExecutor, rewards: dict[str, Any], config: DemoConfi
         lr = worker.optimizer.param_groups[0]["lr"] if worker.optimizer is not None else 0.0
         optimizer = None if worker.optimizer is None else ("sgd" if isinstance(worker.optimizer, torch.optim.SGD) else "adamw")
         roles[role] = RoleSpec(kind=worker.kind, optimizer=optimizer, lr=lr,
-                               weights={k: v.detach().clone() for k, v in worker.model.state_dict().items()})
+                               weights={k: v.detach().to("cpu", copy=True)  # a copy on the CPU, whatever the device
+                                        for k, v in worker.model.state_dict().items()})
     return WorldSpec(roles, rewards, max_new_tokens=config.max_new_tokens, seed=config.seed)
 
 

@@ -140,6 +140,16 @@ def test_temperature_must_be_positive():
         head.token_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long), temperature=0.0)
 
 
+def test_autocast_leaves_the_chunked_head_in_fp32():
+    """The local executor runs its forwards under bf16 autocast on CUDA; the head still computes fp32
+    log-probs (its matmuls write into fp32 buffers, which autocast does not touch). CPU autocast here."""
+    hidden, weight, targets = _inputs(30, 17, 8, seed=5)
+    plain, _ = head.token_logprobs_chunked(hidden, weight, targets, chunk_size=7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast, _ = head.token_logprobs_chunked(hidden, weight, targets, chunk_size=7)
+    assert autocast.dtype == torch.float32 and torch.equal(autocast, plain)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

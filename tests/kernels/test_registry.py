@@ -7,6 +7,7 @@ from rlgraph.ir.ops import OPS
 from rlgraph.ir.primitives import PRIMITIVES
 from rlgraph.kernels import registry
 from rlgraph.kernels.registry import available_kernels, dispatch, register
+from tests.kernels._calls import kernel_calls
 
 # Ops with no single `rlgraph.functional` counterpart: the composite loss (PPO + KL + entropy).
 COMPOSITES = {"policy_loss"}
@@ -64,18 +65,7 @@ def test_register_refuses_duplicates(monkeypatch):
 
 
 def test_both_implementations_agree_through_dispatch(monkeypatch):
-    gen = torch.Generator().manual_seed(0)
-    rewards, values = torch.randn(4, 5, generator=gen), torch.randn(4, 5, generator=gen)
-    mask = torch.rand(4, 5, generator=gen) > 0.3
-    outcomes, group = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
-    lp, old = torch.randn(4, 5, generator=gen), torch.randn(4, 5, generator=gen)
-    calls = {
-        "fused_group_normalize": (outcomes, group), "fused_rloo": (outcomes, group),
-        "fused_reinforce_pp_baseline": (outcomes, group, mask), "fused_gae": (rewards, values, mask),
-        "fused_discounted_returns": (rewards, mask), "fused_ppo_clip": (lp, old, outcomes, mask),
-        "fused_policy_loss": (lp, old, outcomes, mask),
-        "logprob_head": (torch.randn(6, 4, generator=gen), torch.randn(9, 4, generator=gen), torch.arange(6)),
-    }
+    calls = kernel_calls()
     assert set(calls) == {k.name for k in available_kernels()}
     for name, args in calls.items():
         monkeypatch.setenv("TRITON_INTERPRET", "1")

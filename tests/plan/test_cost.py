@@ -62,3 +62,10 @@ def test_offload_costs_host_link_time_and_a_faster_profile_costs_less():
     assert on.phases["offload"] > 0 and "offload" not in off.phases
     plan = ppo().plan
     assert plan.cost_analysis(profile("h200")).total < plan.cost_analysis(profile("a100")).total
+
+
+def test_activation_checkpointing_costs_a_recomputed_forward():
+    """On one node the step is compute-bound (across two, FSDP's traffic hides the recompute)."""
+    ckpt = ppo("h200:8", rg.colocated(offload=False)).cost_analysis().phases["train"]
+    plain = ppo("h200:8", rg.colocated(offload=False, checkpointing=False)).cost_analysis().phases["train"]
+    assert ckpt == pytest.approx(plain * 4 / 3)

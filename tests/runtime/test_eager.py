@@ -65,3 +65,33 @@ def test_a_stale_model_version_is_refused():
     executor = make_executor()
     with pytest.raises(StaleVersionError):
         executor.generate(ModelRef("policy", 3), prompts(1), n=1)
+
+
+def test_update_gets_its_batch_and_captured_values_on_the_executors_device(monkeypatch):
+    """The loss closure runs where the executor trains; its inputs are moved there ("meta" stands
+    in for a GPU: a second device whose tensors have shapes and no data)."""
+    from rlgraph.runtime import eager
+
+    seen: dict[str, list[torch.device]] = {}
+
+    class TrainsOnMeta:
+        device = torch.device("meta")
+
+        def __init__(self, executor):
+            self.executor = executor
+
+        def __getattr__(self, name):  # every other primitive: the real executor, on the CPU
+            return getattr(self.executor, name)
+
+        def update(self, model, batch, loss_fn, config):
+            seen["batch"] = [batch.mask.device, batch.logprobs.device]
+            return ModelRef(model.role, model.version + 1), {}
+
+    def recording_loss_fn(loss, batch, captured):
+        seen["captured"] = [value.device for value in captured if isinstance(value, torch.Tensor)]
+        return original(loss, batch, captured)
+
+    original = eager.make_loss_fn
+    monkeypatch.setattr(eager, "make_loss_fn", recording_loss_fn)
+    Interpreter(TrainsOnMeta(make_executor(reward=parity_reward))).run(grpo.trace(n=2, max_new_tokens=4), prompts(2))
+    assert seen["captured"] and {d.type for d in seen["captured"] + seen["batch"]} == {"meta"}

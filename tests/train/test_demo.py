@@ -1,9 +1,11 @@
 """The demo with another RL algorithm: a few steps each, through the compiled plan."""
 
 import pytest
+import torch
 from rich.console import Console
 
 from rlgraph.cli import main
+from rlgraph.runtime.plan_runner import WorkerFailure
 from rlgraph.train.demo import DemoConfig, run_demo
 
 
@@ -63,3 +65,9 @@ def test_the_demo_flags_refuse_bad_values(flags, capsys):
         main(["demo", *flags])
     err = capsys.readouterr().err
     assert "error: argument " + flags[0] in err  # argparse names the flag
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_the_demo_refuses_cuda_without_a_gpu_before_training():
+    with pytest.raises(WorkerFailure, match="device 'cuda' was asked for, but torch sees no CUDA GPU here"):
+        run_demo(DemoConfig(device="cuda", threads=1, run_dir=None), Console(quiet=True))

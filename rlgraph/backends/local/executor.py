@@ -1,4 +1,4 @@
-"""The local executor: every role in this process, on the CPU (or one local GPU).
+"""The local executor: every role in this process, on its `device` (the CPU, or one local GPU).
 
 Holds the live weights of each role and runs the five primitives:
 - `generate` with the native KV-cache engine;
@@ -6,10 +6,19 @@ Holds the live weights of each role and runs the five primitives:
 - `score` by decoding responses and calling the reward function;
 - `update`: epochs x mini-batches x micro-batches of the loss closure, gradient accumulation,
   gradient clipping and one optimizer step per mini-batch; bumps the role's version.
+
+Devices: the models live on `device`. A primitive moves its inputs there and returns its outputs
+on the device its inputs came from, so the eager interpreter (whose values live on the CPU) runs
+against a CUDA executor unchanged, and a worker whose values are on the device already never
+copies. On CUDA the forwards (generation, log-probs, values, the training forward) run under bf16
+autocast over the fp32 weights (fp32 master weights, gradients and optimizer state); log-probs
+stay fp32 (the chunked head upcasts). On the CPU everything is fp32. The CUDA path is written
+against documented PyTorch APIs and is untested here: no GPU was available (tests/gpu).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +29,7 @@ from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, S
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.protocols import ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
 from rlgraph.functional.aggregate import global_counts
-from rlgraph.batches import Prompts, Rollouts
+from rlgraph.batches import Prompts, Rollouts, to_device
 
 
 class StaleVersionError(RuntimeError):
@@ -49,14 +58,26 @@ class RewardWorker:
 
 
 class LocalExecutor:
+    """Every role of `models` on `device` (their modules must be there already)."""
+
     def __init__(self, models: Mapping[str, LMWorker], rewards: Mapping[str, RewardWorker], tokenizer: Any, *,
-                 max_new_tokens: int = 16, seed: int = 0):
+                 max_new_tokens: int = 16, seed: int = 0, device: torch.device | str = "cpu"):
         self.models = dict(models)
         self.rewards = dict(rewards)
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
-        self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling
+        self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling, on the CPU whatever the device
         self.sampling = SamplingStream(seed)  # generation: counter-based, one call per generate
+        self.device = require_device(device)
+        # bf16 autocast over fp32 weights on CUDA; None: compute in the weights' dtype. The FSDP2
+        # executor passes no device (it has its own MixedPrecisionPolicy), so it stays None there.
+        self.compute_dtype: torch.dtype | None = torch.bfloat16 if self.device.type == "cuda" else None
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The forwards' precision: autocast to `compute_dtype`, or nothing (fp32 on the CPU, as before)."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     # -- versions ----------------------------------------------------------------------------
     def current(self, role: str) -> ModelRef:
@@ -88,19 +109,22 @@ class LocalExecutor:
     # -- primitives --------------------------------------------------------------------------
     def generate(self, model: ModelRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int | None = None) -> Rollouts:
+        home = prompts.ids.device
         engine = NativeGenerator(self._engine(model), eos_token_id=self.tokenizer.eos_token_id,
                                  pad_token_id=self.tokenizer.pad_token_id)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
-        rollouts = engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance())
+        with self._autocast():
+            rollouts = engine.generate(to_device(prompts, self.device), n, params, seed=self.sampling.seed,
+                                       call=self.sampling.advance())
         # Static T: every rank's rollouts have the same shape, whatever its responses' lengths, so
         # shards concatenate and move between ranks without re-padding, and horizon-normalised
         # losses see the same T on one rank or many.
-        return rollouts.pad_responses(params.max_new_tokens, pad_id=self.tokenizer.pad_token_id)
+        return to_device(rollouts.pad_responses(params.max_new_tokens, pad_id=self.tokenizer.pad_token_id), home)
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False) -> Any:
         worker = self._live(model)
         output, ent = self._inference(worker, rollouts, temperature=temperature, with_entropy=entropy)
-        return (output, ent) if entropy else output
+        return (output, ent) if entropy else output  # on the rollouts' device (`_inference`)
 
     def values(self, model: ModelRef, rollouts: Rollouts) -> torch.Tensor:
         worker = self._live(model)
@@ -109,14 +133,17 @@ class LocalExecutor:
         return self._inference(worker, rollouts, temperature=1.0, with_entropy=False)[0]
 
     def _inference(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool):
-        """`_forward` in eval mode without gradients (reference and old log-probs, critic values)."""
+        """`_forward` in eval mode without gradients (reference and old log-probs, critic values),
+        run on the executor's device; the outputs come back on the rollouts' device."""
         was_training = worker.model.training
         worker.model.eval()
         try:
-            with torch.no_grad():
-                return self._forward(worker, rollouts, temperature=temperature, with_entropy=with_entropy)
+            with torch.no_grad(), self._autocast():
+                outputs = self._forward(worker, to_device(rollouts, self.device), temperature=temperature,
+                                        with_entropy=with_entropy)
         finally:
             worker.model.train(was_training)
+        return to_device(outputs, rollouts.response_ids.device)
 
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,13 +158,15 @@ class LocalExecutor:
         scores = torch.as_tensor(values, dtype=torch.float32)
         if scores.shape != (len(rollouts),):
             raise ValueError(f"reward {reward.role!r} returned shape {tuple(scores.shape)}, expected ({len(rollouts)},)")
-        return scores
+        # Decoding and a Python reward run on the host; the scores join the rollouts' device.
+        return scores.to(rollouts.response_ids.device)
 
     def update(self, model: ModelRef, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig) -> tuple[ModelRef, dict[str, float]]:
         worker = self._live(model)
         if worker.optimizer is None:
             raise ValueError(f"role {model.role!r} is frozen (no optimizer); only trainable roles can be updated")
-        stats = self._train_epochs(worker, batch, loss_fn, config)
+        # `loss_fn` must hold its captured values on this device too (the interpreter moves them).
+        stats = self._train_epochs(worker, to_device(batch, self.device), loss_fn, config)
         worker.version += 1
         return ModelRef(model.role, worker.version), stats
 
@@ -169,8 +198,9 @@ class LocalExecutor:
                 counts = self._all_reduce_sum(role, torch.stack(global_counts(batch.mask[minibatch.to(batch.mask.device)])))
                 step: dict[str, torch.Tensor] = {}
                 for micro in split_rows(minibatch, size=config.micro_batch_size or len(minibatch)):
-                    output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
-                                                    with_entropy=wants_entropy)
+                    with self._autocast():  # the forward only: the loss math and backward stay out of autocast
+                        output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
+                                                        with_entropy=wants_entropy)
                     loss, metrics = loss_fn(micro, LossCounts(counts[0], counts[1]), output, entropy)
                     loss.backward()
                     for key, value in {"loss": loss, **metrics}.items():
@@ -187,8 +217,9 @@ class LocalExecutor:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def export_state(self) -> ExecutorState:
+        # On the CPU, whatever the device, so a checkpoint loads on any machine.
         roles = {role: RoleState({k: v.detach().cpu().contiguous() for k, v in worker.model.state_dict().items()},
-                                 worker.optimizer.state_dict() if worker.optimizer is not None else None,
+                                 None if worker.optimizer is None else to_device(worker.optimizer.state_dict(), "cpu"),
                                  _optimizer_kind(worker.optimizer), worker.version)
                  for role, worker in self.models.items()}
         return ExecutorState(roles, self.generator.get_state(), attrs.asdict(self.sampling))
@@ -208,6 +239,15 @@ class LocalExecutor:
 
     def _role_of(self, worker: LMWorker) -> str:
         return next(role for role, held in self.models.items() if held is worker)
+
+
+def require_device(device: torch.device | str) -> torch.device:
+    """`device` as a `torch.device`; a CUDA device on a machine without a GPU is refused with the fix."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for, but torch sees no CUDA GPU here; use 'cpu' "
+                         "(or 'auto' where offered: it picks cuda only when a GPU is present)")
+    return device
 
 
 class CheckpointMismatch(ValueError):

@@ -1,0 +1,63 @@
+"""The local executor's device and precision, on the CPU. Its CUDA path is tested in tests/gpu.
+
+The bf16 test runs the precision the executor uses on CUDA (autocast over fp32 weights) under CPU
+autocast: the same code path, so its dtypes and its agreement with fp32 are checked without a GPU.
+Tolerance: log-probs within 5e-2 of fp32 (bf16 keeps 8 significant bits; a 2-layer model's
+log-probs of magnitude ~4 move by a few 1e-2).
+"""
+
+import pytest
+import torch
+
+from rlgraph.backends.protocols import LossCounts, ModelRef, UpdateConfig
+from rlgraph.backends.world import RoleSpec, WorldSpec
+from rlgraph.batches import Rollouts
+from rlgraph.testing import tiny_executor, tiny_prompts
+
+POLICY = ModelRef("policy", 0)
+
+
+def _mean_logprob_loss(batch: Rollouts):
+    """loss_fn(rows, counts, lp [n, T], entropy) = -sum(lp * mask) / tokens of the mini-batch."""
+    def loss_fn(rows: torch.Tensor, counts: LossCounts, lp: torch.Tensor, entropy: torch.Tensor | None):
+        return -(lp * batch.mask[rows]).sum() / counts.tokens, {}
+    return loss_fn
+
+
+def test_an_executor_is_on_the_cpu_in_fp32_unless_told():
+    executor = tiny_executor()
+    assert executor.device == torch.device("cpu") and executor.compute_dtype is None
+    ro = executor.generate(POLICY, tiny_prompts(2), n=2)
+    assert ro.response_ids.device.type == "cpu" and executor.logprobs(POLICY, ro).dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_cuda_executor_on_a_machine_without_a_gpu_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="'cuda' was asked for, but torch sees no CUDA GPU here; use 'cpu'"):
+        WorldSpec({"policy": RoleSpec(optimizer="sgd")}).build_local("cuda")
+
+
+def test_bf16_autocast_keeps_fp32_logprobs_weights_and_optimizer_state():
+    fp32, bf16 = tiny_executor(optimizer="adamw"), tiny_executor(optimizer="adamw")
+    bf16.compute_dtype = torch.bfloat16  # what a CUDA executor sets itself
+    ro = fp32.generate(POLICY, tiny_prompts(4), n=2)
+    sampled = bf16.generate(POLICY, tiny_prompts(4), n=2)
+    assert sampled.logprobs.dtype == torch.float32
+    exact, rounded = fp32.logprobs(POLICY, ro), bf16.logprobs(POLICY, ro)
+    assert rounded.dtype == torch.float32 and not torch.equal(rounded, exact)  # it did compute in bf16
+    torch.testing.assert_close(rounded, exact, atol=5e-2, rtol=0)
+    ref, stats = bf16.update(POLICY, ro, _mean_logprob_loss(ro), UpdateConfig())
+    assert ref == ModelRef("policy", 1) and stats["grad_norm"] > 0
+    worker = bf16.models["policy"]
+    assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # the master weights
+    assert all(v.dtype == torch.float32 for state in worker.optimizer.state.values() for k, v in state.items()
+               if k != "step")
+
+
+def test_a_checkpoint_holds_cpu_tensors():
+    executor = tiny_executor(optimizer="adamw")
+    ro = executor.generate(POLICY, tiny_prompts(2), n=2)
+    executor.update(POLICY, ro, _mean_logprob_loss(ro), UpdateConfig())
+    state = executor.export_state().roles["policy"]
+    tensors = [*state.model.values(), *(v for entry in state.optimizer["state"].values() for v in entry.values())]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
