@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--address", default=None, help="ray: the cluster to join, e.g. auto after `ray start --head`")
     demo.add_argument("--nproc", type=_positive_int, default=2, help="spmd worker processes (mesh ranks)")
     demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                      help="where spmd workers run: cuda when a GPU is present (auto), else cpu")
+                      help="where the models run (every runtime): cuda when a GPU is present (auto), else cpu")
     demo.add_argument("--timeout", type=float, default=None,
                       help="spmd: seconds a step may wait on a worker before failing (default 60 on CPU, 600 on CUDA)")
     demo.add_argument("--rl-steps", type=_positive_int, default=None, help="stop RL after this many steps (default: time-bound)")

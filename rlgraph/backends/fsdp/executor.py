@@ -42,7 +42,7 @@ from rlgraph.backends.local.executor import (LMWorker, LocalExecutor, RewardWork
 from rlgraph.backends.local.generation import SamplingParams, SamplingStream
 from rlgraph.backends.protocols import ExecutorState, ModelRef
 from rlgraph.backends.vllm.engine import VLLMEngine
-from rlgraph.batches import Rollouts
+from rlgraph.batches import Rollouts, to_device
 
 GENERATOR_OF = {"rollout": "policy"}
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases have only the old name.
@@ -237,7 +237,8 @@ class FSDPExecutor(LocalExecutor):
         for role, worker in self.models.items():
             group_ranks = sorted(dist.get_process_group_ranks(self.role_groups[role]))
             roles[role] = {"model": self.full_state(role), "group": group_ranks, "version": worker.version,
-                           "optimizer": worker.optimizer.state_dict() if worker.optimizer is not None else None,
+                           "optimizer": to_device(worker.optimizer.state_dict(), torch.device("cpu"))
+                           if worker.optimizer is not None else None,  # the controller may have no GPU
                            "optimizer_kind": _optimizer_kind(worker.optimizer)}
         return {"roles": roles, "shuffle_rng": self.generator.get_state(), "sampling": attrs.asdict(self.sampling)}
 
