@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import rlgraph as rg
+import rlgraph.testing as rgt
 from rlgraph.algorithms import ALGORITHMS, grpo
 from rlgraph.passes.memory_plan import plan_memory
 from rlgraph.passes.options import PlacementConfigError
@@ -25,6 +26,7 @@ def compile_grpo(placement, mesh="gpu:8"):
 def test_auto_is_no_slower_than_any_hand_written_placement_of_the_docs():
     auto = compile_grpo("auto")
     assert auto.search is not None and auto.search.best.compiled is not None
+    rgt.assert_plan_invariants(auto)  # the winner is an ordinary compiled plan
     for placement in HAND_WRITTEN:
         assert auto.cost_analysis().total <= compile_grpo(placement).cost_analysis().total
 
@@ -54,12 +56,14 @@ meshes = st.sampled_from(["cpu:1", "cpu:2", "gpu:1", "gpu:2", "gpu:4", "1x8:a100
 models = st.sampled_from(["tiny-qwen2", "qwen2.5-0.5b", "qwen2.5-7b", "llama3-8b"])
 
 
-@settings(max_examples=6, deadline=None)
-@given(meshes, models, st.sampled_from([8, 16, 64]), st.sampled_from([64, 256]), st.sampled_from([64, 512]))
-def test_every_returned_placement_fits_in_memory(mesh, model, batch, prompt, response):
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from(["grpo", "ppo"]), meshes, models, st.sampled_from([8, 16, 64]), st.sampled_from([64, 256]),
+       st.sampled_from([64, 512]))
+def test_every_returned_placement_fits_in_memory(name, mesh, model, batch, prompt, response):
+    n = 4 if name == "grpo" else 1
     try:
-        compiled = rg.compile(grpo, mesh=mesh, placement="auto", sizes={"B": batch, "P": prompt, "T": response, "n": 4},
-                              models={"policy": model}, n=4)
+        compiled = rg.compile(ALGORITHMS[name], mesh=mesh, placement="auto", models={"policy": model},
+                              sizes={"B": batch, "P": prompt, "T": response, "n": n}, **({"n": n} if name == "grpo" else {}))
     except PlacementError as exc:
         assert "no placement fits" in str(exc) and "short by" in str(exc)
         return
