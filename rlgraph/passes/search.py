@@ -87,6 +87,8 @@ def explain(ranked: tuple[Candidate, ...]) -> str:
     lost = [f"{phase} +{format_seconds(delta)}" for delta, phase in losses if delta > 0][:2]
     gained = [f"{phase} -{format_seconds(-delta)}" for delta, phase in losses if delta < 0][:1]
     gap = runner.cost.total - best.cost.total
+    if not lost or gap <= 1e-9 * best.cost.total:
+        return why + f". The runner-up {runner.text} is estimated the same: a tie, broken by the placements' text"
     return (why + f". The runner-up {runner.text} is {format_seconds(gap)} slower: it loses on " + ", ".join(lost)
             + (f" and gains only {gained[0]}" if gained else ""))
 
@@ -111,14 +113,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(roles: set[str], options: CompileOptions, heads: int) -> list[Placement]:
-    """Every placement the search compiles, in a fixed order."""
-    mesh = options.mesh
-    tps = _tp_sizes(options, heads)
+def candidates(used: dict[str, set[str]], options: CompileOptions, heads: int) -> list[Placement]:
+    """Every placement the search compiles, in a fixed order; options a program cannot use (tp
+    without a `generate`, shards, checkpointing and offload without an `update`) are left out."""
+    mesh, roles = options.mesh, set(used)
+    phases = set().union(*used.values()) if used else set()
+    tps = _tp_sizes(options, heads) if "generate" in phases else [1]
+    trains = "train" in phases
+    shards = _divisors(mesh.size) if trains else [mesh.size]
+    ckpts = (True, False) if trains else (True,)
+    offloads = (True, False) if trains and "generate" in phases else (False,)
     out: list[Placement] = [colocated(fsdp=fsdp, tp=tp, offload=offload, checkpointing=ckpt)
-                            for fsdp in _divisors(mesh.size) for tp in tps if mesh.size % tp == 0
-                            for offload in (True, False) for ckpt in (True, False)]
-    if "policy" not in roles or mesh.size < 2:
+                            for fsdp in shards for tp in tps if mesh.size % tp == 0
+                            for offload in offloads for ckpt in ckpts]
+    if "policy" not in roles or mesh.size < 2 or not trains or "generate" not in phases:
         return out
     chunks = {2 ** k for k in range(mesh.size.bit_length()) if 2 ** k < mesh.size}
     chunks |= {k * mesh.per_node for k in range(1, mesh.nodes)}
@@ -129,7 +137,7 @@ def candidates(roles: set[str], options: CompileOptions, heads: int) -> list[Pla
         for shares in itertools.product(("policy", "rollout"), repeat=len(others)):
             groups = {"policy": policy, "rollout": rollout, **dict(zip(others, shares))}
             out.extend(split(groups, tp=tp, checkpointing=ckpt) for tp in tps if rollout % tp == 0 and policy % tp == 0
-                       for ckpt in (True, False))
+                       for ckpt in ckpts)
     return out
 
 
@@ -151,10 +159,10 @@ def search(program: Program, options: CompileOptions, compile_rest: Callable, *,
     from rlgraph.passes.place import roles_used
 
     start = time.perf_counter()
-    roles = set(roles_used(partition(program, attrs.evolve(options, placement=Colocated()))))
+    used = roles_used(partition(program, attrs.evolve(options, placement=Colocated())))
     heads = model_shape(options, "policy").heads
     feasible, dropped, closest = [], 0, None
-    for placement in candidates(roles, options, heads):
+    for placement in candidates(used, options, heads):
         trial = attrs.evolve(options, placement=placement)
         try:
             compiled = compile_rest(program, trial)

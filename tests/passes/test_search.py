@@ -82,3 +82,11 @@ def test_a_misspelt_placement_suggests_auto():
 def test_a_mesh_where_nothing_fits_names_the_closest_candidate_and_its_shortfall():
     with pytest.raises(PlacementError, match=r"no placement fits on the mesh 1x1 l40s .*the closest, colocated\(.*short by"):
         rg.compile(grpo, mesh="1x1:l40s", placement="auto", sizes=dict(SIZES, n=8), models={"policy": "llama3-70b"}, n=8)
+
+
+def test_a_tie_is_called_a_tie():
+    """SFT has no generation: FSDP over 4 or 8 ranks of a node trains at the same estimated speed."""
+    compiled = rg.compile(ALGORITHMS["sft"], mesh="2x8:h100", placement="auto", sizes=dict(SIZES, n=1),
+                          models={"policy": "qwen2.5-7b"})
+    assert all(c.placement.tp == 1 for c in compiled.search.ranked)  # no generation: tp is not searched
+    assert "a tie, broken by the placements' text" in compiled.search.text()
