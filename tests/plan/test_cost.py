@@ -69,3 +69,10 @@ def test_activation_checkpointing_costs_a_recomputed_forward():
     ckpt = ppo("h200:8", rg.colocated(offload=False)).cost_analysis().phases["train"]
     plain = ppo("h200:8", rg.colocated(offload=False, checkpointing=False)).cost_analysis().phases["train"]
     assert ckpt == pytest.approx(plain * 4 / 3)
+
+
+def test_a_plan_read_back_from_json_costs_the_same():
+    from rlgraph.plan.plan import Plan
+
+    plan = ppo(placement=rg.split({"policy": 8, "rollout": 8, "critic": "policy"}, tp=2)).plan
+    assert Plan.from_json(plan.to_json()).cost_analysis() == plan.cost_analysis()
