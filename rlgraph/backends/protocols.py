@@ -53,8 +53,11 @@ class UpdateConfig:
     grad_clip: float | None = 1.0
     temperature: float = 1.0
     shuffle: bool = False
+    on_nonfinite: str = "raise"  # or "skip": a mini-batch with a NaN/inf gradient norm is dropped and counted
 
     def __attrs_post_init__(self) -> None:
+        if self.on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"update: on_nonfinite must be 'raise' or 'skip', got {self.on_nonfinite!r}")
         if self.epochs < 1 or self.minibatches < 1:
             raise ValueError(f"update: epochs and minibatches must be >= 1, got {self.epochs}, {self.minibatches}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:

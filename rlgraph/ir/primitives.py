@@ -201,31 +201,40 @@ def score(reward, rollouts):
     """Rewards f32[N] from a reward function or reward model."""
 
 
-UPDATE_DEFAULTS = dict(epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0, temperature=1.0, shuffle=False)
+UPDATE_DEFAULTS = dict(epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0, temperature=1.0, shuffle=False,
+                       on_nonfinite="raise")
+NONFINITE_POLICIES = ("raise", "skip")
 
 
 def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0,
-           temperature=1.0, shuffle=False):
+           temperature=1.0, shuffle=False, on_nonfinite="raise"):
     """Train `model` on `batch` by minimising the traced `loss` closure; returns `model@v+1`.
 
     The closure receives the model's per-token output with gradients (log-probs f32[N,T] for a
     language model, values for a critic; a second parameter receives the entropy) and returns a
     scalar loss or `(loss, {metric: scalar})`. Values it uses from the algorithm are captured as
     inputs of the update; per-rollout ones ([N, ...]) are split with the micro-batches.
+
+    A mini-batch whose gradient norm is NaN or inf never reaches the weights: `on_nonfinite="raise"`
+    stops the run naming the update, the mini-batch and the rows; `"skip"` drops that mini-batch's
+    step and counts it (`<role>/skipped_steps`).
     """
     from rlgraph.ir.trace import trace_loss  # the loss is traced by a child tracer
 
     if not ops.ACTIVE_TRACERS:
         raise TraceError("rg.update was called outside an algorithm", user_location(),
                          fix="call primitives inside a function decorated with @rg.algorithm")
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise TraceError(f"rg.update(on_nonfinite={on_nonfinite!r}) is not a policy", user_location(),
+                         fix=f"use one of {', '.join(map(repr, NONFINITE_POLICIES))}")
     config = dict(epochs=epochs, minibatches=minibatches, micro_batch_size=micro_batch_size,
-                  grad_clip=grad_clip, temperature=temperature, shuffle=shuffle)
+                  grad_clip=grad_clip, temperature=temperature, shuffle=shuffle, on_nonfinite=on_nonfinite)
     return trace_loss(_update_primitive, model, batch, loss, config)
 
 
 @declare(_update_spec)
 def _update_primitive(model, batch, *captures, stats=(), epochs=1, minibatches=1, micro_batch_size=None,
-                      grad_clip=1.0, temperature=1.0, shuffle=False):
+                      grad_clip=1.0, temperature=1.0, shuffle=False, on_nonfinite="raise"):
     """(recorded form of rg.update: the loss closure lives in node.meta['program'])"""
 
 

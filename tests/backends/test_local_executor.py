@@ -61,3 +61,75 @@ def test_a_checkpoint_holds_cpu_tensors():
     state = executor.export_state().roles["policy"]
     tensors = [*state.model.values(), *(v for entry in state.optimizer["state"].values() for v in entry.values())]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
+
+
+# -- non-finite values never reach the weights ------------------------------------------------------
+
+
+def _nan_loss(micro_rows, counts, output, entropy):
+    return output.sum() * float("nan"), {}
+
+
+def _weights(executor):
+    return {k: v.clone() for k, v in executor.models["policy"].model.state_dict().items()}
+
+
+def test_a_nan_gradient_stops_the_update_before_any_weight_changes():
+    from rlgraph.backends.local.executor import NonFiniteUpdate
+    from rlgraph.backends.protocols import ModelRef, UpdateConfig
+    from rlgraph.testing import tiny_executor, tiny_prompts
+
+    executor = tiny_executor()
+    rollouts = executor.generate(ModelRef("policy", 0), tiny_prompts(2), n=2)
+    before = _weights(executor)
+    with pytest.raises(NonFiniteUpdate, match=r"policy@0: the gradient norm is nan at epoch 0, mini-batch 0.*rows with a non-finite loss here: \[0, 1, 2, 3\]"):
+        executor.update(ModelRef("policy", 0), rollouts, _nan_loss, UpdateConfig())
+    assert all(torch.equal(before[k], v) for k, v in _weights(executor).items())
+    assert executor.current("policy").version == 0
+
+
+def test_on_nonfinite_skip_drops_the_step_and_counts_it():
+    from rlgraph.backends.protocols import ModelRef, UpdateConfig
+    from rlgraph.testing import tiny_executor, tiny_prompts
+
+    executor = tiny_executor()
+    rollouts = executor.generate(ModelRef("policy", 0), tiny_prompts(2), n=2)
+    before = _weights(executor)
+    ref, stats = executor.update(ModelRef("policy", 0), rollouts, _nan_loss, UpdateConfig(on_nonfinite="skip"))
+    assert stats["skipped_steps"] == 1.0 and ref.version == 1
+    assert all(torch.equal(before[k], v) for k, v in _weights(executor).items())
+    with pytest.raises(ValueError, match="on_nonfinite must be 'raise' or 'skip'"):
+        UpdateConfig(on_nonfinite="ignore")
+
+
+@pytest.mark.parametrize("reward, message", [
+    (lambda c, **_: [float("nan")] + [1.0] * (len(c) - 1), r"non-finite rewards for 1 sample\(s\) \(sample 0: nan for "),
+    (lambda c, **_: [float("inf")] * len(c), r"non-finite rewards for 4 sample"),
+    (lambda c, **_: ["good"] * len(c), r"not a list of numbers; sample 0 got 'good'"),
+    (lambda c, **_: [None] * len(c), r"not a list of numbers; sample 0 got None"),
+    (lambda c, **_: [1.0], r"returned shape \(1,\); expected one number per completion \(4,\)"),
+])
+def test_a_reward_that_is_not_one_finite_number_per_completion_names_the_sample(reward, message):
+    from rlgraph.backends.local.executor import RewardError
+    from rlgraph.backends.protocols import ModelRef, RewardRef
+    from rlgraph.testing import tiny_executor, tiny_prompts
+
+    executor = tiny_executor(reward=reward)
+    rollouts = executor.generate(ModelRef("policy", 0), tiny_prompts(2), n=2)
+    with pytest.raises(RewardError, match=message):
+        executor.score(RewardRef("reward"), rollouts)
+
+
+def test_update_refuses_an_unknown_nonfinite_policy_at_the_users_line():
+    import rlgraph as rg
+    from rlgraph.ir.errors import TraceError
+
+    @rg.algorithm
+    def bad(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=2)
+        policy = rg.update(state.policy, ro, lambda lp: (lp * ro.mask).sum(), on_nonfinite="ignore")
+        return state.replace(policy=policy), {}
+
+    with pytest.raises(TraceError, match="on_nonfinite='ignore'") as caught:
+        bad.trace()
+    assert "test_local_executor.py" in str(caught.value)

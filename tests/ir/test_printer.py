@@ -11,7 +11,7 @@ GRPO = """\
       e:f32[N,1] = getitem[index=(:, None)] d
       f:f32[N,T] = a.logprobs
       g:bool[N,T] = a.mask
-      h:policy@v+1 i:stats{loss,grad_norm,clip_frac,approx_kl} = update[epochs=1 minibatches=1 micro_batch_size=None grad_clip=1.0 temperature=1.0 shuffle=False] policy a f e g
+      h:policy@v+1 i:stats{loss,grad_norm,clip_frac,approx_kl} = update[epochs=1 minibatches=1 micro_batch_size=None grad_clip=1.0 temperature=1.0 shuffle=False on_nonfinite='raise'] policy a f e g
       loss =
         { lambda lp:f32[N,T] ; f:f32[N,T] e:f32[N,1] g:bool[N,T] .
           let j:f32[] k:f32[] l:f32[] = ppo_clip[clip_low=0.2 clip_high=0.2] lp f e g

@@ -22,6 +22,8 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import math
+
 import attrs
 import torch
 
@@ -29,6 +31,7 @@ from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, S
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.protocols import ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
 from rlgraph.functional.aggregate import global_counts
+from rlgraph.ir.errors import RLGraphError
 from rlgraph.batches import Prompts, Rollouts, to_device
 
 
@@ -155,9 +158,7 @@ class LocalExecutor:
             raise KeyError(f"the local executor has no reward role {reward.role!r}; it has {', '.join(self.rewards)}")
         completions = decode_responses(self.tokenizer, rollouts)
         values = self.rewards[reward.role].fn(completions, **rollouts.meta)
-        scores = torch.as_tensor(values, dtype=torch.float32)
-        if scores.shape != (len(rollouts),):
-            raise ValueError(f"reward {reward.role!r} returned shape {tuple(scores.shape)}, expected ({len(rollouts)},)")
+        scores = _as_scores(reward.role, values, completions)
         # Decoding and a Python reward run on the host; the scores join the rollouts' device.
         return scores.to(rollouts.response_ids.device)
 
@@ -191,10 +192,12 @@ class LocalExecutor:
         wants_entropy = getattr(loss_fn, "wants_entropy", False)
         totals: dict[str, float] = {}
         steps = 0
-        for _ in range(config.epochs):
+        skipped = 0
+        for epoch in range(config.epochs):
             order = torch.randperm(len(batch), generator=self.generator) if config.shuffle else torch.arange(len(batch))
-            for minibatch in split_rows(order, parts=config.minibatches):
+            for index, minibatch in enumerate(split_rows(order, parts=config.minibatches)):
                 optimizer.zero_grad(set_to_none=True)
+                bad_rows: list[int] = []
                 counts = self._all_reduce_sum(role, torch.stack(global_counts(batch.mask[minibatch.to(batch.mask.device)])))
                 step: dict[str, torch.Tensor] = {}
                 for micro in split_rows(minibatch, size=config.micro_batch_size or len(minibatch)):
@@ -202,18 +205,40 @@ class LocalExecutor:
                         output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
                                                         with_entropy=wants_entropy)
                     loss, metrics = loss_fn(micro, LossCounts(counts[0], counts[1]), output, entropy)
+                    if not bool(torch.isfinite(loss.detach())):
+                        bad_rows.extend(micro.tolist())
                     loss.backward()
                     for key, value in {"loss": loss, **metrics}.items():
                         step[key] = step.get(key, 0.0) + value.detach().double()
                 summed = self._all_reduce_sum(role, torch.stack(list(step.values())).cpu()) if step else torch.zeros(0)
                 clip = config.grad_clip if config.grad_clip is not None else float("inf")
-                grad_norm = self._clip_grads(worker, clip)
+                grad_norm = self._clip_grads(worker, clip)  # global: every rank takes the same decision below
+                if not math.isfinite(grad_norm):
+                    optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights
+                    self._refuse_nonfinite(role, worker, config, grad_norm, epoch, index, bad_rows)
+                    skipped += 1
+                    continue
                 optimizer.step()
                 for key, value in zip(step, summed.tolist()):
                     totals[key] = totals.get(key, 0.0) + value
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
                 steps += 1
-        return {key: value / steps for key, value in totals.items()}
+        if not steps:  # every mini-batch was skipped: the statistics of no step
+            totals = {key: float("nan") for key in [*step, "grad_norm"]}
+        stats = {key: value / max(steps, 1) for key, value in totals.items()}
+        return {**stats, "skipped_steps": float(skipped)} if config.on_nonfinite == "skip" else stats
+
+    def _refuse_nonfinite(self, role: str, worker: LMWorker, config: UpdateConfig, grad_norm: float, epoch: int,
+                          minibatch: int, bad_rows: list[int]) -> None:
+        """With `on_nonfinite="raise"`: stop, saying where, before the optimizer step."""
+        if config.on_nonfinite == "skip":
+            return
+        rows = f"rows with a non-finite loss here: {bad_rows[:8]}" if bad_rows else "every loss was finite: the gradient overflowed"
+        raise NonFiniteUpdate(
+            f"update of {role}@{worker.version}: the gradient norm is {grad_norm} at epoch {epoch}, mini-batch "
+            f"{minibatch}; this mini-batch changed no weight ({rows})\n  fix: find where the NaN/inf enters (a reward, "
+            "an advantage, a log-ratio: this step's metrics show it), or pass on_nonfinite='skip' to rg.update to "
+            "drop such mini-batches and count them")
 
     # -- checkpoints -----------------------------------------------------------------------------
     def export_state(self) -> ExecutorState:
@@ -248,6 +273,36 @@ def require_device(device: torch.device | str) -> torch.device:
         raise ValueError(f"device {str(device)!r} was asked for, but torch sees no CUDA GPU here; use 'cpu' "
                          "(or 'auto' where offered: it picks cuda only when a GPU is present)")
     return device
+
+
+class NonFiniteUpdate(RLGraphError):
+    """An update's gradient norm was NaN or inf; no weight was changed by that mini-batch."""
+
+
+class RewardError(RLGraphError):
+    """A reward function returned something that is not one finite number per rollout."""
+
+
+def _as_scores(role: str, values: Any, completions: list[str]) -> torch.Tensor:
+    """A reward function's result as f32[N], or a `RewardError` naming the first bad sample."""
+    fn = f"reward function {role!r}"
+    try:
+        scores = torch.as_tensor(values, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        bad = next((i for i, v in enumerate(values) if not isinstance(v, (int, float, bool))), 0) \
+            if isinstance(values, (list, tuple)) else None
+        where = f"; sample {bad} got {values[bad]!r} for completion {completions[bad]!r}" if bad is not None else ""
+        raise RewardError(f"{fn} returned {type(values).__name__} that is not a list of numbers{where}\n  fix: return "
+                          "one float per completion, in order") from None
+    if scores.shape != (len(completions),):
+        raise RewardError(f"{fn} returned shape {tuple(scores.shape)}; expected one number per completion "
+                          f"({len(completions)},)")
+    bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(f"sample {i}: {scores[i].item()} for {completions[i]!r}" for i in bad[:3])
+        raise RewardError(f"{fn} returned non-finite rewards for {len(bad)} sample(s) ({shown}); nothing was trained "
+                          "on them\n  fix: return a finite number for every completion (e.g. 0.0 for a failure)")
+    return scores
 
 
 class CheckpointMismatch(ValueError):
