@@ -187,3 +187,19 @@ def test_a_spmd_checkpoint_resumes_exactly_on_spmd_and_on_local(tmp_path):
     for name, value in local_executor.models["policy"].model.state_dict().items():
         # Adam turns rounding noise in vanishing gradients (e.g. attention key biases) into steps of up to lr
         torch.testing.assert_close(final[name], value, rtol=0, atol=3 * lr, msg=name)
+
+
+def test_hsdp_two_replicas_of_two_shards_match_local():
+    world, prompts = _world(), tiny_prompts(4)
+    compiled = rg.compile(ALGORITHMS["grpo"], mesh="cpu:4", placement=rg.colocated(fsdp=2, offload=False, checkpointing=False),
+                          sizes={"B": 4, "P": 8, "T": TOKENS}, max_new_tokens=TOKENS, n=4)
+    assert "fsdp2 shard=2 replicate=2" in compiled.as_text()
+    local_executor = world.build_local()
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        for _ in range(2):
+            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
+            _assert_same_metrics(local, spmd)
+        _assert_same_weights(local_executor.models["policy"].model, transport.pull_state("policy"))
+        reports = transport.weights_report("policy")
+        assert reports[0]["local_numel"] == reports[2]["local_numel"] < 0.6 * reports[0]["global_numel"]
+        assert all(report["engine_diff"] is not None for report in reports.values())

@@ -72,12 +72,14 @@ class FSDPExecutor(LocalExecutor):
     ranks and whose generation runs in separate engines filled by `sync_weights`."""
 
     def __init__(self, models: dict[str, LMWorker], rewards: dict[str, RewardWorker], tokenizer: Any, *,
-                 rank: int, device: torch.device, role_groups: dict[str, Any], engines: dict[str, torch.nn.Module],
+                 rank: int, device: torch.device, role_groups: dict[str, Any], shard_groups: dict[str, Any],
+                 engines: dict[str, torch.nn.Module],
                  sync_groups: dict[tuple[int, ...], Any], max_new_tokens: int = 16, seed: int = 0):
         super().__init__(models, rewards, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
         self.rank = rank
         self.device = device
-        self.role_groups = role_groups    # role -> process group of the ranks that shard it
+        self.role_groups = role_groups    # role -> process group of all its data-parallel ranks
+        self.shard_groups = shard_groups  # role -> this rank's FSDP2 shard group (the role group unless HSDP)
         self.engines = engines            # served role -> full model copy that generates
         self.served: dict[str, int] = {}  # served role -> the version its engine holds
         self.sync_groups = sync_groups    # {trainer leader} | generating ranks -> process group
@@ -186,8 +188,9 @@ class FSDPExecutor(LocalExecutor):
                  for p in worker.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum().reshape(1)
-        norm = float(self._all_reduce_sum(self._role_of(worker), squares).sqrt())
+        squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum().reshape(1).to(self._comm_device())
+        dist.all_reduce(squares, group=self.shard_groups[self._role_of(worker)])  # replicas hold the same shards
+        norm = float(squares.sqrt())
         if math.isfinite(clip) and norm > clip:
             torch._foreach_mul_(grads, clip / (norm + 1e-6))  # the factor clip_grad_norm_ applies
         return norm
@@ -235,7 +238,7 @@ class FSDPExecutor(LocalExecutor):
         shard state, its position in the group and the version; plus the random streams."""
         roles = {}
         for role, worker in self.models.items():
-            group_ranks = sorted(dist.get_process_group_ranks(self.role_groups[role]))
+            group_ranks = sorted(dist.get_process_group_ranks(self.shard_groups[role]))  # one replica's shards
             roles[role] = {"model": self.full_state(role), "group": group_ranks, "version": worker.version,
                            "optimizer": to_device(worker.optimizer.state_dict(), torch.device("cpu"))
                            if worker.optimizer is not None else None,  # the controller may have no GPU
@@ -260,7 +263,7 @@ class FSDPExecutor(LocalExecutor):
         self.sampling = SamplingStream(**state.sampling)
 
     def _position(self, role: str) -> tuple[int, int]:
-        ranks = sorted(dist.get_process_group_ranks(self.role_groups[role]))
+        ranks = sorted(dist.get_process_group_ranks(self.shard_groups[role]))
         return ranks.index(self.rank), len(ranks)
 
     def weights_report(self, role: str) -> dict[str, Any]:
@@ -286,6 +289,7 @@ def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
     if not sharded:
         return [p.detach() for p in params]
     mesh = sharded[0].device_mesh
+    mesh = mesh["shard"] if mesh.ndim > 1 else mesh  # HSDP: every replica holds all the shards
     ranks = mesh.size()
     locals_, rows = [], []
     for p in sharded:
@@ -346,7 +350,12 @@ def _rank_sets(plan: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]
     from rlgraph.plan.plan import SyncWeights
 
     groups = {group.name: group for group in plan.groups}
-    role_sets = sorted({tuple(group.ranks) for group in plan.groups})
+    role_sets = {tuple(group.ranks) for group in plan.groups}
+    for group in plan.groups:  # HSDP: each shard group (a row) and each replicate group (a column)
+        if group.train is not None and group.train.dp > 1:
+            rows, columns = _hsdp_groups(group.ranks, group.train.fsdp)
+            role_sets.update(rows + columns)
+    role_sets = sorted(role_sets)
     sync_sets = []
     for step in plan.steps:
         if isinstance(step, SyncWeights):
@@ -356,6 +365,28 @@ def _rank_sets(plan: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]
     return role_sets, sync_sets
 
 
+def _hsdp_groups(ranks: tuple[int, ...], fsdp: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The shard groups (consecutive blocks of `fsdp` ranks, one per replica) and the replicate
+    groups (the ranks holding the same shard in each replica) of an HSDP layout."""
+    rows = [tuple(ranks[start:start + fsdp]) for start in range(0, len(ranks), fsdp)]
+    return rows, [tuple(row[column] for row in rows) for column in range(fsdp)]
+
+
+def _role_mesh(group: Any, rank: int, process_groups: dict, device: torch.device) -> tuple[DeviceMesh, Any]:
+    """The role's DeviceMesh (1-D over the group, or 2-D (replicate, shard) for HSDP) and this rank's shard group."""
+    layout = group.train
+    if layout is None or layout.dp == 1:
+        whole = process_groups[tuple(group.ranks)]
+        return DeviceMesh.from_group(whole, device.type), whole
+    rows, columns = _hsdp_groups(group.ranks, layout.fsdp)
+    row = next(row for row in rows if rank in row)
+    column = next(column for column in columns if rank in column)
+    mesh = DeviceMesh.from_group([process_groups[column], process_groups[row]], device.type,
+                                 mesh=torch.tensor(group.ranks).view(layout.dp, layout.fsdp),
+                                 mesh_dim_names=("replicate", "shard"))
+    return mesh, process_groups[row]
+
+
 def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) -> FSDPExecutor:
     """Rank `rank`'s roles: FSDP2-sharded models for the groups that train or infer on it, engines for
     the groups that generate on it. Every process creates every process group (torch requires it)."""
@@ -363,20 +394,21 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
     process_groups = {ranks: dist.new_group(list(ranks)) for ranks in role_sets}
     sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
     tokenizer = world.load_tokenizer()
-    models, engines, role_groups = {}, {}, {}
+    models, engines, role_groups, shard_groups = {}, {}, {}, {}
     for group in plan.groups:
         if rank not in group.ranks:
             continue
         if group.name not in GENERATOR_OF:
             spec = _role_spec(world, group.name)
             role_groups[group.name] = process_groups[tuple(group.ranks)]
-            models[group.name] = _sharded_role(spec, group, role_groups[group.name], tokenizer, device,
-                                               world.fsdp_unit_params)
+            mesh, shard_groups[group.name] = _role_mesh(group, rank, process_groups, device)
+            models[group.name] = _sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params)
         if group.generate is not None:
             served = GENERATOR_OF.get(group.name, group.name)
             engines[served] = _generation_engine(world, served, group, rank, tokenizer, device)
     return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
-                        device=device, role_groups=role_groups, engines=engines, sync_groups=sync_groups,
+                        device=device, role_groups=role_groups, shard_groups=shard_groups, engines=engines,
+                        sync_groups=sync_groups,
                         max_new_tokens=world.max_new_tokens, seed=world.seed)
 
 
@@ -405,17 +437,13 @@ def _role_spec(world: Any, role: str) -> Any:
     return world.roles[role]
 
 
-def _sharded_role(spec: Any, group: Any, process_group: Any, tokenizer: Any, device: torch.device,
+def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, device: torch.device,
                   unit_params: int) -> LMWorker:
     layout = group.train
-    if layout is not None and layout.dp > 1:
-        raise ValueError(f"group {group.name!r}: {layout} (FSDP2 with replication, HSDP) is not supported by the FSDP2 "
-                         "executor yet; use a placement where fsdp equals the group's size")
     module = spec.build_module(tokenizer).to(device)
     if layout is not None and layout.checkpointing:
         lm = getattr(module, "backbone", module)
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mesh = DeviceMesh.from_group(process_group, device.type)
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if device.type == "cuda" else MixedPrecisionPolicy())
     root = RoleForward(module, spec.kind)
