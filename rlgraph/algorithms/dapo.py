@@ -15,6 +15,7 @@ from torch import Tensor
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.hparams import check_hparams
 from rlgraph.ir.ops import traceable
 
 
@@ -29,6 +30,9 @@ def overlong_penalty(mask: Tensor, *, max_length: int, buffer: int) -> Tensor:
 def dapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0.28, max_new_tokens=20,
          overlong_buffer=4, overlong_coef=1.0, dynamic_sampling=True, max_rounds=4, temperature=1.0, epochs=1,
          micro_batch_size=None):
+    check_hparams("dapo", group_estimator="group_normalize", n=n, clip_low=clip_low, clip_high=clip_high,
+                  max_new_tokens=max_new_tokens, overlong_buffer=overlong_buffer, max_rounds=max_rounds, epochs=epochs,
+                  micro_batch_size=micro_batch_size)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     if dynamic_sampling:                                               # a hyper-parameter, not a traced value

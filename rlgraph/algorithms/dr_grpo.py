@@ -9,11 +9,14 @@ normaliser in place of each response's length.
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.hparams import check_hparams
 
 
 @rg.algorithm
 def dr_grpo(state: rg.State, prompts: rg.Prompts, *, n=8, clip=0.2, clip_high=None, temperature=1.0,
             max_new_tokens=None, epochs=1, micro_batch_size=None):
+    check_hparams("dr_grpo", group_estimator="group_normalize", n=n, clip=clip, clip_high=clip_high,
+                  max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.group_normalize(r, ro.group, scale=False)[:, None]         # [N, 1]

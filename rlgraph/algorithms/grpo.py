@@ -16,12 +16,15 @@ token's loss is weighted by min(exp(old_lp - ro.logprobs), tis_cap), and the met
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.hparams import check_hparams
 from rlgraph.algorithms.correction import check_tis_cap, rollout_correction
 
 
 @rg.algorithm
 def grpo(state: rg.State, prompts: rg.Prompts, *, n=8, estimator="group_normalize", loss="ppo_clip", clip=0.2,
          clip_high=None, kl=0.0, temperature=1.0, max_new_tokens=None, epochs=1, micro_batch_size=None, tis_cap=None):
+    check_hparams("grpo", group_estimator=estimator, n=n, clip=clip, clip_high=clip_high, kl=kl,
+                  max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
     estimate, policy_loss = F.get_estimator(estimator), F.get_loss(loss)  # names -> functions (`rlgraph list`)
     tis_cap = check_tis_cap(tis_cap, "grpo", loss)                     # None: no rollout correction
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]

@@ -11,11 +11,14 @@ The paper's clip range is tiny (3e-4, 4e-4) because s_i is a per-token average.
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.hparams import check_hparams
 
 
 @rg.algorithm
 def gspo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=3e-4, clip_high=4e-4, temperature=1.0,
          max_new_tokens=None, epochs=1, micro_batch_size=None):
+    check_hparams("gspo", group_estimator="group_normalize", n=n, clip_low=clip_low, clip_high=clip_high,
+                  max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.group_normalize(r, ro.group)[:, None]                      # [N, 1]

@@ -15,12 +15,15 @@ the group mean is subtracted before whitening and the KL moves to the loss as k3
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.hparams import check_hparams
 from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 
 @rg.algorithm
 def reinforce_pp(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, kl=0.0, gamma=1.0, temperature=1.0,
                  max_new_tokens=None, epochs=1, micro_batch_size=None):
+    check_hparams("reinforce_pp", n=n, clip=clip, kl=kl, gamma=gamma, max_new_tokens=max_new_tokens, epochs=epochs,
+                  micro_batch_size=micro_batch_size)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
@@ -37,6 +40,8 @@ def reinforce_pp(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, kl=0.0,
 @rg.algorithm
 def reinforce_pp_baseline(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2, kl=0.0, temperature=1.0,
                           max_new_tokens=None, epochs=1, micro_batch_size=None):
+    check_hparams("reinforce_pp_baseline", group_estimator="reinforce_pp_baseline", n=n, clip=clip, kl=kl,
+                  max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.reinforce_pp_baseline(r, ro.group, ro.mask)[:, None]       # [N, 1]

@@ -9,11 +9,14 @@ The baseline costs one extra greedy generation per prompt (B rows, against N = B
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.hparams import check_hparams
 
 
 @rg.algorithm
 def remax(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, temperature=1.0, max_new_tokens=None,
           epochs=1, micro_batch_size=None):
+    check_hparams("remax", n=n, clip=clip, max_new_tokens=max_new_tokens, epochs=epochs,
+                  micro_batch_size=micro_batch_size)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens)     # Rollouts[B, T']
     r = rg.score(state.reward, ro)                                     # [N]

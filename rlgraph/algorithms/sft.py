@@ -5,10 +5,12 @@
 
 import rlgraph as rg
 from rlgraph import functional as F
+from rlgraph.algorithms.hparams import check_hparams
 
 
 @rg.algorithm
 def sft(state: rg.State, batch: rg.Rollouts, *, micro_batch_size=None):
+    check_hparams("sft", micro_batch_size=micro_batch_size)
     def loss(lp):                                    # lp: [N, T]
         return -F.token_mean(lp, batch.mask)
 

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
+from rlgraph.ir.checks import check_number
 from rlgraph.ir.errors import SpecError, TraceError, user_location
 
 
@@ -113,6 +114,8 @@ def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens) -> 
         raise SpecError(f"rg.generate: the prompts must be Prompts[B,P], got {prompts}", user_location())
     if not isinstance(n, int) or n < 1:
         raise TraceError(f"rg.generate: n must be a positive int (samples per prompt), got {n!r}", user_location())
+    check_number("rg.generate", "temperature", temperature, low=0)  # "hot" from the CLI is refused here, named
+    check_number("rg.generate", "top_p", top_p, low=0, low_open=True, high=1)
     if temperature < 0 or not 0 < top_p <= 1:
         raise TraceError(f"rg.generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}", user_location())
     return rollouts_spec(S.B if n == 1 else S.N)
@@ -227,9 +230,21 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
     if on_nonfinite not in NONFINITE_POLICIES:
         raise TraceError(f"rg.update(on_nonfinite={on_nonfinite!r}) is not a policy", user_location(),
                          fix=f"use one of {', '.join(map(repr, NONFINITE_POLICIES))}")
+    _check_update_config(epochs, minibatches, micro_batch_size, grad_clip, temperature)
     config = dict(epochs=epochs, minibatches=minibatches, micro_batch_size=micro_batch_size,
                   grad_clip=grad_clip, temperature=temperature, shuffle=shuffle, on_nonfinite=on_nonfinite)
     return trace_loss(_update_primitive, model, batch, loss, config)
+
+
+def _check_update_config(epochs: Any, minibatches: Any, micro_batch_size: Any, grad_clip: Any, temperature: Any) -> None:
+    """Refuse settings that would silently train wrongly: grad_clip <= 0 scales every step by a
+    negative or zero factor (gradient ascent or no step), 0 epochs or micro-batches of 0 rows do nothing."""
+    check_number("rg.update", "epochs", epochs, low=1, integer=True)
+    check_number("rg.update", "minibatches", minibatches, low=1, integer=True)
+    check_number("rg.update", "micro_batch_size", micro_batch_size, low=1, integer=True, optional=True)
+    check_number("rg.update", "grad_clip", grad_clip, low=0, low_open=True, optional=True,
+                 why="a negative clip turns the step into gradient ascent; None turns clipping off")
+    check_number("rg.update", "temperature", temperature, low=0, low_open=True)
 
 
 @declare(_update_spec)
