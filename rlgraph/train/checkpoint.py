@@ -19,7 +19,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlgraph.backends.local.executor import LocalExecutor
+from rlgraph.backends.local.executor import CheckpointMismatch, LocalExecutor
 from rlgraph.backends.protocols import ExecutorState, RoleState
 
 
@@ -81,19 +81,41 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return Path(run_dir) / json.loads(pointer.read_text())["path"]
 
 
+def _read(path: Path, load: Any, what: str) -> Any:
+    """`load(path)`, or a `CheckpointMismatch` naming the file when it is missing, truncated or not
+    what a checkpoint writes (never a raw JSON/zip/safetensors error)."""
+    if not path.is_file():
+        raise CheckpointMismatch(f"checkpoint file {path} is missing: the checkpoint is incomplete")
+    try:
+        return load(path)
+    except Exception as error:  # noqa: BLE001 - truncated, random or hostile files alike
+        detail = str(error).splitlines()[0][:200] if str(error) else ""
+        raise CheckpointMismatch(f"checkpoint file {path} cannot be read as {what} ({type(error).__name__}: {detail}); "
+                                 "it is truncated, corrupt or not a rlgraph checkpoint") from None
+
+
+def _tensors(path: Path) -> Any:
+    """`torch.load` with `weights_only=True`: tensors, numbers, strings and containers, never
+    arbitrary objects (a pickle could run code)."""
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
 def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any]]:
-    """(state, step, extra) of the checkpoint in `path`, every file read before anything is used."""
+    """(state, step, extra) of the checkpoint in `path`, every file read and checked before anything is used."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read(path / "meta.json", lambda file: json.loads(file.read_text()), "JSON")
+    if not isinstance(meta, dict) or not isinstance(meta.get("versions"), dict) or "step" not in meta:
+        raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'} lacks 'step' or 'versions': not a rlgraph checkpoint")
     roles = {}
     for role, version in meta["versions"].items():
         kind = meta.get("roles", {}).get(role, {}).get("optimizer")
         optim = path / f"{role}.optim.pt"
-        optimizer = torch.load(optim, weights_only=False) if optim.exists() else None
+        optimizer = _read(optim, _tensors, "an optimizer state") if optim.exists() or kind else None
         if kind is None and optimizer is not None:  # written before the optimizer kind was recorded
             kind = "AdamW" if any("exp_avg" in s for s in optimizer.get("state", {}).values()) else "SGD"
-        roles[role] = RoleState(load_file(str(path / f"{role}.safetensors")), optimizer, kind, version)
-    run_state = torch.load(path / "run_state.pt", weights_only=False)
+        weights = _read(path / f"{role}.safetensors", lambda file: load_file(str(file)), "safetensors weights")
+        roles[role] = RoleState(weights, optimizer, kind, version)
+    run_state = _read(path / "run_state.pt", _tensors, "the run state")
     return ExecutorState(roles, run_state["generator"], run_state["sampling"]), meta["step"], run_state["extra"]
 
 

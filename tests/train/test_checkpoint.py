@@ -1,4 +1,7 @@
 import json
+import os
+
+import pytest
 
 import torch
 
@@ -42,3 +45,40 @@ def test_checkpoints_are_complete_or_absent(tmp_path):
     assert {p.name for p in path.iterdir()} == {"policy.safetensors", "policy.optim.pt", "run_state.pt", "meta.json"}
     assert json.loads((path / "meta.json").read_text())["versions"] == {"policy": 2}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+
+
+@pytest.mark.parametrize("damage", ["truncate policy.safetensors", "truncate policy.optim.pt", "truncate run_state.pt",
+                                    "truncate meta.json", "remove policy.safetensors", "random run_state.pt"])
+def test_a_damaged_checkpoint_is_refused_and_leaves_the_executor_as_it_was(damage, tmp_path):
+    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.testing import tiny_executor
+    from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
+
+    saved = tiny_executor(optimizer="adamw", seed=1)
+    path = save_checkpoint(tmp_path, 3, saved, {})
+    action, name = damage.split()
+    target = path / name
+    if action == "truncate":
+        target.write_bytes(target.read_bytes()[: len(target.read_bytes()) // 2])
+    elif action == "remove":
+        target.unlink()
+    else:
+        target.write_bytes(os.urandom(256))
+    executor = tiny_executor(optimizer="adamw", seed=2)
+    before = {k: v.clone() for k, v in executor.models["policy"].model.state_dict().items()}
+    with pytest.raises(CheckpointMismatch, match=name.replace(".", r"\.")):
+        load_checkpoint(path, executor)
+    after = executor.models["policy"].model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and executor.current("policy").version == 0
+
+
+def test_a_checkpoint_of_another_shape_or_optimizer_is_refused_before_anything_changes(tmp_path):
+    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.testing import tiny_executor
+    from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
+
+    path = save_checkpoint(tmp_path, 1, tiny_executor(optimizer="sgd"), {})
+    with pytest.raises(CheckpointMismatch, match="trained with SGD, this run uses AdamW"):
+        load_checkpoint(path, tiny_executor(optimizer="adamw"))
+    with pytest.raises(CheckpointMismatch, match="has no role 'critic'"):
+        load_checkpoint(path, tiny_executor(roles=("policy", "critic")))
