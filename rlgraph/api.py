@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlgraph.ir import specs as S
+from rlgraph.ir.errors import ConfigError
 from rlgraph.ir.program import Program
 from rlgraph.ir.trace import DEFAULT_ROLES, trace_algorithm
 
@@ -56,7 +57,10 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
     from rlgraph.passes.options import CompileOptions
     from rlgraph.plan.mesh import Colocated, Mesh
 
-    mesh = Mesh.parse(mesh) if isinstance(mesh, str) else (mesh or Mesh())
+    if not isinstance(algo, Algorithm):  # a plain function would fail deep inside with "has no attribute 'trace'"
+        raise ConfigError(f"rg.compile: {getattr(algo, '__name__', algo)!r} is not an algorithm",
+                          fix="decorate the function with @rg.algorithm, then pass it to rg.compile")
+    mesh = Mesh() if mesh is None else mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)  # Mesh.parse refuses mesh=8
     options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}),
                              engine=engine)
     return compile_program(algo.trace(roles=roles, **hparams), options)

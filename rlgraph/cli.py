@@ -22,6 +22,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                         "so its @F.estimator / F.register_loss names can be used")
     parser = argparse.ArgumentParser(prog="rlgraph", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its message")
+    # also accepted after the command (rlgraph plan grpo --debug); SUPPRESS keeps the subcommand from resetting it
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     listing = sub.add_parser("list", parents=[common], help="list the algorithms, estimators and losses you can name")
@@ -111,15 +115,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; any error is printed as one message and exits 1 (`--debug`: with its traceback)."""
     from rlgraph.ir.errors import RLGraphError
 
     args = _parser().parse_args(argv)
-    import_modules(args.imports)
     commands = {"list": _list, "check": _check, "demo": _demo, "trace": _trace, "plan": _plan}
     try:
+        import_modules(args.imports)
         return commands[args.command](args)
-    except RLGraphError as exc:  # the user's mistake, said without a traceback (estimator=..., a spec error, ...)
-        print(f"rlgraph {args.command}: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - a command line answers every failure with a message, not a traceback
+        if args.debug:
+            traceback.print_exc()
+        # rlgraph's own errors are written for the user; any other names its type, which is the clue to what broke
+        text = str(exc) if isinstance(exc, RLGraphError) else f"{type(exc).__name__}: {exc}"
+        hint = "" if args.debug or isinstance(exc, RLGraphError) else "\n  (rlgraph --debug ... shows the traceback)"
+        print(f"rlgraph {args.command}: {text}{hint}", file=sys.stderr)
         return 1
 
 
@@ -297,7 +307,8 @@ def _plan(args) -> int:
     from rlgraph.plan.dot import render
 
     _check_algorithm(args.algorithm)
-    sizes = {key: int(value) for key, value in _hparams(args.sizes.split(",")).items()}
+    _check_output_dirs(args)
+    sizes = _sizes(args.sizes)
     hparams = _hparams(args.param)
     sizes.setdefault("n", hparams.get("n", 8))
     try:
@@ -318,6 +329,29 @@ def _plan(args) -> int:
         with open(args.json, "w") as handle:
             handle.write(compiled.plan.to_json())
     return 0
+
+
+def _sizes(text: str) -> dict[str, int]:
+    """`--sizes B=64,P=512,T=1024` as counts; a value that is not a whole number is named with the flag."""
+    from rlgraph.ir.errors import ConfigError
+
+    sizes = {}
+    for key, value in _hparams([item for item in text.split(",") if item]).items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"--sizes {text}: {key}={value!r} is not a whole number", fix="write e.g. --sizes B=32,P=64,T=256")
+        sizes[key] = value
+    return sizes
+
+
+def _check_output_dirs(args) -> None:
+    """Refuse --dot/--json into a directory that does not exist before compiling, not after."""
+    from rlgraph.ir.errors import ConfigError
+
+    for flag, path in (("--dot", args.dot), ("--json", args.json)):
+        folder = os.path.dirname(path) if path else ""
+        if folder and not os.path.isdir(folder):
+            raise ConfigError(f"{flag} {path}: the directory {folder!r} does not exist",
+                              fix=f"create it first (mkdir -p {folder}) or write the file elsewhere")
 
 
 if __name__ == "__main__":

@@ -199,3 +199,42 @@ def test_plan_placement_auto_prints_the_winner_the_runners_up_and_why(capsys):
     assert "  #2 " in out and "why: " in out and "The runner-up" in out
     with pytest.raises(SystemExit, match="unknown placement 'atuo'; did you mean 'auto'?"):
         main(["plan", "ppo", "--placement", "atuo"])
+
+
+# (argv, what the one-line message must say): each was a raw error or a traceback before
+BAD_COMMAND_LINES = [
+    (["plan", "grpo", "--mesh", "8"], "cannot parse mesh '8'"),
+    (["plan", "grpo", "--mesh", "gpu8"], "cannot parse mesh 'gpu8'"),
+    (["plan", "grpo", "--mesh", "h999:8"], "unknown device 'h999'"),
+    (["plan", "grpo", "--sizes", "B=4,P=4"], "has no T"),
+    (["plan", "grpo", "--sizes", "B=abc,P=4,T=4"], "--sizes B=abc,P=4,T=4: B='abc' is not a whole number"),
+    (["plan", "grpo", "--sizes", "B=1.5,P=4,T=4"], "B=1.5 is not a whole number"),
+    (["plan", "grpo", "--sizes", "B=0,P=4,T=4"], "sizes: B=0 is not a whole number >= 1"),
+    (["trace", "grpo", "-p", "temperature=hot"], "rg.generate: temperature='hot' is not valid"),
+    (["trace", "ppo", "-p", "lam=1.5"], "ppo: lam=1.5 is not valid"),
+    (["trace", "grpo", "-p", "grad_clip=-1"], "grpo has no hyper-parameter 'grad_clip'"),
+    (["plan", "grpo", "--dot", "/no/such/dir/plan.dot"], "--dot /no/such/dir/plan.dot: the directory '/no/such/dir' does not exist"),
+    (["plan", "grpo", "--json", "/no/such/dir/plan.json"], "--json /no/such/dir/plan.json"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_COMMAND_LINES, ids=[" ".join(argv[2:]) for argv, _ in BAD_COMMAND_LINES])
+def test_a_bad_value_is_one_message_naming_it(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and message in err and "Traceback" not in err, err
+    assert "fix:" in err or "did you mean" in err or "it has" in err, err
+
+
+def test_any_error_is_one_message_and_debug_shows_the_traceback(capsys, monkeypatch):
+    import rlgraph.cli as cli
+
+    def broken(args):
+        raise KeyError("deep inside")
+
+    monkeypatch.setattr(cli, "_trace", broken)  # main looks the command up when it runs
+    code, _, err = run(capsys, "trace", "grpo")
+    assert code == 1 and "rlgraph trace: KeyError: 'deep inside'" in err and "Traceback" not in err
+    assert "--debug" in err
+    for argv in (["--debug", "trace", "grpo"], ["trace", "grpo", "--debug"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and "Traceback" in err and "KeyError: 'deep inside'" in err

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import linecache
 import os
 import sys
+from collections.abc import Iterable
 from types import FrameType
 
 import attrs
@@ -63,3 +65,21 @@ class SpecError(TraceError):
 
 class VerifyError(RLGraphError):
     """A program or plan broke an invariant; names the pass that produced it when known."""
+
+
+class ConfigError(RLGraphError, ValueError):
+    """A user-given option has a bad value: an argument of `rg.compile`, a CLI flag, a config key.
+
+    The message names the value and where it came from; `fix` says what to write instead. It is a
+    ValueError too, so callers that caught the raw ValueError before keep working.
+    """
+
+    def __init__(self, message: str, fix: str | None = None):
+        self.summary, self.fix = message, fix
+        super().__init__(message + (f"\n  fix: {fix}" if fix else ""))
+
+
+def did_you_mean(name: object, choices: Iterable[str]) -> str:
+    """"; did you mean 'x'?" when `name` is close to one of `choices`, else ""."""
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

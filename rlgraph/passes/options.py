@@ -9,7 +9,8 @@ from typing import Any
 
 import attrs
 
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.ir.checks import number_problem
+from rlgraph.ir.errors import ConfigError, RLGraphError
 from rlgraph.plan.mesh import Colocated, Mesh, Placement
 
 ENGINES = ("auto", "native", "vllm")  # auto: native on a cpu mesh, vllm on GPUs
@@ -31,6 +32,22 @@ def check_engine(engine: Any, mesh: Mesh) -> None:
             "  fix: engine='native' (--engine native; 'auto' is native on a cpu mesh), or a GPU mesh such as gpu:8")
 
 
+REQUIRED_SIZES = ("B", "P", "T")  # n comes from the algorithm's hyper-parameters when not given
+
+
+def check_sizes(sizes: Mapping[str, Any]) -> None:
+    """Refuse sizes missing B, P or T, or holding a dim that is not a whole number >= 1 (B=0 plans nothing)."""
+    missing = [dim for dim in REQUIRED_SIZES if dim not in sizes]
+    if missing:
+        raise ConfigError(f"sizes {dict(sizes)} has no {', '.join(missing)}; byte counts need B prompts, P prompt "
+                          "tokens and T response tokens", fix="give them all, e.g. sizes={'B': 32, 'P': 64, 'T': 256} "
+                          "(--sizes B=32,P=64,T=256)")
+    for dim, value in sizes.items():
+        if number_problem(value, low=1, integer=True) is not None:
+            raise ConfigError(f"sizes: {dim}={value!r} is not a whole number >= 1",
+                              fix=f"give {dim} as a count of at least 1, e.g. {dim}=8")
+
+
 @attrs.frozen
 class CompileOptions:
     """`sizes` gives the concrete dims byte counts are computed for: B prompts, n samples per
@@ -48,6 +65,7 @@ class CompileOptions:
 
     def __attrs_post_init__(self) -> None:
         check_engine(self.engine, self.mesh)
+        check_sizes(self.sizes)
 
     @property
     def generation_engine(self) -> str:

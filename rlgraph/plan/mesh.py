@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from rlgraph.ir.errors import ConfigError, did_you_mean
 from rlgraph.plan.hardware import DEVICE_MEMORY_GIB  # one table: the hardware profiles
 
 GiB = 1 << 30
@@ -29,16 +30,18 @@ class Mesh:
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < 1 or self.per_node < 1:
-            raise ValueError(f"Mesh: nodes and per_node must be >= 1, got {self.nodes}x{self.per_node}")
+            raise ConfigError(f"Mesh: nodes and per_node must be >= 1, got {self.nodes}x{self.per_node}",
+                              fix="write e.g. rg.Mesh('h100', nodes=1, per_node=8) or mesh='gpu:8'")
         if self.memory_gib is None and self.device not in DEVICE_MEMORY_GIB:
-            raise ValueError(f"Mesh: unknown device {self.device!r}; give memory_gib or one of {sorted(DEVICE_MEMORY_GIB)}")
+            raise ConfigError(f"Mesh: unknown device {self.device!r}{did_you_mean(self.device, DEVICE_MEMORY_GIB)}",
+                              fix=f"give memory_gib or one of {sorted(DEVICE_MEMORY_GIB)}")
 
     @classmethod
     def parse(cls, text: str) -> Mesh:
         """`gpu:8`, `h100:8`, `2x8:h100`, `cpu:2` (`gpu` means H100)."""
-        match = re.fullmatch(r"(?:(\d+)x(\d+):(\w+))|(?:(\w+):(\d+))", text.strip())
-        if not match:
-            raise ValueError(f"cannot parse mesh {text!r}; write e.g. gpu:8, h100:8 or 2x8:h100")
+        match = re.fullmatch(r"(?:(\d+)x(\d+):(\w+))|(?:(\w+):(\d+))", text.strip()) if isinstance(text, str) else None
+        if not match:  # mesh=8 (a bare count) lands here too: the device kind is not guessed
+            raise ConfigError(f"cannot parse mesh {text!r}", fix="write e.g. mesh='gpu:8', 'h100:8', '2x8:h100' or 'cpu:2'")
         if match.group(1):
             nodes, per_node, device = int(match.group(1)), int(match.group(2)), match.group(3)
         else:

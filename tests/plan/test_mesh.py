@@ -1,5 +1,8 @@
 """Meshes and layouts: the text a plan prints for them."""
 
+import pytest
+
+from rlgraph.ir.errors import ConfigError
 from rlgraph.plan.mesh import GenerateLayout, Mesh
 
 
@@ -11,3 +14,16 @@ def test_a_generate_layout_prints_its_engine_once_place_has_named_it():
 
 def test_mesh_text_names_nodes_devices_and_kind():
     assert str(Mesh.parse("4x8:h100")) == "4x8 h100" and str(Mesh.parse("cpu:2")) == "1x2 cpu"
+
+
+@pytest.mark.parametrize("text", [8, "gpu8", "gpu:x", None, "2x:h100"])
+def test_mesh_text_that_does_not_parse_is_a_config_error_with_the_fix(text):
+    with pytest.raises(ConfigError, match=r"cannot parse mesh .*\n  fix: write e.g. mesh='gpu:8'"):
+        Mesh.parse(text)
+
+
+@pytest.mark.parametrize("text, message", [("gpu:0", "must be >= 1"), ("h10:8", "did you mean 'h100'"),
+                                           ("tpu:8", "unknown device 'tpu'")])
+def test_mesh_with_no_ranks_or_an_unknown_device_is_refused(text, message):
+    with pytest.raises(ConfigError, match=message):
+        Mesh.parse(text)
