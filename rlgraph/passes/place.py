@@ -19,10 +19,15 @@ from collections.abc import Sequence
 
 import attrs
 
+from rlgraph.ir.errors import did_you_mean
 from rlgraph.ir.program import Program, copy_program
+from rlgraph.ir.trace import DEFAULT_ROLES
 from rlgraph.passes.options import CompileOptions, PlacementConfigError, check_engine
 from rlgraph.passes.partition import CONTROLLER
 from rlgraph.plan.mesh import Colocated, Explicit, GenerateLayout, Group, Placement, Split, TrainLayout
+
+
+KNOWN_ROLES = {*DEFAULT_ROLES, "rollout"}  # "rollout": the policy's generator in a split
 
 
 def roles_used(program: Program) -> dict[str, set[str]]:
@@ -46,7 +51,7 @@ def _layouts(name: str, ranks: tuple[int, ...], phases: set[str], tp: int, fsdp:
     size = len(ranks)
     train = generate = None
     if "train" in phases:
-        shard = fsdp or size
+        shard = size if fsdp is None else fsdp  # not `fsdp or size`: fsdp=0 is a mistake, refused below
         _check_divides("fsdp", shard, size, name)
         train = TrainLayout(shard, size // shard, ckpt)
     if "generate" in phases:
@@ -62,25 +67,8 @@ def _colocated(used: dict[str, set[str]], placement: Colocated, size: int) -> li
 
 
 def _split(used: dict[str, set[str]], placement: Split, size: int) -> list[Group]:
-    assigned: dict[str, tuple[int, ...]] = {}
-    next_rank = 0
-    for name, spec in placement.groups.items():
-        if isinstance(spec, int):
-            assigned[name] = tuple(range(next_rank, next_rank + spec))
-            next_rank += spec
-        elif isinstance(spec, str):
-            continue
-        else:
-            assigned[name] = tuple(spec)
-    for name, spec in placement.groups.items():
-        if isinstance(spec, str):
-            if spec not in assigned:
-                raise PlacementConfigError(f"split: group {name!r} shares {spec!r}, which has no ranks of its own")
-            assigned[name] = assigned[spec]
-    for name, ranks in assigned.items():
-        outside = [rank for rank in ranks if not 0 <= rank < size]
-        if outside or not ranks:
-            raise PlacementConfigError(f"split: group {name!r} asks for ranks {list(ranks)}, but the mesh has ranks 0-{size - 1}")
+    _check_split_names(used, placement)
+    assigned = _assign_ranks(placement, size)
     missing = sorted(set(used) - set(assigned))
     if missing:
         raise PlacementConfigError(
@@ -88,6 +76,53 @@ def _split(used: dict[str, set[str]], placement: Split, size: int) -> list[Group
             f"add them or share a group, e.g. {{{missing[0]!r}: 'policy'}}"
         )
     return [_layouts(role, assigned[role], used[role], placement.tp, None, placement.checkpointing) for role in sorted(used)]
+
+
+def _check_split_names(used: dict[str, set[str]], placement: Split) -> None:
+    """A group must be named after a role: a typo (`rolout`) would leave its ranks idle while the
+    real role is refused or squeezed. A known role the program does not run is accepted, so one
+    split serves several algorithms (SFT has no `rollout`, GRPO no `critic`)."""
+    for name in placement.groups:
+        if name not in used and name not in KNOWN_ROLES:
+            known = sorted(set(used) | KNOWN_ROLES)
+            raise PlacementConfigError(f"split: group {name!r} is no role{did_you_mean(name, known)} (this program "
+                                       f"runs {', '.join(sorted(used))})\n  fix: name each group after a role "
+                                       f"({', '.join(known)}); 'rollout' is the policy's generator")
+
+
+def _assign_ranks(placement: Split, size: int) -> dict[str, tuple[int, ...]]:
+    """group -> its ranks: counts are laid out in order, lists taken as given, names shared.
+    Refuses ranks outside the mesh, repeated within a group or given to two groups of their own."""
+    assigned: dict[str, tuple[int, ...]] = {}
+    next_rank = 0
+    for name, spec in placement.groups.items():
+        if isinstance(spec, bool) or not isinstance(spec, (int, str, list, tuple, range)):
+            raise PlacementConfigError(f"split: group {name!r} = {spec!r}; give a count of ranks, a list of ranks or "
+                                       "the name of a group to share")
+        if isinstance(spec, int):
+            assigned[name] = tuple(range(next_rank, next_rank + spec))
+            next_rank += spec
+        elif not isinstance(spec, str):
+            assigned[name] = tuple(spec)
+    owner: dict[int, str] = {}
+    for name, ranks in assigned.items():
+        outside = [rank for rank in ranks if not isinstance(rank, int) or not 0 <= rank < size]
+        if outside or not ranks:
+            raise PlacementConfigError(f"split: group {name!r} asks for ranks {list(ranks)}, but the mesh has ranks 0-{size - 1}")
+        if len(set(ranks)) != len(ranks):
+            raise PlacementConfigError(f"split: group {name!r} lists a rank twice: {list(ranks)}\n"
+                                       "  fix: give each rank once")
+        for rank in ranks:
+            if rank in owner:  # two groups of their own on one rank: the plan would count its memory once
+                raise PlacementConfigError(f"split: rank {rank} is given to both {owner[rank]!r} and {name!r}\n"
+                                           f"  fix: give them disjoint ranks, or share one group: {{{name!r}: {owner[rank]!r}}}")
+            owner[rank] = name
+    for name, spec in placement.groups.items():
+        if isinstance(spec, str):
+            if spec not in assigned:
+                raise PlacementConfigError(f"split: group {name!r} shares {spec!r}, which has no ranks of its own")
+            assigned[name] = assigned[spec]
+    return assigned
 
 
 def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ...]:
@@ -137,9 +172,20 @@ def _tp1_fix(placement: Placement, group: Group) -> str:
     return f"GenerateLayout(tp=1, dp={len(group.ranks)}) for group {group.name!r}"
 
 
+def check_model_roles(program: Program, options: CompileOptions) -> None:
+    """A `models=` key that is no role would be ignored and the default model sized instead: refuse it."""
+    known = set(roles_used(program)) | KNOWN_ROLES
+    for role in options.models:
+        if role not in known:
+            raise PlacementConfigError(f"models: {role!r} is no role{did_you_mean(role, sorted(known))}; its model "
+                                       f"would be ignored and the default sized instead\n"
+                                       f"  fix: key models= by role: {', '.join(sorted(known))}")
+
+
 def place(program: Program, options: CompileOptions) -> Program:
     from rlgraph.passes.memory_plan import plan_memory  # the memory model is its own module
 
+    check_model_roles(program, options)
     groups = resolve_groups(program, options)
     memory = plan_memory(program, groups, options)
     out, _ = copy_program(program, annotations={**program.annotations, "groups": groups, "memory": memory})

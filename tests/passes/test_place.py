@@ -107,3 +107,42 @@ def test_the_engine_survives_json():
         if group["generate"]:
             del group["generate"]["engine"]
     assert Plan.from_json(json.dumps(old)).group("rollout").generate == GenerateLayout(2, 2)
+
+
+@pytest.mark.parametrize("groups, message", [
+    ({"policy": 4, "rolout": 4}, "group 'rolout' is no role; did you mean 'rollout'?"),
+    ({"policy": 4, "rollout": 4, "refs": "policy"}, "group 'refs' is no role; did you mean 'ref'?"),
+    ({"polcy": 4, "rollout": 4}, "group 'polcy' is no role; did you mean 'policy'?"),
+])
+def test_split_group_that_is_no_role_gets_a_did_you_mean(groups, message):
+    with pytest.raises(PlacementConfigError, match=message):
+        compile_grpo("gpu:8", rg.split(groups))
+
+
+@pytest.mark.parametrize("groups, message", [
+    ({"policy": [0, 1, 2, 3], "rollout": [3, 4, 5, 6]}, "rank 3 is given to both 'policy' and 'rollout'"),
+    ({"policy": [0, 0, 1, 2], "rollout": [4, 5, 6, 7]}, "group 'policy' lists a rank twice"),
+    ({"policy": 4, "rollout": [0, 1, 2, 3]}, "rank 0 is given to both 'policy' and 'rollout'"),
+    ({"policy": 4, "rollout": 4.0}, "give a count of ranks, a list of ranks or the name of a group"),
+])
+def test_split_ranks_overlapping_or_repeated_are_refused(groups, message):
+    with pytest.raises(PlacementConfigError, match=message):
+        compile_grpo("gpu:8", rg.split(groups))
+
+
+@pytest.mark.parametrize("fsdp", [0, -2, 3])
+def test_colocated_fsdp_that_does_not_divide_is_refused_not_replaced(fsdp):
+    with pytest.raises(PlacementConfigError, match=f"fsdp={fsdp} does not divide"):
+        compile_grpo("gpu:8", rg.colocated(fsdp=fsdp))
+
+
+@pytest.mark.parametrize("models, message", [({"polcy": "llama3-8b"}, "did you mean 'policy'"),
+                                             ({"Policy": "llama3-8b"}, "did you mean 'policy'"),
+                                             ({"actor": "llama3-8b"}, "'actor' is no role")])
+def test_a_misspelt_role_in_models_is_refused(models, message):
+    with pytest.raises(PlacementConfigError, match=message):
+        compile_grpo("gpu:8", models=models)
+
+
+def test_a_known_role_the_program_does_not_run_may_be_named():
+    compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4, "critic": "policy"}), models={"critic": "tiny-qwen2"})
