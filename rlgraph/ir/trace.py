@@ -61,6 +61,17 @@ class TracedValue(fx.Proxy):
     def dim(self) -> int:
         return len(self.node.meta["spec"].shape)
 
+    # Reading a traced value's Python value is refused before it is recorded: on meta witnesses it
+    # would fail as a "mismatch" whose fix (broadcasting) misleads.
+    def item(self) -> Any:
+        raise _python_value_error(".item()")
+
+    def tolist(self) -> Any:
+        raise _python_value_error(".tolist()")
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise _python_value_error(".numpy()")
+
     def __float__(self) -> float:
         raise _control_flow_error("float()")
 
@@ -80,6 +91,28 @@ def _control_flow_error(what: str) -> TraceError:
         user_location(),
         fix="express the choice as tensor math (torch.where, masks, clamp) so it is part of the "
         "dataflow, or make it a Python hyper-parameter (a keyword argument of the algorithm)",
+    )
+
+
+def _python_value_error(what: str) -> TraceError:
+    return TraceError(
+        f"{what} asks for the Python value of a traced value, which does not exist while the algorithm is "
+        "traced (the program is built once and run on many batches)", user_location(),
+        fix="keep it a tensor: return x.mean() as a metric rather than x.mean().item(), and do the math in torch",
+    )
+
+
+# torch ops whose output size depends on the values (not only the shapes) of their inputs
+DATA_DEPENDENT_OPS = ("nonzero", "unique", "masked_select", "argwhere", "unique_consecutive", "bincount",
+                      "repeat_interleave")
+
+
+def _data_dependent_error(node: fx.Node, what: str) -> TraceError:
+    return TraceError(
+        f"{what} gives a result whose size depends on the data (data-dependent shape), which a "
+        "traced program cannot have: every value's shape is fixed by B, n, N, T and P", node.meta.get("source"),
+        fix="keep the shape and mask instead, e.g. torch.where(r > 0, r, 0) or F.masked_mean(x, mask) rather "
+        "than r[r > 0]; count with (r > 0).sum() rather than len(torch.unique(r))",
     )
 
 
@@ -379,8 +412,24 @@ def _infer_by_witness(node: fx.Node, info: ops.OpInfo | None) -> S.Spec:
     except TraceError:
         raise
     except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as exc:
+        what = _data_dependent(node, args, exc)
+        if what is not None:
+            raise _data_dependent_error(node, what) from None
         raise _mismatch(node, exc) from None
     return _spec_of_result(node, result)
+
+
+def _data_dependent(node: fx.Node, args: Any, exc: Exception) -> str | None:
+    """The op's name when it failed on its witnesses because its output size depends on the data:
+    a boolean index (`r[r > 0]`) or an op such as torch.unique that meta tensors cannot size."""
+    if getattr(node.target, "__name__", "") == "getitem" and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in index):
+            return "boolean indexing (x[mask])"
+    text = str(exc)
+    named = any(name in _op_name(node) or f"aten::{name}" in text or f"torch.{name}()" in text
+                for name in DATA_DEPENDENT_OPS)
+    return _op_name(node) if named else None
 
 
 def _spec_of_result(node: fx.Node, result: Any) -> S.Spec:

@@ -230,3 +230,40 @@ def test_one_sample_per_prompt_gives_per_prompt_rollouts():
         bad.trace()
     assert_points_at(exc, "E-rows")
     assert "f32[N]" in str(exc.value) and "f32[B]" in str(exc.value)
+
+
+def _trace_with(use):
+    @rg.algorithm
+    def algo(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=4)
+        r = rg.score(state.reward, ro)
+        use(r, ro)  # E-use
+        return state, {"r": r.mean()}
+
+    return algo
+
+
+@pytest.mark.parametrize("use, what", [(lambda r, ro: r.mean().item(), ".item()"), (lambda r, ro: r.numpy(), ".numpy()"),
+                                       (lambda r, ro: ro.logprobs.tolist(), ".tolist()")])
+def test_python_value_of_a_traced_value_gets_its_own_message(use, what):
+    with pytest.raises(TraceError) as exc:
+        _trace_with(use).trace()
+    assert not isinstance(exc.value, SpecError) and "mismatch" not in str(exc.value)
+    assert f"{what} asks for the Python value of a traced value" in str(exc.value)
+
+
+@pytest.mark.parametrize("use, what", [(lambda r, ro: r[r > 0], "boolean indexing"),
+                                       (lambda r, ro: ro.logprobs[ro.mask], "boolean indexing"),
+                                       (lambda r, ro: torch.unique(r), "unique"),
+                                       (lambda r, ro: torch.nonzero(r), "nonzero"),
+                                       (lambda r, ro: torch.masked_select(r, r > 0), "masked_select")])
+def test_data_dependent_shapes_are_named_as_such_not_as_a_mismatch(use, what):
+    with pytest.raises(TraceError) as exc:
+        _trace_with(use).trace()
+    text = str(exc.value)
+    assert what in text and "data-dependent shape" in text and "mismatch" not in text, text
+    assert "fix: keep the shape and mask instead" in text
+
+
+def test_an_integer_index_is_still_a_plain_op():
+    _trace_with(lambda r, ro: ro.logprobs[:, 0] + r).trace()
