@@ -4,7 +4,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rlgraph.backends.local.generation import (
-    NativeGenerator, SamplingParams, SamplingStream, as_int64, nucleus_filter, sample_tokens, sampling_keys, splitmix64,
+    NativeGenerator, PromptError, SamplingParams, SamplingStream, as_int64, nucleus_filter, sample_tokens, sampling_keys, splitmix64,
     uniform_from_bits,
 )
 from rlgraph.backends.local.models import build_causal_lm
@@ -282,3 +282,20 @@ def test_bad_inputs(model, tokenizer):
     right_padded = Prompts(prompts.ids.flip(1), prompts.mask.flip(1))
     with pytest.raises(ValueError, match="left-padded"):
         gen.generate(right_padded, 1, SamplingParams())
+
+
+def _prompts(ids, mask=None):
+    ids = torch.as_tensor(ids)
+    return Prompts(ids, torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask, {})
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([[5.0, 6.0]], "prompt ids are torch.float32, not token ids"),
+    ([[True, False]], "prompt ids are torch.bool"),
+    ([[5, 6], [7, 10**6]], r"prompt row 1 \(batch index 1\) holds token ids \[1000000\] outside the model's vocabulary"),
+    ([[-1, 6]], r"prompt row 0 .* holds token ids \[-1\]"),
+])
+def test_prompts_a_model_cannot_read_are_refused_naming_the_row(model, ids, message):
+    with pytest.raises(PromptError, match=message):
+        NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(_prompts(ids), 1, SamplingParams(max_new_tokens=2))
+

@@ -9,6 +9,7 @@ log-probs of magnitude ~4 move by a few 1e-2).
 import pytest
 import torch
 
+from rlgraph.backends.local.executor import LocalExecutor, TokenizerError
 from rlgraph.backends.protocols import LossCounts, ModelRef, UpdateConfig
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.batches import Rollouts
@@ -133,3 +134,20 @@ def test_update_refuses_an_unknown_nonfinite_policy_at_the_users_line():
     with pytest.raises(TraceError, match="on_nonfinite='ignore'") as caught:
         bad.trace()
     assert "test_local_executor.py" in str(caught.value)
+
+
+class _NoEos:
+    eos_token_id = None
+    pad_token_id = 0
+
+
+class _NoPad:
+    eos_token_id = 2
+    pad_token_id = None
+
+
+@pytest.mark.parametrize("tok, name", [(_NoEos(), "eos_token_id is None"), (_NoPad(), "pad_token_id is None"),
+                                       (object(), "eos_token_id is None")])
+def test_a_tokenizer_without_eos_or_pad_is_refused_when_the_executor_is_built(tok, name):
+    with pytest.raises(TokenizerError, match=name + r"; generation needs one\n  fix: tokenizer"):
+        LocalExecutor({}, {}, tok)

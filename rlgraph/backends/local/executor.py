@@ -60,6 +60,23 @@ class RewardWorker:
     fn: Callable[..., Any]
 
 
+class TokenizerError(RLGraphError, ValueError):
+    """A tokenizer generation cannot use."""
+
+
+def check_tokenizer(tokenizer: Any) -> Any:
+    """Refuse a tokenizer with no EOS or pad id when the executor is built, not mid-run: without
+    EOS no response ever ends, and the generator pads finished rows with the pad id."""
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            fix = ("tokenizer.eos_token = '<|endoftext|>' (a token the model was trained to end with)" if name == "eos_token_id"
+                   else "tokenizer.pad_token = tokenizer.eos_token")
+            raise TokenizerError(f"tokenizer {type(tokenizer).__name__}: {name} is {value!r}; generation needs one\n"
+                                 f"  fix: {fix}")
+    return tokenizer
+
+
 class LocalExecutor:
     """Every role of `models` on `device` (their modules must be there already)."""
 
@@ -67,7 +84,7 @@ class LocalExecutor:
                  max_new_tokens: int = 16, seed: int = 0, device: torch.device | str = "cpu"):
         self.models = dict(models)
         self.rewards = dict(rewards)
-        self.tokenizer = tokenizer
+        self.tokenizer = check_tokenizer(tokenizer)
         self.max_new_tokens = max_new_tokens
         self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling, on the CPU whatever the device
         self.sampling = SamplingStream(seed)  # generation: counter-based, one call per generate

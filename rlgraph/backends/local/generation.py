@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rlgraph.batches import Prompts, Rollouts
+from rlgraph.ir.errors import RLGraphError
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -150,11 +151,27 @@ def sample_tokens(
     return tokens, logprobs
 
 
-def _check_prompts(prompts: Prompts) -> None:
+class PromptError(RLGraphError, ValueError):
+    """A prompt batch the model cannot read: empty, right-padded, or ids that are no tokens."""
+
+
+def _check_prompts(prompts: Prompts, vocab_size: int) -> None:
+    """Refuse prompts where they enter `generate`, naming the row; the embedding would raise a bare
+    IndexError for an out-of-vocabulary id, and float ids are a tokenizer mix-up."""
     if len(prompts) == 0 or prompts.ids.shape[1] == 0:
-        raise ValueError(f"generate: empty prompt batch {tuple(prompts.ids.shape)}; pass at least one non-empty prompt")
+        raise PromptError(f"generate: empty prompt batch {tuple(prompts.ids.shape)}; pass at least one non-empty prompt")
+    if prompts.ids.dtype == torch.bool or prompts.ids.is_floating_point() or prompts.ids.is_complex():
+        raise PromptError(f"generate: prompt ids are {prompts.ids.dtype}, not token ids\n"
+                          "  fix: pass the tokenizer's integer ids (torch.long), e.g. tokenizer(texts, return_tensors='pt')")
+    outside = (prompts.ids < 0) | (prompts.ids >= vocab_size)  # [B, P]
+    if bool(outside.any()):
+        row = int(outside.any(dim=1).nonzero()[0])
+        bad = prompts.ids[row][outside[row]].tolist()
+        raise PromptError(f"generate: prompt row {row} (batch index {int(prompts.index[row])}) holds token ids {bad[:5]} "
+                          f"outside the model's vocabulary 0..{vocab_size - 1}\n"
+                          "  fix: tokenize with the model's own tokenizer, whose vocabulary matches the embedding")
     if not bool(prompts.mask[:, -1].all()):
-        raise ValueError(
+        raise PromptError(
             "generate: prompts must be left-padded (the last column of every prompt mask True); "
             "tokenize with `tokenizer.padding_side = 'left'`"
         )
@@ -198,7 +215,7 @@ class NativeGenerator:
         """
         if n < 1:
             raise ValueError(f"generate: n (samples per prompt) must be >= 1, got {n}")
-        _check_prompts(prompts)
+        _check_prompts(prompts, self.model.get_input_embeddings().num_embeddings)
         was_training = self.model.training
         self.model.eval()
         try:
