@@ -163,6 +163,9 @@ def _update_spec(model, batch, *captures, stats=(), **config) -> S.Spec:
 FILTER_STATS = ("rounds", "kept_groups", "filled_groups")
 
 
+MAX_REFILL_ROUNDS = 1000  # rounds of one filter_groups; more is a mistake, not a budget
+
+
 def _filter_groups_spec(rollouts, rewards, keep, *, max_rounds) -> S.Spec:
     _expect(rollouts, S.RecordSpec, "Rollouts[N,T]", "filter_groups", "the rollouts")
     if rollouts.kind != "Rollouts":
@@ -176,8 +179,8 @@ def _filter_groups_spec(rollouts, rewards, keep, *, max_rounds) -> S.Spec:
             kind = "bool" if what == "keep" else "float"
             raise SpecError(f"rg.filter_groups: {what} must be a {kind} tensor [{rows}], one per rollout, got {spec}",
                             user_location(), fix=example)
-    if not isinstance(max_rounds, int) or max_rounds < 1:
-        raise TraceError(f"rg.filter_groups: max_rounds must be a positive int, got {max_rounds!r}", user_location())
+    check_number("rg.filter_groups", "max_rounds", max_rounds, low=1, high=MAX_REFILL_ROUNDS, integer=True,
+                 why="each round generates a whole batch; a huge cap is a run that never ends when no group is kept")
     return S.TupleSpec((rollouts, rewards, S.StatsSpec(FILTER_STATS)))
 
 

@@ -11,6 +11,7 @@ in round order; dropped groups fill the rest only when `max_rounds` rounds kept 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from rlgraph.ir.errors import RLGraphError, SourceLocation
 from rlgraph.ir.primitives import RefillLoop
 
 MorePrompts = Callable[[], Prompts]
+LOG = logging.getLogger(__name__)
 
 
 class RefillError(RLGraphError):
@@ -62,6 +64,16 @@ def _groups(rollouts: Rollouts, rewards: torch.Tensor, keep: torch.Tensor, where
     return out
 
 
+def _nothing_kept(rounds: int, drawn: int, where: SourceLocation | None) -> RefillError:
+    """Every group of every round was dropped: training on them would learn nothing (zero advantages)."""
+    return RefillError(
+        f"rg.filter_groups kept no group in {rounds} rounds ({drawn} groups drawn): keep was False for every "
+        f"group, e.g. every sample of a prompt got the same reward{_at(where)}\n"
+        "  fix: check the reward function (does it ever differ within a prompt?), sample more (n, temperature), "
+        "use easier prompts, or raise max_rounds"
+    )
+
+
 def run_filter(node: fx.Node, env: dict[fx.Node, Any], rerun: Callable[[Prompts], dict[fx.Node, Any]],
                more_prompts: MorePrompts | None) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
     """Evaluate a `filter_groups` node whose inputs hold the first round's values in `env`.
@@ -74,12 +86,16 @@ def run_filter(node: fx.Node, env: dict[fx.Node, Any], rerun: Callable[[Prompts]
     target = len(first)
     kept = [group for group in first if group[2]]
     dropped = [group for group in first if not group[2]]
-    rounds = 1
-    while len(kept) < target and rounds < node.kwargs["max_rounds"]:
+    rounds, cap = 1, node.kwargs["max_rounds"]
+    while len(kept) < target and rounds < cap:
         fresh = rerun(more_prompts())
         for group in _groups(*(fresh[arg] for arg in node.args[:3]), where):
             (kept if group[2] else dropped).append(group)
         rounds += 1
+        # progress: a refill that keeps little is slow, and the log says why (and how far it got)
+        LOG.info("rg.filter_groups: round %d/%d, kept %d of %d groups", rounds, cap, min(len(kept), target), target)
+    if not kept and rounds > 1:
+        raise _nothing_kept(rounds, len(dropped), where)
     filled = max(0, target - len(kept))
     chosen = kept[:target] + dropped[:filled]
     rollouts = Rollouts.concat([group[0] for group in chosen])

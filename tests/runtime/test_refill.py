@@ -11,6 +11,7 @@ import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.batches import Prompts, Rollouts
+from rlgraph.ir.errors import TraceError
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.refill import RefillError
 
@@ -236,3 +237,25 @@ def test_the_batch_may_not_be_read_after_the_filter():
     with pytest.raises(rg.TraceError, match=r"reads the batch prompts:Prompts\[B,P\] after rg.filter_groups") as exc:
         greedy_after.trace()
     assert "E-greedy" in str(exc.value) and "fix:" in str(exc.value)
+
+
+def test_when_no_round_keeps_a_group_the_run_stops_saying_why():
+    first = scripted("a", [DEAD, DEAD])
+    with pytest.raises(RefillError) as exc:
+        run(keep_varied.trace(max_rounds=3), first, source(scripted("b", [DEAD, DEAD]), scripted("c", [[0.0, 0.0]] * 2)))
+    text = str(exc.value)
+    assert "kept no group in 3 rounds (6 groups drawn)" in text and "test_refill.py" in text and "fix:" in text
+
+
+def test_each_refill_round_reports_its_progress(caplog):
+    first = scripted("a", [DEAD, LIVE])
+    with caplog.at_level("INFO", logger="rlgraph.runtime.refill"):
+        run(keep_varied.trace(max_rounds=3), first, source(scripted("b", [DEAD, DEAD]), scripted("c", [LIVE, DEAD])))
+    assert [r.getMessage() for r in caplog.records] == ["rg.filter_groups: round 2/3, kept 1 of 2 groups",
+                                                        "rg.filter_groups: round 3/3, kept 2 of 2 groups"]
+
+
+@pytest.mark.parametrize("max_rounds", [1001, 10**9, 0])
+def test_an_absurd_round_cap_is_refused_at_trace_time(max_rounds):
+    with pytest.raises(TraceError, match=f"rg.filter_groups: max_rounds={max_rounds} is not valid"):
+        keep_varied.trace(max_rounds=max_rounds)
