@@ -29,6 +29,7 @@ from rlgraph.runtime.plan_runner import WorkerFailure
 from rlgraph.runtime.transport import SyncRoute
 
 DEFAULT_TIMEOUT_S = {"cpu": 60.0, "cuda": 600.0}
+START_TIMEOUT_S = 180.0  # starting workers (spawn, import torch, build models) is not a step: a loaded machine is slow
 
 
 def resolve_device(device: str) -> str:
@@ -115,6 +116,14 @@ class WorkerPool:
     def flush(self) -> None:
         """Wait for every command sent so far (the end of an iteration)."""
         self._wait([rank for rank in range(self.world) if self.outstanding[rank]])
+
+    def _wait_started(self) -> None:
+        """Wait until every worker has built its roles (or said why not), with the start timeout."""
+        step_timeout, self.timeout_s = self.timeout_s, max(self.timeout_s, START_TIMEOUT_S)
+        try:
+            self._wait(list(range(self.world)))
+        finally:
+            self.timeout_s = step_timeout
 
     def _wait(self, ranks: list[int]) -> dict[int, Any]:
         """Read each rank's answers up to its last command; returns the last answers."""

@@ -28,7 +28,7 @@ import torch
 
 from rlgraph.plan.plan import Plan
 from rlgraph.runtime.plan_runner import WorkerFailure
-from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, WorkerPool, resolve_device, start_worker
+from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, WorkerPool, resolve_device, start_worker
 
 
 def _ray() -> Any:
@@ -94,20 +94,21 @@ class RayTransport(WorkerPool):
         self._init_pool()
         self.actors, self.nodes = [], []
         try:
-            ray.get(self._group.ready(), timeout=self.timeout_s)
+            start_timeout = max(self.timeout_s, START_TIMEOUT_S)
+            ray.get(self._group.ready(), timeout=start_timeout)
             # Commands run in order on the default group's one thread; pings have a thread of their own.
             remote = ray.remote(num_cpus=cpus_per_rank, num_gpus=1 if self.device == "cuda" else 0,
                                 concurrency_groups={"health": 1})(RankActor)
             for rank in range(self.world):
                 strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank)
                 self.actors.append(remote.options(scheduling_strategy=strategy, name=None).remote(rank, cpus_per_rank))
-            addresses = ray.get([actor.rendezvous.remote() for actor in self.actors], timeout=self.timeout_s)
+            addresses = ray.get([actor.rendezvous.remote() for actor in self.actors], timeout=start_timeout)
             self.nodes = [host for host, _ in addresses]
             spec = attrs.evolve(world, rewards={})  # reward functions run on the driver, and need not pickle
             for rank, actor in enumerate(self.actors):
                 ref = actor.start.remote(self.world, addresses[0], plan, spec, self.device, self.timeout_s)
                 self.outstanding[rank].append(("start", None, ref))
-            self._wait(list(range(self.world)))
+            self._wait_started()
         except BaseException:
             self.close()
             raise

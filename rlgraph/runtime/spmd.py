@@ -72,7 +72,7 @@ class SpmdTransport(WorkerPool):
             self.processes.append(process)
             self.outstanding[rank].append(("start", None, None))
         try:
-            self._wait(list(range(self.world)))  # each worker built its roles (or said why not)
+            self._wait_started()
         except BaseException:
             self.close()
             raise

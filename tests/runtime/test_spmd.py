@@ -145,13 +145,13 @@ def failure_when_rank_1_dies_mid_step(start_transport, kill) -> str:
 
     world = WorldSpec({"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": reward_that_kills_rank_1},
                       max_new_tokens=TOKENS)
-    with start_transport(compiled.plan, world, device="cpu", timeout_s=20) as transport:
+    with start_transport(compiled.plan, world, device="cpu", timeout_s=30) as transport:
         box.append(transport)
         runner = PlanRunner(compiled, transport, controller=world.controller())
         start = time.monotonic()
         with pytest.raises(PlanStepError) as caught:
             runner.run(tiny_prompts(4))
-        assert time.monotonic() - start < 20
+        assert time.monotonic() - start < 30  # the death is seen at once, not after the step timeout
     return str(caught.value)
 
 
