@@ -64,13 +64,13 @@ def _groups(rollouts: Rollouts, rewards: torch.Tensor, keep: torch.Tensor, where
     return out
 
 
-def _nothing_kept(rounds: int, drawn: int, where: SourceLocation | None) -> RefillError:
-    """Every group of every round was dropped: training on them would learn nothing (zero advantages)."""
-    return RefillError(
+def _nothing_kept(rounds: int, drawn: int, where: SourceLocation | None) -> str:
+    """Every group of every round was dropped: this step learns nothing (zero advantages); say why."""
+    return (
         f"rg.filter_groups kept no group in {rounds} rounds ({drawn} groups drawn): keep was False for every "
-        f"group, e.g. every sample of a prompt got the same reward{_at(where)}\n"
-        "  fix: check the reward function (does it ever differ within a prompt?), sample more (n, temperature), "
-        "use easier prompts, or raise max_rounds"
+        f"group, e.g. every sample of a prompt got the same reward; the batch is filled with dropped groups{_at(where)}\n"
+        "  fix: if this repeats, check the reward function (does it ever differ within a prompt?), sample more "
+        "(n, temperature), use easier prompts, or raise max_rounds"
     )
 
 
@@ -94,8 +94,8 @@ def run_filter(node: fx.Node, env: dict[fx.Node, Any], rerun: Callable[[Prompts]
         rounds += 1
         # progress: a refill that keeps little is slow, and the log says why (and how far it got)
         LOG.info("rg.filter_groups: round %d/%d, kept %d of %d groups", rounds, cap, min(len(kept), target), target)
-    if not kept and rounds > 1:
-        raise _nothing_kept(rounds, len(dropped), where)
+    if not kept and rounds > 1:  # a warning, not an error: early in training every group may tie for a few steps
+        LOG.warning("%s", _nothing_kept(rounds, len(dropped), where))
     filled = max(0, target - len(kept))
     chosen = kept[:target] + dropped[:filled]
     rollouts = Rollouts.concat([group[0] for group in chosen])
