@@ -55,8 +55,11 @@ def test_the_demo_runs_rl_on_two_spmd_worker_processes(tmp_path):
     (["--timeout", "0"], "positive number of seconds"),
 ])
 def test_the_demo_refuses_a_runtime_it_cannot_run_before_training(flags, message, capsys):
+    assert main(["demo", "--runtime", "spmd", *flags]) == 1  # one message, before the warm start
+    assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match=message):
-        main(["demo", "--runtime", "spmd", *flags])
+        run_demo(DemoConfig(runtime="spmd", nproc=int(flags[1]) if flags[0] == "--nproc" else 2,
+                            timeout_s=float(flags[1]) if flags[0] == "--timeout" else None), Console(quiet=True))
 
 
 @pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "two"], ["--runtime", "mpi"], ["--device", "gpu"]])
