@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("algorithm")
     plan.add_argument("--mesh", default="gpu:8", help="e.g. gpu:8, h200:8, 2x8:h100, cpu:2")
     plan.add_argument("--placement", default="colocated",
-                      help="auto (the compiler searches) | colocated | colocated:fsdp=8,tp=2 | "
-                           "split:policy=4,rollout=4[,ref=policy][,tp=2]")
+                      help="auto (the compiler searches) | colocated | colocated:fsdp=8,tp=2[,cpu_offload=True] | "
+                           "split:policy=4,rollout=4[,ref=policy][,tp=2][,cpu_offload=True]")
     plan.add_argument("--engine", default="auto",
                       help="generation engine: auto (native on a cpu mesh, vllm on GPUs), native (tp=1) or vllm")
     plan.add_argument("--model", default="tiny-qwen2", help="a preset (e.g. llama3-70b) or a config.json / model directory")
@@ -271,7 +271,8 @@ def _listings() -> dict[str, tuple[str, dict[str, str]]]:
 
 
 def parse_placement(text: str):
-    """`colocated`, `colocated:fsdp=8,tp=2,offload=False`, `split:policy=4,rollout=4,ref=policy,tp=2`."""
+    """`colocated`, `colocated:fsdp=8,tp=2,offload=False,cpu_offload=True`, `split:policy=4,rollout=4,ref=policy,tp=2`
+    (`split:...,cpu_offload=True`)."""
     from rlgraph.plan.mesh import colocated, split
 
     kind, _, rest = text.partition(":")
@@ -282,7 +283,7 @@ def parse_placement(text: str):
         _check_colocated_options(text, fields)
         return colocated(**fields)
     if kind == "split":
-        options = {key: fields.pop(key) for key in ("tp", "checkpointing") if key in fields}
+        options = {key: fields.pop(key) for key in ("tp", "checkpointing", "cpu_offload") if key in fields}
         return split(fields, **options)  # every other key names a group
     close = difflib.get_close_matches(kind, ["auto", "colocated", "split"], n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -55,6 +55,8 @@ RANKS = st.one_of(st.integers(-1, 9), st.lists(st.integers(-1, 9), max_size=4), 
 PLACEMENTS = st.one_of(
     st.builds(lambda fsdp, tp: rg.colocated(fsdp=fsdp, tp=tp), st.one_of(st.none(), st.integers(-2, 9)), st.integers(-1, 9)),
     st.builds(rg.split, st.dictionaries(GROUP_NAMES, RANKS, min_size=1, max_size=3)),
+    st.builds(lambda value: rg.colocated(cpu_offload=value), JUNK),
+    st.builds(lambda value: rg.split({"policy": 4, "rollout": 4}, cpu_offload=value), JUNK),
 )
 
 

@@ -92,6 +92,50 @@ def test_plan_offloads_only_around_generation_and_update(capsys):
         "  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [18] onload     @policy    optimizer+grads 28.75 GiB"]
 
 
+def _peak_per_rank(out: str) -> float:
+    """The largest per-rank device peak (GiB) of a printed plan's groups."""
+    return max(float(peak) for peak in re.findall(r"peak ([\d.]+) GiB/rank", out))
+
+
+def test_plan_70b_ppo_with_cpu_offload_needs_less_device_memory(capsys):
+    # The training state (16 bytes per parameter of the policy and of the critic) moves to host memory.
+    args = ["plan", "ppo", "--mesh", "4x8:h100", "--model", "llama3-70b", "--placement"]
+    code, resident, _ = run(capsys, *args, "colocated:tp=8")
+    assert code == 0 and _peak_per_rank(resident) == 43.15
+    # Without cpu_offload the host holds what the offload steps park and the sleeping vLLM engine's weights.
+    assert ("  policy    offload       45.17 GiB  (params 16.43 GiB, grads 4.11 GiB, optimizer 16.43 GiB, "
+            "master_weights 8.21 GiB)") in resident
+    code, out, _ = run(capsys, *args, "colocated:tp=8,cpu_offload=True")
+    assert code == 0 and "placement colocated(fsdp=32, tp=8, offload=True, cpu_offload=True)" in out
+    assert "policy    ranks 0-31   train: fsdp2 shard=32 ckpt cpu_offload; generate: vllm tp=8 dp=4" in out
+    assert _peak_per_rank(out) == 16.55  # the generator's weights and KV cache; training holds 10.66 GiB
+    assert "  policy    train       10.66 GiB  (activations 425.16 MiB, logits 469.69 MiB, workspace 9.79 GiB)" in out
+    assert "host memory per rank (a node has 2048.00 GiB for 8 ranks):" in out
+    assert ("  critic    cpu_offload   41.07 GiB  (params 4.11 GiB, grads 4.11 GiB, optimizer 16.43 GiB, "
+            "master_weights 8.21 GiB, workspace 8.21 GiB)") in out
+    assert "[2] offload    @policy    nothing (cpu_offload: optimizer+grads stay in host memory) 0 B" in out
+
+
+def test_plan_70b_ppo_fits_two_nodes_of_h100s_only_with_cpu_offload(capsys):
+    args = ["plan", "ppo", "--mesh", "2x8:h100", "--model", "llama3-70b", "--placement"]
+    code, _, err = run(capsys, *args, "colocated:tp=8")
+    assert code == 1 and "role critic+policy does not fit on rank 0: it needs 82.14 GiB but the device has 80.0 GiB" in err
+    assert "keep parameters, gradients and optimizer state in host memory (cpu_offload=True)" in err
+    code, out, _ = run(capsys, *args, "colocated:tp=8,cpu_offload=True")
+    assert code == 0 and _peak_per_rank(out) < 80
+    code, _, err = run(capsys, "plan", "ppo", "--mesh", "gpu:8", "--model", "llama3-70b", "--placement",
+                       "colocated:tp=8,cpu_offload=True")  # one node: its 2 TiB of host memory is too small
+    assert code == 1 and err.startswith("rlgraph plan: the host memory of node 0 cannot hold what its ranks offload")
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "None"])
+@pytest.mark.parametrize("placement", ["colocated:tp=2,cpu_offload={}", "split:policy=4,rollout=4,cpu_offload={}"])
+def test_plan_cpu_offload_must_be_true_or_false(capsys, placement, value):
+    code, out, err = run(capsys, "plan", "grpo", "--mesh", "gpu:8", "--placement", placement.format(value))
+    shown = repr(value) if value == "yes" else value
+    assert code == 1 and out == "" and f": cpu_offload must be True or False, got {shown}\n  fix: rg." in err
+
+
 def test_plan_engine_is_named_in_the_layout_and_checked(capsys):
     code, out, _ = run(capsys, "plan", "grpo", "--mesh", "gpu:8", "--engine", "native")
     assert code == 0 and "generate: native tp=1 dp=8" in out
@@ -113,9 +157,9 @@ def test_plan_names_the_engines_there_are(capsys, engine, hint):
 
 @pytest.mark.parametrize(("placement", "message"), [
     ("colocated:tpp=2", "rlgraph: --placement 'colocated:tpp=2': unknown option 'tpp'; did you mean 'tp'? "
-                        "(colocated takes fsdp, tp, offload, checkpointing)"),
+                        "(colocated takes fsdp, tp, offload, checkpointing, cpu_offload)"),
     ("colocated:offlaod=False", "unknown option 'offlaod'; did you mean 'offload'?"),
-    ("colocated:engine=vllm", "unknown option 'engine' (colocated takes fsdp, tp, offload, checkpointing)"),
+    ("colocated:engine=vllm", "unknown option 'engine' (colocated takes fsdp, tp, offload, checkpointing, cpu_offload)"),
 ])
 def test_plan_placement_with_an_unknown_option_says_which_there_are(placement, message):
     with pytest.raises(SystemExit, match=re.escape(message)):

@@ -2,7 +2,9 @@
 
 Bridges the program (which roles train, infer and generate, with which micro-batches) and the
 memory model of `rlgraph.plan.memory`. Colocated groups share ranks: their phases are combined
-with `colocated_peak`, and the result is checked against the device capacity.
+with `colocated_peak`, and the result is checked against the device capacity. What a group keeps
+in host memory (its state under `cpu_offload`, or what a colocated offload step parks) is counted
+per rank and checked against each node's host memory.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program
 from rlgraph.passes.options import CompileOptions
 from rlgraph.plan import memory as M
-from rlgraph.plan.mesh import Group, Mesh
+from rlgraph.plan.mesh import Colocated, Group, Mesh
 from rlgraph.plan.model_size import ModelShape
 from rlgraph.plan.presets import load_model_config
 
@@ -44,42 +46,84 @@ def batch_rows(node, sizes: dict[str, int]) -> int:
     return sizes[str(record.rows)] if isinstance(record, S.RecordSpec) else sizes["N"]
 
 
+def state_on_host(group: Group, mesh: Mesh) -> bool:
+    """Whether `group` keeps its training state in host memory (FSDP2's CPUOffloadPolicy). On a cpu
+    mesh the devices are host memory already: nothing leaves them, so the device figures keep it."""
+    return group.train is not None and group.train.cpu_offload and mesh.device != "cpu"
+
+
+def _train_config(node, group: Group, options: CompileOptions, rows: int, seq: int) -> M.TrainMemoryConfig:
+    """How `group` trains for the `update` node `node` on `rows` rows per rank of `seq` tokens."""
+    per_mini = -(-rows // node.kwargs["minibatches"])
+    micro = min(node.kwargs["micro_batch_size"] or per_mini, per_mini)
+    dtype, offloaded = param_dtype(options.mesh), state_on_host(group, options.mesh)
+    return M.TrainMemoryConfig(
+        param_dtype=dtype, mixed_precision=dtype != torch.float32, fsdp_shards=group.train.fsdp,
+        checkpointing=group.train.checkpointing, micro_batch_tokens=micro * seq, seq_len=seq,
+        offload_params=offloaded, offload_optimizer=offloaded,
+    )
+
+
 def _phase_memory(program: Program, group: Group, options: CompileOptions) -> dict[str, M.MemoryBreakdown]:
     """The peak of each phase of `group`: the largest over the primitives of that phase (ReMax's two
-    generations, two updates of one role), each sized by its own batch rows."""
+    generations, two updates of one role), each sized by its own batch rows. Under `cpu_offload`
+    the host's share is `host_memory`'s."""
     sizes = options.concrete(program.hparams.get("n"))
     seq = sizes["P"] + sizes["T"]
     dtype = param_dtype(options.mesh)
     phases: dict[str, M.MemoryBreakdown] = {}
-    for node in program.graph.nodes:
+    for node in _primitives(program, group):
         prim = primitive_name(node)
-        if prim is None or node.meta.get("role") != group.name or prim in ("score", "filter_groups"):
-            continue
         shape = model_shape(options, node.args[0].meta["spec"].role)
         batch = batch_rows(node, sizes)
         rows = -(-batch // group.dp)
         if prim == "update":
-            per_mini = -(-rows // node.kwargs["minibatches"])
-            micro = min(node.kwargs["micro_batch_size"] or per_mini, per_mini)
-            config = M.TrainMemoryConfig(
-                param_dtype=dtype, mixed_precision=dtype != torch.float32, fsdp_shards=group.train.fsdp,
-                checkpointing=group.train.checkpointing, micro_batch_tokens=micro * seq, seq_len=seq,
-            )
-            phase, breakdown = "train", M.train_memory(shape, config)
+            phase, breakdown = "train", M.train_memory(shape, _train_config(node, group, options, rows, seq))
         elif prim == "generate":
             replicas = group.generate.dp
             phase, breakdown = "generate", M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-batch // replicas),
                                                              max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])
         else:
-            phase, breakdown = "infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks))
+            phase, breakdown = "infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks),
+                                                       offload_params=state_on_host(group, options.mesh))
         if phase not in phases or breakdown.total > phases[phase].total:
             phases[phase] = breakdown
     return phases
 
 
-def plan_memory(program: Program, groups: Sequence[Group], options: CompileOptions) -> dict[str, dict[str, dict[str, int]]]:
-    """group -> phase -> {part: bytes, total}; raises `PlacementError` if a rank cannot hold its peak."""
+def _primitives(program: Program, group: Group) -> list:
+    """The nodes of `group` that hold memory on its ranks (model primitives; not reward functions or filters)."""
+    return [node for node in program.graph.nodes if primitive_name(node) not in (None, "score", "filter_groups")
+            and node.meta.get("role") == group.name]
+
+
+def host_memory(program: Program, group: Group, phases: dict[str, M.MemoryBreakdown],
+                options: CompileOptions) -> M.MemoryBreakdown | None:
+    """Per rank, what `group` keeps in host memory (None when nothing): its whole training state
+    under `cpu_offload` (`train_host_memory`); else, where colocated offload steps take turns with
+    its generator, what they park while it generates (the steps' bytes); and the generator's
+    weights while a vLLM engine sleeps through training (its sleep level 1 keeps them in host memory)."""
+    host = M.MemoryBreakdown()
+    if state_on_host(group, options.mesh):
+        sizes = options.concrete(program.hparams.get("n"))
+        update = next(node for node in _primitives(program, group) if primitive_name(node) == "update")
+        shape = model_shape(options, update.args[0].meta["spec"].role)
+        config = _train_config(update, group, options, 1, sizes["P"] + sizes["T"])  # the host's share needs no micro-batch
+        host += M.train_host_memory(shape, config)
+    takes_turns = isinstance(options.placement, Colocated) and options.placement.offload and {"train", "generate"} <= set(phases)
+    if takes_turns and options.mesh.device != "cpu":
+        host += M.MemoryBreakdown() if state_on_host(group, options.mesh) else phases["train"].parked()
+        if group.generate.engine == "vllm":
+            host += M.MemoryBreakdown(params=phases["generate"].params)
+    return host if host.total else None
+
+
+def plan_memory(program: Program, groups: Sequence[Group],
+                options: CompileOptions) -> tuple[dict[str, dict[str, dict[str, int]]], dict[str, dict[str, int]]]:
+    """(group -> phase -> {part: bytes, total}, group -> host {part: bytes, total} per rank); raises
+    `PlacementError` if a rank cannot hold its peak or a node's host memory what its ranks offload."""
     per_group = {group.name: _phase_memory(program, group, options) for group in groups}
+    host = {group.name: need for group in groups if (need := host_memory(program, group, per_group[group.name], options))}
     by_ranks: dict[tuple[int, ...], dict[str, M.MemoryBreakdown]] = {}
     for group in groups:
         for phase, breakdown in per_group[group.name].items():
@@ -89,4 +133,18 @@ def plan_memory(program: Program, groups: Sequence[Group], options: CompileOptio
         peak = M.colocated_peak(phases, offload=offload) if len(phases) > 1 else next(iter(phases.values()))
         roles = "+".join(sorted({name.split(".")[0] for name in phases}))
         M.check_fits(roles, ranks[0], peak, options.mesh.capacity_bytes)
-    return {name: {phase: breakdown.as_dict() for phase, breakdown in phases.items()} for name, phases in per_group.items()}
+    _check_host(groups, host, options.mesh)  # after the devices: a device that cannot fit is the first thing to fix
+    memory = {name: {phase: breakdown.as_dict() for phase, breakdown in phases.items()} for name, phases in per_group.items()}
+    return memory, {name: need.as_dict() for name, need in host.items()}
+
+
+def _check_host(groups: Sequence[Group], host: dict[str, M.MemoryBreakdown], mesh: Mesh) -> None:
+    """Each node's host memory must hold what every rank on it offloads (ranks of a node share it)."""
+    capacity = mesh.host_capacity_bytes
+    if capacity is None or not host:
+        return
+    for node in range(mesh.nodes):
+        on_node = {rank for rank in range(mesh.size) if mesh.node_of(rank) == node}
+        held = {group.name: (host[group.name], len(on_node.intersection(group.ranks))) for group in groups
+                if group.name in host and on_node.intersection(group.ranks)}
+        M.check_host_fits(node, held, capacity)

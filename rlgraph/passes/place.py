@@ -7,10 +7,13 @@ layout names its engine (`CompileOptions.engine`, "auto" resolved for the mesh).
 
 Guarantees: `annotations["groups"]` holds one `Group` per role the program uses (the controller
 excepted), ranks inside the mesh, layouts dividing their group; `annotations["memory"]` holds the
-per-rank memory of every group and phase, and a placement that cannot fit raises
-`PlacementError` naming the role, the rank, what it needs and what it has. A layout no executor
-can run (tensor parallel generation on the native engine, which runs tp=1 only) raises
-`PlacementConfigError` naming the role and the option to change.
+per-rank memory of every group and phase, `annotations["host_memory"]` what a rank of a group keeps
+in host memory (offloaded training state), and a placement that cannot fit (a rank's device, or a
+node's host memory) raises `PlacementError` naming the role, the rank, what it needs and what it
+has. A layout no executor can run (tensor parallel generation on the native engine, which runs
+tp=1 only), or an option of the wrong type (`cpu_offload="yes"`), raises `PlacementConfigError`
+naming the option to change.
+A placement's `cpu_offload` reaches the train layout of every group that trains.
 """
 
 from __future__ import annotations
@@ -47,13 +50,20 @@ def _check_divides(what: str, degree: int, size: int, group: str) -> None:
                                    f"{what} must be one of {divisors}")
 
 
-def _layouts(name: str, ranks: tuple[int, ...], phases: set[str], tp: int, fsdp: int | None, ckpt: bool) -> Group:
+def _check_flag(option: str, value: object, where: str, fix: str) -> None:
+    """Refuse a non-bool where a flag is needed (`cpu_offload="yes"` would otherwise read as true)."""
+    if not isinstance(value, bool):
+        raise PlacementConfigError(f"{where}: {option} must be True or False, got {value!r}\n  fix: {fix}")
+
+
+def _layouts(name: str, ranks: tuple[int, ...], phases: set[str], tp: int, fsdp: int | None, ckpt: bool,
+             cpu_offload: bool = False) -> Group:
     size = len(ranks)
     train = generate = None
     if "train" in phases:
         shard = size if fsdp is None else fsdp  # not `fsdp or size`: fsdp=0 is a mistake, refused below
         _check_divides("fsdp", shard, size, name)
-        train = TrainLayout(shard, size // shard, ckpt)
+        train = TrainLayout(shard, size // shard, ckpt, cpu_offload)
     if "generate" in phases:
         _check_divides("tp", tp, size, name)
         generate = GenerateLayout(tp, size // tp)
@@ -62,7 +72,9 @@ def _layouts(name: str, ranks: tuple[int, ...], phases: set[str], tp: int, fsdp:
 
 def _colocated(used: dict[str, set[str]], placement: Colocated, size: int) -> list[Group]:
     ranks = tuple(range(size))
-    return [_layouts(role, ranks, phases, placement.tp, placement.fsdp, placement.checkpointing)
+    _check_flag("cpu_offload", placement.cpu_offload, "rg.colocated",
+                "rg.colocated(cpu_offload=True) (--placement colocated:cpu_offload=True), or False")
+    return [_layouts(role, ranks, phases, placement.tp, placement.fsdp, placement.checkpointing, placement.cpu_offload)
             for role, phases in sorted(used.items())]
 
 
@@ -75,7 +87,10 @@ def _split(used: dict[str, set[str]], placement: Split, size: int) -> list[Group
             f"split{dict(placement.groups)} gives no ranks to role(s) {', '.join(missing)}; "
             f"add them or share a group, e.g. {{{missing[0]!r}: 'policy'}}"
         )
-    return [_layouts(role, assigned[role], used[role], placement.tp, None, placement.checkpointing) for role in sorted(used)]
+    _check_flag("cpu_offload", placement.cpu_offload, "rg.split",
+                "rg.split({...}, cpu_offload=True) (--placement split:...,cpu_offload=True), or False")
+    return [_layouts(role, assigned[role], used[role], placement.tp, None, placement.checkpointing, placement.cpu_offload)
+            for role in sorted(used)]
 
 
 def _check_split_names(used: dict[str, set[str]], placement: Split) -> None:
@@ -134,6 +149,10 @@ def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ..
         groups = _split(used, placement, options.mesh.size)
     elif isinstance(placement, Explicit):
         groups = list(placement.groups)
+        for group in groups:
+            if group.train is not None:
+                _check_flag("cpu_offload", group.train.cpu_offload, f"group {group.name!r}'s TrainLayout",
+                            "TrainLayout(..., cpu_offload=True), or False")
         missing = sorted(set(used) - {group.name for group in groups})
         if missing:
             raise PlacementConfigError(f"explicit placement has no group for role(s) {', '.join(missing)}")
@@ -187,8 +206,9 @@ def place(program: Program, options: CompileOptions) -> Program:
 
     check_model_roles(program, options)
     groups = resolve_groups(program, options)
-    memory = plan_memory(program, groups, options)
-    out, _ = copy_program(program, annotations={**program.annotations, "groups": groups, "memory": memory})
+    memory, host_memory = plan_memory(program, groups, options)
+    out, _ = copy_program(program, annotations={**program.annotations, "groups": groups, "memory": memory,
+                                                "host_memory": host_memory})
     return out.verify(after="place")
 
 

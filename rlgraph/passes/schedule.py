@@ -32,6 +32,7 @@ from rlgraph.ir.program import Program
 from rlgraph.ir.trace import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER
+from rlgraph.plan.memory import PARKED
 from rlgraph.plan.mesh import Colocated
 from rlgraph.plan.plan import Loop, Offload, Plan, Stage, SyncWeights, Transfer
 
@@ -202,10 +203,20 @@ def schedule(program: Program, options: CompileOptions) -> Plan:
         if offload:
             steps.extend(_offload_points(run, len(steps), memory, offloaded))
         steps.append(_stage(len(steps), keys[run[0]], run, program, options, sizes))
-    notes = ("offload/onload: optimizer state and gradients leave the device while the colocated generator runs",
-             ) if offload else ()
     return Plan(program.name, options.mesh, _placement_text(options), program.annotations["groups"],
-                {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, notes, _loop_steps(program, steps))
+                {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, _notes(options),
+                _loop_steps(program, steps), host_memory=program.annotations.get("host_memory", {}))
+
+
+def _notes(options: CompileOptions) -> tuple[str, ...]:
+    offload = isinstance(options.placement, Colocated) and options.placement.offload
+    if not getattr(options.placement, "cpu_offload", False):
+        return ("offload/onload: optimizer state and gradients leave the device while the colocated generator runs",
+                ) if offload else ()
+    if options.mesh.device == "cpu":
+        return ("cpu_offload: on a cpu mesh the training state is in host memory already; the device figures keep it",)
+    return ("cpu_offload: parameters, gradients and optimizer state stay in host memory; each FSDP2 unit's shards are "
+            "copied to the device for its all-gather, its gradients back, and the optimizer step runs on the CPU",)
 
 
 def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: set[str]) -> list[Offload]:
@@ -218,20 +229,22 @@ def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: s
         if "train" not in phases or "generate" not in phases:
             continue
         if (prim == "generate" and role not in offloaded) or (prim == "update" and role in offloaded):
-            train = phases["train"]
-            parked = train.get("optimizer", 0) + train.get("grads", 0) + train.get("master_weights", 0)
+            parked = sum(phases["train"].get(part, 0) for part in PARKED)
+            # Under cpu_offload nothing of the trainer is on the device; the step stays, as the generator's turn.
+            what = "optimizer+grads" if parked else "nothing (cpu_offload: optimizer+grads stay in host memory)"
             direction = "onload" if role in offloaded else "offload"
-            points.append(Offload(index + len(points), role, "optimizer+grads", direction, parked))
+            points.append(Offload(index + len(points), role, what, direction, parked))
             (offloaded.add if direction == "offload" else offloaded.discard)(role)  # the caller's set, across stages
     return points
 
 
 def _placement_text(options: CompileOptions) -> str:
     placement = options.placement
+    cpu_offload = ", cpu_offload=True" if getattr(placement, "cpu_offload", False) else ""
     if isinstance(placement, Colocated):
-        return f"colocated(fsdp={placement.fsdp or options.mesh.size}, tp={placement.tp}, offload={placement.offload})"
+        return f"colocated(fsdp={placement.fsdp or options.mesh.size}, tp={placement.tp}, offload={placement.offload}{cpu_offload})"
     name = type(placement).__name__.lower()
     groups = getattr(placement, "groups", {})
     if isinstance(groups, dict):
-        return f"{name}({groups})"
+        return f"{name}({groups}{cpu_offload})"
     return f"{name}({', '.join(group.name for group in groups)})"

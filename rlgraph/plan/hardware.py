@@ -26,7 +26,9 @@ class HardwareProfile:
     `inter_node_bandwidth` (the network share of one device), `host_bandwidth` (device <-> host
     memory): bytes/s, one direction. `latency_s`: fixed cost of one collective or copy.
     `train_efficiency` (MFU of an FSDP step), `prefill_efficiency` (of peak FLOP/s),
-    `decode_efficiency` (of peak memory bandwidth), `link_efficiency` (of link bandwidth)."""
+    `decode_efficiency` (of peak memory bandwidth), `link_efficiency` (of link bandwidth).
+    `host_memory_gib`: host (CPU) memory per device, a typical node's divided by its devices (None:
+    unknown, or the device is the host); the memory model checks offloaded state against it."""
 
     name: str
     peak_flops: float
@@ -42,6 +44,7 @@ class HardwareProfile:
     decode_efficiency: float = 0.6
     link_efficiency: float = 0.8
     stage_overhead_s: float = 0.0  # fixed cost of launching one stage (dispatch, Python), per stage
+    host_memory_gib: float | None = None
 
 
 # Efficiencies on GPUs: FSDP training of 7-70B dense models reports 38-45% MFU on H100 (PyTorch's
@@ -55,6 +58,10 @@ def register_profile(profile: HardwareProfile) -> HardwareProfile:
     """Add (or replace) a device kind; `Mesh` then accepts its name and its memory."""
     PROFILES[profile.name] = profile
     DEVICE_MEMORY_GIB[profile.name] = profile.memory_gib
+    if profile.host_memory_gib is not None:
+        HOST_MEMORY_GIB[profile.name] = profile.host_memory_gib
+    else:
+        HOST_MEMORY_GIB.pop(profile.name, None)
     return profile
 
 
@@ -67,20 +74,29 @@ def profile(device: str) -> HardwareProfile:
 
 
 DEVICE_MEMORY_GIB: dict[str, float] = {}
+HOST_MEMORY_GIB: dict[str, float] = {}
+
+# Host memory per device: 2 TiB per 8-GPU H100/H200 node (MLPerf Inference v4.1 system descriptions:
+# HPE Cray XD670 8x H100-SXM-80GB "2048GB", Dell XE9680 8x H100 "2 TB", NVIDIA 8x H200-SXM-141GB "2 TB"),
+# DGX A100 640GB: 2 TB; L40S: Lenovo ThinkSystem SR650 V3, 512 GB for 3 GPUs. H20: not known here.
+NODE_HOST_GIB_PER_GPU = 2048 / 8
 
 for _profile in (
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5), https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet:
     # 989 TFLOPS BF16 dense (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s.
     HardwareProfile("h100", 989 * TFLOPS, 3.35e12, 80, 450 * GB, 50 * GB, 64 * GB,
-                    "NVIDIA H100 Tensor Core GPU datasheet (SXM5); DGX H100: 400 Gb/s ConnectX-7 per GPU"),
+                    "NVIDIA H100 Tensor Core GPU datasheet (SXM5); DGX H100: 400 Gb/s ConnectX-7 per GPU",
+                    host_memory_gib=NODE_HOST_GIB_PER_GPU),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM), https://www.nvidia.com/en-us/data-center/h200/:
     # 989 TFLOPS BF16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s.
     HardwareProfile("h200", 989 * TFLOPS, 4.8e12, 141, 450 * GB, 50 * GB, 64 * GB,
-                    "NVIDIA H200 Tensor Core GPU datasheet (SXM); DGX H200: 400 Gb/s per GPU"),
+                    "NVIDIA H200 Tensor Core GPU datasheet (SXM); DGX H200: 400 Gb/s per GPU",
+                    host_memory_gib=NODE_HOST_GIB_PER_GPU),
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM), https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf:
     # 312 TFLOPS BF16 dense, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s.
     HardwareProfile("a100", 312 * TFLOPS, 2.039e12, 80, 300 * GB, 25 * GB, 32 * GB,
-                    "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); DGX A100: 200 Gb/s HDR per GPU"),
+                    "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); DGX A100: 200 Gb/s HDR per GPU",
+                    host_memory_gib=NODE_HOST_GIB_PER_GPU),
     # NVIDIA H20 (HGX H20) product brief, https://www.nvidia.com/en-us/data-center/h20/ (as published
     # by NVIDIA partners): 148 TFLOPS BF16 dense, 96 GB HBM3 at 4.0 TB/s, NVLink 900 GB/s, PCIe Gen5.
     HardwareProfile("h20", 148 * TFLOPS, 4.0e12, 96, 450 * GB, 50 * GB, 64 * GB,
@@ -88,7 +104,8 @@ for _profile in (
     # NVIDIA L40S datasheet, https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413:
     # 362.05 TFLOPS BF16 dense (733 with sparsity), 48 GB GDDR6 at 864 GB/s, no NVLink, PCIe Gen4 x16 64 GB/s.
     HardwareProfile("l40s", 362.05 * TFLOPS, 864 * GB, 48, 32 * GB, 25 * GB, 32 * GB,
-                    "NVIDIA L40S datasheet; no NVLink (PCIe Gen4 between GPUs); 200 Gb/s per GPU assumed"),
+                    "NVIDIA L40S datasheet; no NVLink (PCIe Gen4 between GPUs); 200 Gb/s per GPU assumed",
+                    host_memory_gib=512 / 3),
     # The project's development machine as one device (the local runtime: one process, 2 threads):
     # 2 cores of an AMD EPYC at 2.6 GHz (/proc/cpuinfo) with AVX2/AVX-512 (Zen 4 runs 512-bit FMAs on
     # two 256-bit pipes: 2 x 8 fp32 lanes x 2 FLOP = 32 FLOP/cycle, 83 GFLOP/s per core); DDR at

@@ -30,6 +30,7 @@ PREFILL_CHUNK_TOKENS = 8192
 
 PERSISTENT = ("params", "grads", "optimizer", "master_weights", "kv_cache")
 TRANSIENT = ("activations", "logits", "workspace")
+PARKED = ("grads", "optimizer", "master_weights")  # what an offload step between colocated phases moves to host memory
 
 
 def format_bytes(n: int) -> str:
@@ -83,6 +84,11 @@ class MemoryBreakdown:
     def transient(self) -> MemoryBreakdown:
         """The parts freed when the phase ends: activations, logits, workspace."""
         return MemoryBreakdown(**{name: getattr(self, name) for name in TRANSIENT})
+
+    def parked(self) -> MemoryBreakdown:
+        """The parts an offload step between colocated phases moves off the device: gradients,
+        optimizer state, master weights."""
+        return MemoryBreakdown(**{name: getattr(self, name) for name in PARKED})
 
     @staticmethod
     def sum(parts: Iterable[MemoryBreakdown]) -> MemoryBreakdown:
@@ -155,7 +161,9 @@ class TrainMemoryConfig:
     moments take the parameter dtype, as `torch.optim.AdamW` does). `fsdp_shards` ranks share
     parameters, gradients and optimizer state. `offload_optimizer` keeps AdamW state and master
     weights in host memory (the step runs there); `offload_params` keeps sharded parameters and
-    gradients there too, leaving only the all-gathered units on the device. `fused_attention`:
+    gradients there too, leaving only the all-gathered units (and the shards copied in for their
+    all-gather) on the device; both together are FSDP2's `CPUOffloadPolicy` (`train_host_memory`
+    is what the host then holds). `fused_attention`:
     SDPA / flash attention, which never holds the [seq, seq] scores; `fused_optimizer`:
     `AdamW(fused=True)`, which needs no parameter-sized temporary (torch's default is `foreach`).
     """
@@ -193,20 +201,19 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
       layer backward  every layer's saved activations (+ one recomputed layer when
                       checkpointing) and the gradients of one layer's activations
       optimizer step  one parameter-sized temporary of `foreach` AdamW (none when fused)
-    With FSDP both backward moments also hold two all-gathered units and one unit's gradients.
+    With FSDP both backward moments also hold two all-gathered units and one unit's gradients;
+    offloaded, also those units' shards copied in from the host and one unit's sharded gradients
+    on their way back. What is offloaded is 0 here (`train_host_memory` counts it).
     """
-    e, n, shards, tokens = dtype_bytes(cfg.param_dtype), shape.n_params, cfg.fsdp_shards, cfg.micro_batch_tokens
-    moment_bytes = 4 if cfg.has_master_weights else e
-    state = MemoryBreakdown(
-        params=0 if cfg.offload_params else _ceil_div(n * e, shards),
-        grads=0 if cfg.offload_params else _ceil_div(n * e, shards),
-        optimizer=0 if cfg.offload_optimizer else _ceil_div(2 * moment_bytes * n, shards),
-        master_weights=_ceil_div(4 * n, shards) if cfg.has_master_weights and not cfg.offload_optimizer else 0,
-    )
+    e, shards, tokens = dtype_bytes(cfg.param_dtype), cfg.fsdp_shards, cfg.micro_batch_tokens
+    state, _ = _split_state(shape, cfg)
     per_layer = layer_activation_bytes(shape, cfg.param_dtype, seq_len=cfg.seq_len, fused_attention=cfg.fused_attention)
     # Checkpointing keeps only each layer's input and recomputes one layer at a time in backward.
     stored = tokens * shape.layers * (e * shape.hidden if cfg.checkpointing else per_layer)
     gathered = _fsdp_gather_bytes(shape, e, grads=True) if shards > 1 or cfg.offload_params else 0
+    if cfg.offload_params:
+        shard_bytes = 4 if cfg.has_master_weights else e  # FSDP2 keeps fp32 shards and reduces in fp32 under mixed precision
+        gathered += _offload_staging_bytes(shape, shards, shard_bytes, units=3)  # 2 units' parameter shards, 1 unit's gradients
     head_backward = state + MemoryBreakdown(
         activations=stored + tokens * head_activation_bytes(shape, cfg.param_dtype),
         logits=0 if shape.value_head else 3 * 4 * min(tokens, cfg.logit_chunk_tokens) * shape.vocab,
@@ -216,9 +223,45 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
         activations=stored + (tokens * per_layer if cfg.checkpointing else 0),
         workspace=gathered + tokens * backward_transient_bytes(shape, cfg.param_dtype),
     )
-    step_temporary = 0 if cfg.offload_optimizer or cfg.fused_optimizer else _ceil_div(moment_bytes * n, shards)
-    step = state + MemoryBreakdown(workspace=step_temporary)
+    step = state + MemoryBreakdown(workspace=0 if cfg.offload_optimizer else _step_temporary_bytes(shape, cfg))
     return MemoryBreakdown.largest([head_backward, layer_backward, step])
+
+
+def train_host_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
+    """Per rank, the host memory the offloaded training state takes: the parts `train_memory`
+    leaves off the device (sharded params and grads with `offload_params`, AdamW's moments and
+    the master weights with `offload_optimizer`), plus the optimizer step's temporary, since the
+    step then runs on the CPU. With FSDP2's `CPUOffloadPolicy` (both flags) this is the whole
+    training state, ZeRO's 16 bytes per parameter under mixed precision, divided by the shards.
+    """
+    _, host = _split_state(shape, cfg)
+    return host + MemoryBreakdown(workspace=_step_temporary_bytes(shape, cfg) if cfg.offload_optimizer else 0)
+
+
+def _split_state(shape: ModelShape, cfg: TrainMemoryConfig) -> tuple[MemoryBreakdown, MemoryBreakdown]:
+    """The training state of one rank (1/fsdp_shards of: params and grads n*e, AdamW's two moments,
+    fp32 master weights n*4), as (on the device, in host memory) by the config's offload flags."""
+    e, n, shards = dtype_bytes(cfg.param_dtype), shape.n_params, cfg.fsdp_shards
+    moment_bytes = 4 if cfg.has_master_weights else e
+    weights = MemoryBreakdown(params=_ceil_div(n * e, shards), grads=_ceil_div(n * e, shards))
+    optimizer = MemoryBreakdown(optimizer=_ceil_div(2 * moment_bytes * n, shards),
+                                master_weights=_ceil_div(4 * n, shards) if cfg.has_master_weights else 0)
+    device = (MemoryBreakdown() if cfg.offload_params else weights) + (MemoryBreakdown() if cfg.offload_optimizer else optimizer)
+    host = (weights if cfg.offload_params else MemoryBreakdown()) + (optimizer if cfg.offload_optimizer else MemoryBreakdown())
+    return device, host
+
+
+def _step_temporary_bytes(shape: ModelShape, cfg: TrainMemoryConfig) -> int:
+    """One parameter-sized temporary of torch's default `foreach` AdamW (none when fused), per rank."""
+    moment_bytes = 4 if cfg.has_master_weights else dtype_bytes(cfg.param_dtype)
+    return 0 if cfg.fused_optimizer else _ceil_div(moment_bytes * shape.n_params, cfg.fsdp_shards)
+
+
+def _offload_staging_bytes(shape: ModelShape, shards: int, shard_bytes: int, *, units: int) -> int:
+    """Device copies of `units` of the largest unit's shards under FSDP2's CPUOffloadPolicy: a
+    unit's parameter shards are copied host-to-device before its all-gather, its reduce-scattered
+    gradient shards device-to-host after it."""
+    return units * shard_bytes * _ceil_div(shape.largest_unit_params, shards)
 
 
 def _fsdp_gather_bytes(shape: ModelShape, e: int, *, grads: bool) -> int:
@@ -252,22 +295,27 @@ def generate_memory(shape: ModelShape, *, tp: int, batch_sequences: int, max_seq
 
 
 def infer_memory(shape: ModelShape, *, batch_tokens: int, dtype: torch.dtype = torch.bfloat16, shards: int = 1,
-                 micro_batch_tokens: int | None = None) -> MemoryBreakdown:
+                 micro_batch_tokens: int | None = None, offload_params: bool = False) -> MemoryBreakdown:
     """Per-rank peak of a forward without gradients (reference / old-policy log-probs, values).
 
     params n*e/shards (FSDP: plus the current and prefetched units); the forward's working set and the
     final hidden states for the tokens processed at once (`micro_batch_tokens`, else all of
-    `batch_tokens`); one chunk of fp32 logits and their exponentials.
+    `batch_tokens`); one chunk of fp32 logits and their exponentials. `offload_params` (a role under
+    FSDP2's CPUOffloadPolicy): no parameters between units, the two gathered units and their shards
+    copied in from the host instead.
     """
     if batch_tokens < 1 or shards < 1:
         raise ValueError(f"infer_memory: batch_tokens and shards must be >= 1, got {batch_tokens}, {shards}")
     tokens = min(batch_tokens, micro_batch_tokens or batch_tokens)
     e = dtype_bytes(dtype)
+    workspace = _fsdp_gather_bytes(shape, e, grads=False) if shards > 1 or offload_params else 0
+    if offload_params:
+        workspace += _offload_staging_bytes(shape, shards, 4, units=2)  # fp32 shards: the executor's mixed precision
     return MemoryBreakdown(
-        params=_ceil_div(shape.n_params * e, shards),
+        params=0 if offload_params else _ceil_div(shape.n_params * e, shards),
         activations=tokens * (forward_working_bytes(shape, dtype) + e * shape.hidden),
         logits=0 if shape.value_head else 2 * 4 * min(tokens, LOGIT_CHUNK_TOKENS) * shape.vocab,
-        workspace=_fsdp_gather_bytes(shape, e, grads=False) if shards > 1 else 0,
+        workspace=workspace,
     )
 
 
@@ -320,7 +368,7 @@ class PlacementError(ValueError):
 
 _FIXES = {
     "state": "shard the training state over more ranks (more FSDP shards: rg.colocated(fsdp=...) or a larger group "
-             "in rg.split), or offload optimizer state and parameters to host memory (offload=True)",
+             "in rg.split), or keep parameters, gradients and optimizer state in host memory (cpu_offload=True)",
     "activations": "enable activation checkpointing (checkpointing=True) or use a smaller micro-batch (micro_batch_size=...)",
     "logits": "use a smaller log-prob chunk or fewer tokens per micro-batch",
     "kv_cache": "use more tensor parallelism for generation (tp=...), fewer sequences per generation batch, or shorter sequences",
@@ -328,6 +376,25 @@ _FIXES = {
 }
 _FIX_OF = {"params": "state", "grads": "state", "optimizer": "state", "master_weights": "state",
            "activations": "activations", "logits": "logits", "kv_cache": "kv_cache", "workspace": "workspace"}
+
+
+def check_host_fits(node: int, held: Mapping[str, tuple[MemoryBreakdown, int]], capacity_bytes: int) -> None:
+    """Raise `PlacementError` if node `node`'s host memory cannot hold what its ranks offload;
+    `held` maps each role to (its per-rank host breakdown, how many of the node's ranks hold it).
+    The roles' states stay together; their optimizer steps (the transient workspace) run one role
+    after another, so only the largest counts."""
+    need = (sum(breakdown.persistent().total * ranks for breakdown, ranks in held.values())
+            + max((breakdown.transient().total * ranks for breakdown, ranks in held.values()), default=0))
+    if need <= capacity_bytes:
+        return
+    roles = "\n         ".join(f"{role}: {breakdown} on each of {ranks} rank(s)" for role, (breakdown, ranks) in held.items())
+    raise PlacementError(
+        f"the host memory of node {node} cannot hold what its ranks offload: they need "
+        f"{format_bytes(need)} but the node has {capacity_bytes / GiB:.1f} GiB (short by {format_bytes(need - capacity_bytes)}).\n"
+        f"  needs: {roles}\n"
+        "  fix: spread the state over more nodes (more FSDP shards), keep a role's state on the device where it fits "
+        "(cpu_offload=False), or give the host memory per device: rg.Mesh(..., host_memory_gib=...)"
+    )
 
 
 def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int) -> None:

@@ -4,6 +4,7 @@
     rg.Mesh.parse("2x8:h100")       2 nodes x 8 H100s
     rg.colocated(fsdp=8, tp=2)      every role time-shares all ranks (hybrid engine)
     rg.split({"policy": 4, "rollout": 4})   disjoint rank sets; `rollout` is the policy's generator
+    rg.colocated(tp=8, cpu_offload=True)    training state in host memory (FSDP2's CPUOffloadPolicy)
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from rlgraph.ir.errors import ConfigError, did_you_mean
-from rlgraph.plan.hardware import DEVICE_MEMORY_GIB  # one table: the hardware profiles
+from rlgraph.plan.hardware import DEVICE_MEMORY_GIB, HOST_MEMORY_GIB  # one table: the hardware profiles
 
 GiB = 1 << 30
 
 
 @attrs.frozen
 class Mesh:
-    """`nodes` x `per_node` devices of one kind; ranks are numbered node-major."""
+    """`nodes` x `per_node` devices of one kind; ranks are numbered node-major. `memory_gib`
+    overrides the device's memory, `host_memory_gib` the host memory per device (a node holds
+    `per_node` times that)."""
 
     device: str = "cpu"
     nodes: int = 1
     per_node: int = 1
     memory_gib: float | None = None
+    host_memory_gib: float | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.nodes < 1 or self.per_node < 1:
@@ -35,6 +39,10 @@ class Mesh:
         if self.memory_gib is None and self.device not in DEVICE_MEMORY_GIB:
             raise ConfigError(f"Mesh: unknown device {self.device!r}{did_you_mean(self.device, DEVICE_MEMORY_GIB)}",
                               fix=f"give memory_gib or one of {sorted(DEVICE_MEMORY_GIB)}")
+        host = self.host_memory_gib
+        if host is not None and (isinstance(host, bool) or not isinstance(host, (int, float)) or not host > 0):
+            raise ConfigError(f"Mesh: host_memory_gib must be a number of GiB > 0 (host memory per device), got {host!r}",
+                              fix="e.g. rg.Mesh('h100', nodes=2, per_node=8, host_memory_gib=256), or leave it out")
 
     @classmethod
     def parse(cls, text: str) -> Mesh:
@@ -56,6 +64,12 @@ class Mesh:
     def capacity_bytes(self) -> int:
         return int((self.memory_gib or DEVICE_MEMORY_GIB[self.device]) * GiB)
 
+    @property
+    def host_capacity_bytes(self) -> int | None:
+        """Host memory of one node (None where unknown, or on a cpu mesh, whose devices are the host)."""
+        per_device = self.host_memory_gib or (None if self.device == "cpu" else HOST_MEMORY_GIB.get(self.device))
+        return None if per_device is None else int(per_device * self.per_node * GiB)
+
     def node_of(self, rank: int) -> int:
         return rank // self.per_node
 
@@ -65,14 +79,23 @@ class Mesh:
 
 @attrs.frozen
 class TrainLayout:
-    """FSDP2 over `fsdp` ranks (data parallel across the rest), optional activation checkpointing."""
+    """FSDP2 over `fsdp` ranks (data parallel across the rest), optional activation checkpointing.
+
+    `cpu_offload`: FSDP2's `CPUOffloadPolicy`. The sharded parameters, their gradients and the
+    optimizer state live in host memory for the whole run; for each unit's all-gather (forward and
+    backward) FSDP2 copies its shard to the device, the device holds the unsharded unit while it
+    computes, the backward copies each sharded gradient back to the host, and the optimizer step
+    runs on the CPU.
+    """
 
     fsdp: int
     dp: int = 1
     checkpointing: bool = True
+    cpu_offload: bool = False
 
     def __str__(self) -> str:
-        return f"fsdp2 shard={self.fsdp}" + (f" replicate={self.dp}" if self.dp > 1 else "") + (" ckpt" if self.checkpointing else "")
+        return (f"fsdp2 shard={self.fsdp}" + (f" replicate={self.dp}" if self.dp > 1 else "")
+                + (" ckpt" if self.checkpointing else "") + (" cpu_offload" if self.cpu_offload else ""))
 
 
 @attrs.frozen
@@ -116,21 +139,26 @@ class Group:
 
 @attrs.frozen
 class Colocated:
-    """Every role on every rank, time-shared (verl's hybrid engine); offload between phases."""
+    """Every role on every rank, time-shared (verl's hybrid engine); `offload` moves the generating
+    trainer's optimizer state off the device between phases; `cpu_offload` keeps every training
+    role's state in host memory throughout (`TrainLayout.cpu_offload`)."""
 
     fsdp: int | None = None
     tp: int = 1
     offload: bool = True
     checkpointing: bool = True
+    cpu_offload: bool = False
 
 
 @attrs.frozen
 class Split:
-    """Disjoint rank sets per group: `{"policy": 4, "rollout": 4}`; a group may name another to share it."""
+    """Disjoint rank sets per group: `{"policy": 4, "rollout": 4}`; a group may name another to share it.
+    `cpu_offload`: every training group keeps its state in host memory (`TrainLayout.cpu_offload`)."""
 
     groups: Mapping[str, int | Sequence[int] | str]
     tp: int = 1
     checkpointing: bool = True
+    cpu_offload: bool = False
 
 
 @attrs.frozen
@@ -143,12 +171,14 @@ class Explicit:
 Placement = Colocated | Split | Explicit
 
 
-def colocated(*, fsdp: int | None = None, tp: int = 1, offload: bool = True, checkpointing: bool = True) -> Colocated:
-    return Colocated(fsdp, tp, offload, checkpointing)
+def colocated(*, fsdp: int | None = None, tp: int = 1, offload: bool = True, checkpointing: bool = True,
+              cpu_offload: bool = False) -> Colocated:
+    return Colocated(fsdp, tp, offload, checkpointing, cpu_offload)
 
 
-def split(groups: Mapping[str, int | Sequence[int] | str], *, tp: int = 1, checkpointing: bool = True) -> Split:
-    return Split(dict(groups), tp, checkpointing)
+def split(groups: Mapping[str, int | Sequence[int] | str], *, tp: int = 1, checkpointing: bool = True,
+          cpu_offload: bool = False) -> Split:
+    return Split(dict(groups), tp, checkpointing, cpu_offload)
 
 
 def explicit(*groups: Group) -> Explicit:

@@ -133,6 +133,7 @@ class Plan:
     memory: Mapping[str, Mapping[str, Mapping[str, int]]]  # group -> phase -> {part: bytes, "total": ..}
     notes: tuple[str, ...] = ()
     loops: tuple[Loop, ...] = ()
+    host_memory: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)  # group -> {part: bytes, "total": ..} per rank
 
     # -- reading ---------------------------------------------------------------------------
     def group(self, name: str) -> Group:
@@ -163,11 +164,25 @@ class Plan:
             for phase, parts in phases.items():
                 shown = ", ".join(f"{k} {_mib(v)}" for k, v in parts.items() if v and k != "total")
                 lines.append(f"  {name:<9} {phase:<9} {_mib(parts['total']):>11}  ({shown})")
+        lines.extend(self._host_memory_lines())
         moved = sum(step.bytes for step in self.steps if isinstance(step, (Transfer, SyncWeights)))
         lines.append(f"total moved per iteration: {_mib(moved)}")
         lines.append(self.cost_analysis().text())
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _host_memory_lines(self) -> list[str]:
+        """What each rank keeps in host memory (offloaded training state), against a node's host memory."""
+        if not self.host_memory:
+            return []
+        capacity = self.mesh.host_capacity_bytes
+        has = f"a node has {_mib(capacity)} for {self.mesh.per_node} ranks" if capacity else "host capacity unknown"
+        lines = [f"host memory per rank ({has}):"]
+        for name, parts in self.host_memory.items():
+            why = "cpu_offload" if self.group(name).train and self.group(name).train.cpu_offload else "offload"
+            shown = ", ".join(f"{k} {_mib(v)}" for k, v in parts.items() if v and k != "total")
+            lines.append(f"  {name:<9} {why:<11} {_mib(parts['total']):>11}  ({shown})")
+        return lines
 
     def __str__(self) -> str:
         return self.as_text()

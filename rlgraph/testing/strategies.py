@@ -203,14 +203,14 @@ def placements(draw, mesh: Mesh, roles: Sequence[str] = ("policy", "ref")) -> Co
     if size == 1 or draw(st.booleans()):
         fsdp = draw(st.sampled_from(_divisors(size)))
         return colocated(fsdp=fsdp, tp=draw(st.sampled_from(_divisors(size))), offload=draw(st.booleans()),
-                         checkpointing=draw(st.booleans()))
+                         checkpointing=draw(st.booleans()), cpu_offload=draw(st.booleans()))
     others = [role for role in roles if role != "policy"]
     train = draw(st.integers(1, size - 1))
     groups: dict[str, int | str] = {"policy": train, "rollout": size - train}
     for role in others:
         groups[role] = "policy"  # share the trainer's ranks: always fits on the mesh
     common = sorted(set(_divisors(train)) & set(_divisors(size - train)))
-    return split(groups, tp=draw(st.sampled_from(common)), checkpointing=draw(st.booleans()))
+    return split(groups, tp=draw(st.sampled_from(common)), checkpointing=draw(st.booleans()), cpu_offload=draw(st.booleans()))
 
 
 @st.composite

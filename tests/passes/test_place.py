@@ -146,3 +146,36 @@ def test_a_misspelt_role_in_models_is_refused(models, message):
 
 def test_a_known_role_the_program_does_not_run_may_be_named():
     compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4, "critic": "policy"}), models={"critic": "tiny-qwen2"})
+
+
+@pytest.mark.parametrize("value", ["yes", 2, None])
+@pytest.mark.parametrize(("make", "where"), [
+    (lambda value: rg.colocated(cpu_offload=value), "rg.colocated"),
+    (lambda value: rg.split({"policy": 4, "rollout": 4}, cpu_offload=value), "rg.split"),
+    (lambda value: rg.explicit(Group("policy", tuple(range(8)), TrainLayout(8, cpu_offload=value), GenerateLayout(1, 8))),
+     "group 'policy''s TrainLayout"),
+])
+def test_cpu_offload_must_be_true_or_false(make, where, value):
+    with pytest.raises(PlacementConfigError, match=rf"{where}: cpu_offload must be True or False, got {value!r}\n  fix: "):
+        compile_grpo("gpu:8", make(value))
+
+
+def test_cpu_offload_reaches_every_training_layout_and_survives_json():
+    plan = compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4, "ref": "policy"}, cpu_offload=True), kl=0.1).plan
+    assert plan.group("policy").train == TrainLayout(4, 1, True, True) and plan.group("ref").train is None
+    assert plan.host_memory.keys() == {"policy"} and plan.memory["policy"]["train"]["params"] == 0
+    assert plan.memory["ref"]["infer"]["params"] > 0  # a frozen reference keeps its weights on the device
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    old = json.loads(plan.to_json())  # a plan written before cpu_offload and host memory
+    del old["host_memory"]
+    for group in old["groups"]:
+        if group["train"]:
+            del group["train"]["cpu_offload"]
+    assert Plan.from_json(json.dumps(old)).group("policy").train == TrainLayout(4, 1, True)
+
+
+def test_cpu_offload_on_a_cpu_mesh_keeps_the_state_in_the_device_figures():
+    resident, offloaded = compile_grpo().plan, compile_grpo(placement=rg.colocated(cpu_offload=True)).plan
+    assert offloaded.memory == resident.memory and offloaded.host_memory == {}
+    assert "cpu_offload: on a cpu mesh the training state is in host memory already" in offloaded.as_text()

@@ -63,6 +63,31 @@ def test_offload_removes_state_from_the_device():
     assert need.params == need.grads == need.optimizer == need.master_weights == 0
 
 
+def test_cpu_offload_leaves_the_gathered_units_and_their_shards_on_the_device_by_hand():
+    # FSDP2's CPUOffloadPolicy: bf16 compute, fp32 shards (mixed precision), 2 shards, no checkpointing.
+    cfg = TrainMemoryConfig(param_dtype=torch.bfloat16, fsdp_shards=2, checkpointing=False, micro_batch_tokens=10,
+                            offload_params=True, offload_optimizer=True)
+    need = M.train_memory(SMALL, cfg)
+    assert need.params == need.grads == need.optimizer == need.master_weights == 0
+    # Two gathered units and one unit's grads (bf16), 2 x (2*592 + 592) = 3552; the shards copied in for two
+    # all-gathers and one unit's gradient shards on their way out, 3 x 4 x 296 = 3552; the fp32 head gradient 320.
+    assert need.workspace == 3552 + 3552 + 320
+    host = M.train_host_memory(SMALL, cfg)  # the whole state of one rank, and AdamW's step temporary on the CPU
+    assert host == MemoryBreakdown(params=1272, grads=1272, optimizer=5088, master_weights=2544, workspace=2544)
+    assert M.train_host_memory(SMALL, attrs.evolve(cfg, fused_optimizer=True)).workspace == 0
+    assert M.train_host_memory(SMALL, attrs.evolve(cfg, offload_params=False, offload_optimizer=False)).total == 0
+
+
+def test_with_cpu_offload_device_and_host_together_hold_the_state_once():
+    shape = ModelShape.from_hf_config(get_preset("llama3-70b"))
+    resident = TrainMemoryConfig(fsdp_shards=32, micro_batch_tokens=4096, fused_optimizer=True)
+    offloaded = attrs.evolve(resident, offload_params=True, offload_optimizer=True)
+    state = M.train_memory(shape, resident).persistent()
+    assert M.train_host_memory(shape, offloaded) == state  # 16 bytes per parameter, / 32
+    assert M.train_memory(shape, offloaded).persistent().total == 0
+    assert M.train_memory(shape, offloaded).total < M.train_memory(shape, resident).total - state.total + 1 * M.GiB
+
+
 def test_generate_memory_by_hand():
     need = M.generate_memory(SMALL, tp=1, batch_sequences=2, max_seq_len=5, dtype=torch.float32, prompt_len=3)
     # KV: 2 rows x 5 tokens x (K,V x 2 layers x 4 x 4 bytes); prefill 6 tokens x 4*(2*8 + 3*16); sampler 3 x [2, 10] fp32.
@@ -76,6 +101,14 @@ def test_infer_memory_by_hand():
     assert need == MemoryBreakdown(params=5088, activations=20 * (256 + 32), logits=2 * 4 * 20 * 10)
     sharded = M.infer_memory(SMALL, batch_tokens=20, dtype=torch.float32, shards=2, micro_batch_tokens=5)
     assert (sharded.params, sharded.activations, sharded.workspace) == (2544, 5 * 288, 4 * (592 + 592))
+
+
+def test_infer_memory_of_an_offloaded_role_by_hand():
+    need = M.infer_memory(SMALL, batch_tokens=20, dtype=torch.float32, shards=2, offload_params=True)
+    # No resident parameters; the current and prefetched units, 4 x (592 + 592), and their fp32 shards, 2 x 4 x 296.
+    assert (need.params, need.workspace) == (0, 4736 + 2368)
+    alone = M.infer_memory(SMALL, batch_tokens=20, dtype=torch.float32, offload_params=True)  # one rank: still streamed
+    assert (alone.params, alone.workspace) == (0, 4736 + 2 * 4 * 592)
 
 
 def test_colocated_peak_by_hand():
@@ -128,6 +161,19 @@ def test_infeasible_placement_names_role_rank_need_and_have():
     assert "fix: shard the training state over more ranks" in text and "offload" in text
     assert "activation checkpointing" not in text  # the step's temporary, not activations, is the peak here
     assert isinstance(error.value, ValueError)
+
+
+def test_a_node_whose_host_memory_is_too_small_is_refused_naming_each_role():
+    state = MemoryBreakdown(params=2 * M.GiB, optimizer=10 * M.GiB, workspace=4 * M.GiB)
+    held = {"policy": (state, 8), "critic": (state, 8)}
+    M.check_host_fits(0, held, 8 * 24 * M.GiB + 8 * 4 * M.GiB)  # two states, one step temporary at a time: fits
+    with pytest.raises(M.PlacementError) as error:
+        M.check_host_fits(1, held, 8 * 24 * M.GiB)
+    text = str(error.value)
+    assert text.startswith("the host memory of node 1 cannot hold what its ranks offload: they need 224.00 GiB but the "
+                           "node has 192.0 GiB (short by 32.00 GiB)")
+    assert "policy: 16.00 GiB (params 2.00 GiB, optimizer 10.00 GiB, workspace 4.00 GiB) on each of 8 rank(s)" in text
+    assert "rg.Mesh(..., host_memory_gib=...)" in text
 
 
 def test_fixes_start_with_the_largest_part():

@@ -3,7 +3,7 @@
 import pytest
 
 from rlgraph.ir.errors import ConfigError
-from rlgraph.plan.mesh import GenerateLayout, Mesh
+from rlgraph.plan.mesh import GenerateLayout, Mesh, TrainLayout
 
 
 def test_a_generate_layout_prints_its_engine_once_place_has_named_it():
@@ -27,3 +27,21 @@ def test_mesh_text_that_does_not_parse_is_a_config_error_with_the_fix(text):
 def test_mesh_with_no_ranks_or_an_unknown_device_is_refused(text, message):
     with pytest.raises(ConfigError, match=message):
         Mesh.parse(text)
+
+
+def test_a_train_layout_prints_cpu_offload_last():
+    assert str(TrainLayout(8, 1, True, True)) == "fsdp2 shard=8 ckpt cpu_offload"
+    assert str(TrainLayout(8)) == "fsdp2 shard=8 ckpt" and str(TrainLayout(4, 2, False, True)) == "fsdp2 shard=4 replicate=2 cpu_offload"
+
+
+def test_a_node_holds_the_host_memory_of_its_devices():
+    assert Mesh.parse("4x8:h100").host_capacity_bytes == 2048 * (1 << 30)  # 256 GiB per H100, 8 per node
+    assert Mesh("h100", 2, 4, host_memory_gib=512).host_capacity_bytes == 2048 * (1 << 30)
+    assert Mesh.parse("cpu:2").host_capacity_bytes is None  # its devices are the host
+    assert Mesh("b200", memory_gib=180).host_capacity_bytes is None  # unknown: not checked
+
+
+@pytest.mark.parametrize("host", ["yes", 0, -1.0, True])
+def test_host_memory_must_be_a_positive_number_of_gib(host):
+    with pytest.raises(ConfigError, match=f"host_memory_gib must be a number of GiB > 0 .*got {host!r}"):
+        Mesh("h100", 1, 8, host_memory_gib=host)

@@ -20,6 +20,7 @@ from rlgraph.algorithms import ALGORITHMS
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec
+from rlgraph.plan.plan import Offload
 from rlgraph.runtime.plan_runner import PlanInputError, PlanRunner, PlanStepError
 from rlgraph.runtime.spmd import SpmdTransport
 from rlgraph.runtime.transport import SyncRoute
@@ -80,6 +81,25 @@ def test_grpo_on_two_fsdp_ranks_matches_local_with_and_without_micro_batches():
         for report in reports.values():  # between steps each rank holds only its FSDP2 shards
             assert report["local_numel"] < 0.6 * report["global_numel"]
         assert sum(r["local_numel"] for r in reports.values()) == reports[0]["global_numel"]
+
+
+def test_grpo_with_cpu_offload_on_two_fsdp_ranks_matches_local():
+    # FSDP2's CPUOffloadPolicy runs on gloo: shards, gradients and AdamW state in host memory, the step on
+    # the CPU. On a CPU device its copies to "the device" move nothing, but the offloading path is the one taken.
+    world = attrs.evolve(_world(policy=RoleSpec(optimizer="adamw", lr=1e-4)), fsdp_unit_params=0)
+    compiled = _compile("grpo", placement=rg.colocated(checkpointing=False, cpu_offload=True), n=4)
+    assert str(compiled.plan.group("policy").train) == "fsdp2 shard=2 cpu_offload"
+    assert any(isinstance(step, Offload) for step in compiled.plan.steps)  # offload/onload steps run too (recorded on CPU)
+    local_executor, prompts = world.build_local(), tiny_prompts(4)
+    before = {name: value.clone() for name, value in local_executor.models["policy"].model.state_dict().items()}
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        for _ in range(2):  # the second step uses the AdamW moments the first left in host memory
+            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
+            _assert_same_metrics(local, spmd)
+        trained = transport.pull_state("policy")
+        _assert_same_weights(local_executor.models["policy"].model, trained)
+    assert max(float((trained[name] - value).abs().max()) for name, value in before.items()) > 1e-4  # >> the tolerance
+    assert local["policy/grad_norm"] > 0
 
 
 def test_sync_weights_fills_the_engines_with_the_gathered_fsdp2_weights_bucket_by_bucket():

@@ -34,7 +34,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlgraph.backends.local.executor import (LMWorker, LocalExecutor, RewardWorker, StaleVersionError, _optimizer_kind,
@@ -209,7 +209,7 @@ class FSDPExecutor(LocalExecutor):
         if isinstance(engine, VLLMEngine):  # the engine and the trainer's state take turns on the device
             engine.sleep() if direction == "onload" else engine.wake_up(["kv_cache"])
         worker = self.models.get(role)
-        if worker is None or worker.optimizer is None or self.device.type != "cuda":
+        if worker is None or worker.optimizer is None or self.device.type != "cuda" or _on_host(worker):
             return
         target = torch.device("cpu") if direction == "offload" else self.device
         for state in worker.optimizer.state.values():
@@ -298,7 +298,7 @@ def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
         width = per_rank * math.prod(p.shape[1:])
         locals_.append(torch.nn.functional.pad(local, (0, width - local.numel())))
         rows.append(per_rank)
-    flat = torch.cat(locals_)  # [sum of padded shard sizes]
+    flat = torch.cat(locals_).to(mesh.device_type)  # [sum of padded shard sizes]; cpu_offload shards come from the host
     gathered = torch.empty(ranks * flat.numel(), dtype=flat.dtype, device=flat.device)
     _all_gather(gathered, flat, group=mesh.get_group())  # one collective per bucket
     gathered = gathered.view(ranks, -1)  # [ranks, sum of padded shard sizes]
@@ -446,17 +446,26 @@ def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, devic
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if device.type == "cuda" else MixedPrecisionPolicy())
+    # cpu_offload: shards, gradients and optimizer state in host memory; pinned only with CUDA (pinning
+    # needs an accelerator), and on a CPU device FSDP2's copies to "the device" move nothing.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if layout is not None and layout.cpu_offload else OffloadPolicy()
     root = RoleForward(module, spec.kind)
     for layer in decoder_layers(module):
         if sum(p.numel() for p in layer.parameters()) >= unit_params:
-            fully_shard(layer, mesh=mesh, mp_policy=precision)
-    fully_shard(root, mesh=mesh, mp_policy=precision)
+            fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    fully_shard(root, mesh=mesh, mp_policy=precision, offload_policy=offload)
     for unit in root.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # sum the shards' gradients: the loss is globally normalised
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     optimizer = LocalShardOptimizer(root.parameters(), spec.build_optimizer) if spec.optimizer else None
     return LMWorker(root, optimizer, kind=spec.kind)
+
+
+def _on_host(worker: LMWorker) -> bool:
+    """Whether FSDP2 keeps `worker`'s shards, and so its optimizer state, in host memory (cpu_offload):
+    then an offload step has nothing to move, and an onload must not pull the state away from them."""
+    return any(_local(param).device.type == "cpu" for param in worker.model.parameters())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
