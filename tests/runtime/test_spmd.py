@@ -61,6 +61,19 @@ def _step_both(compiled, local_executor, transport, world, prompts):
     return local, spmd
 
 
+def _matches_local(compiled, world, prompts, *, steps: int = 2, roles=("policy",)) -> dict[int, dict]:
+    """`steps` steps on spmd and on local from the same weights: equal metrics each step and equal
+    weights after; returns the ranks' weights report of the policy."""
+    local_executor = world.build_local()
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        for _ in range(steps):
+            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
+            _assert_same_metrics(local, spmd)
+        for role in roles:
+            _assert_same_weights(local_executor.models[role].model, transport.pull_state(role))
+        return transport.weights_report("policy")
+
+
 def test_grpo_on_two_fsdp_ranks_matches_local_with_and_without_micro_batches():
     world, prompts = attrs.evolve(_world(), fsdp_unit_params=0), tiny_prompts(4)  # every decoder layer its own unit
     plain, micro = _compile("grpo", n=4), _compile("grpo", n=4, micro_batch_size=2)
@@ -122,13 +135,7 @@ def test_ppo_with_its_critic_on_two_fsdp_ranks_matches_local():
     checkpointed = rg.colocated(offload=False, checkpointing=True)  # spmd recomputes activations; local keeps them
     compiled, prompts = _compile("ppo", placement=checkpointed, n=2), tiny_prompts(4)
     assert all(group.train.checkpointing for group in compiled.plan.groups)
-    local_executor = world.build_local()
-    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
-        for _ in range(2):
-            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
-            _assert_same_metrics(local, spmd)
-        for role in ("policy", "critic"):
-            _assert_same_weights(local_executor.models[role].model, transport.pull_state(role))
+    _matches_local(compiled, world, prompts, roles=("policy", "critic"))
 
 
 def test_split_placement_trains_on_rank_0_and_generates_on_rank_1_like_local(tmp_path):
@@ -136,14 +143,8 @@ def test_split_placement_trains_on_rank_0_and_generates_on_rank_1_like_local(tmp
     world, prompts = _world(policy=RoleSpec(source=str(tmp_path), optimizer="sgd", lr=0.1)), tiny_prompts(4)
     compiled = _compile("grpo", placement=rg.split({"policy": 1, "rollout": 1}), n=4)
     assert any(t.kind == "send_recv" for t in compiled.plan.transfers())
-    local_executor = world.build_local()
-    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
-        for _ in range(2):
-            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
-            _assert_same_metrics(local, spmd)
-        _assert_same_weights(local_executor.models["policy"].model, transport.pull_state("policy"))
-        reports = transport.weights_report("policy")
-        assert reports[0]["local_numel"] == reports[0]["global_numel"] and reports[1]["served"] == 1
+    reports = _matches_local(compiled, world, prompts)
+    assert reports[0]["local_numel"] == reports[0]["global_numel"] and reports[1]["served"] == 1
 
 
 def test_a_batch_that_does_not_split_evenly_is_refused_before_any_work():
@@ -214,12 +215,6 @@ def test_hsdp_two_replicas_of_two_shards_match_local():
     compiled = rg.compile(ALGORITHMS["grpo"], mesh="cpu:4", placement=rg.colocated(fsdp=2, offload=False, checkpointing=False),
                           sizes={"B": 4, "P": 8, "T": TOKENS}, max_new_tokens=TOKENS, n=4)
     assert "fsdp2 shard=2 replicate=2" in compiled.as_text()
-    local_executor = world.build_local()
-    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
-        for _ in range(2):
-            local, spmd = _step_both(compiled, local_executor, transport, world, prompts)
-            _assert_same_metrics(local, spmd)
-        _assert_same_weights(local_executor.models["policy"].model, transport.pull_state("policy"))
-        reports = transport.weights_report("policy")
-        assert reports[0]["local_numel"] == reports[2]["local_numel"] < 0.6 * reports[0]["global_numel"]
-        assert all(report["engine_diff"] is not None for report in reports.values())
+    reports = _matches_local(compiled, world, prompts)
+    assert reports[0]["local_numel"] == reports[2]["local_numel"] < 0.6 * reports[0]["global_numel"]
+    assert all(report["engine_diff"] is not None for report in reports.values())
