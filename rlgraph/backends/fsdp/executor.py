@@ -346,9 +346,9 @@ def _sync_ranks(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _rank_sets(plan: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """Every group's ranks and every split sync's broadcast ranks, in plan order (the same on every process)."""
-    from rlgraph.plan.plan import SyncWeights
-
+    """Every group's ranks (and HSDP's rows and columns), and the broadcast ranks of every split
+    weight sync, from the plan's groups alone, in the same order on every process: a generating
+    group syncs from the group that trains the role it serves, when those ranks differ."""
     groups = {group.name: group for group in plan.groups}
     role_sets = {tuple(group.ranks) for group in plan.groups}
     for group in plan.groups:  # HSDP: each shard group (a row) and each replicate group (a column)
@@ -357,11 +357,12 @@ def _rank_sets(plan: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]
             role_sets.update(rows + columns)
     role_sets = sorted(role_sets)
     sync_sets = []
-    for step in plan.steps:
-        if isinstance(step, SyncWeights):
-            src, dst = groups[step.role].ranks, groups[step.dst.split("[")[0]].ranks
-            if set(src) != set(dst) and _sync_ranks(src, dst) not in sync_sets:
-                sync_sets.append(_sync_ranks(src, dst))
+    for group in plan.groups:
+        trainer = groups.get(GENERATOR_OF.get(group.name, group.name))
+        if group.generate is None or trainer is None or trainer.train is None:
+            continue
+        if set(trainer.ranks) != set(group.ranks) and _sync_ranks(trainer.ranks, group.ranks) not in sync_sets:
+            sync_sets.append(_sync_ranks(trainer.ranks, group.ranks))
     return role_sets, sync_sets
 
 
