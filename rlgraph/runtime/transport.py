@@ -110,9 +110,7 @@ class LocalTransport:
         self.worker.sync_weights(name, source, route)
 
     def offload(self, ranks: tuple[int, ...], role: str, direction: str) -> None:
-        offload = getattr(self.executor, "offload", None)
-        if offload is not None:
-            offload(role, direction)
+        self.worker.offload(role, direction)
 
     def fetch(self, name: str, rank: int) -> Any:
         return self.worker.get(name)

@@ -49,7 +49,7 @@ class Worker:
     def run(self, key: str, names: tuple[str, ...]) -> None:
         """Evaluate the nodes `names` of program `key`, in order, on the pieces this rank holds."""
         nodes = self.programs[key]
-        env = _StoreView(self.store, nodes)
+        env = _StoreView(self.store)
         for name in names:
             self.store[name] = run_node(nodes[name], env, self.interpreter._primitive)
 
@@ -124,7 +124,7 @@ def describe_error(error: BaseException) -> tuple[str, str, str]:
 class _StoreView(dict):
     """`run_node` reads its inputs as `env[fx.Node]`; a worker keys its values by node name."""
 
-    def __init__(self, store: dict[str, Any], nodes: Mapping[str, fx.Node]):
+    def __init__(self, store: dict[str, Any]):
         super().__init__()
         self.store = store
 
