@@ -4,6 +4,11 @@
     rlgraph trace <algorithm> [-p key=value ...]       print the typed program
     rlgraph plan <algorithm> [--mesh ...] [-p ...]     compile and print the placement plan
     rlgraph demo [--algorithm grpo] [-p key=value ...] SFT then RL on the arithmetic task, on CPU
+    rlgraph train CONFIG [-o key=value ...]            a run on your model, data and rewards (docs/training.md)
+    rlgraph train --resume RUN_DIR                     continue a run exactly where its last checkpoint left it
+    rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
+    rlgraph plot RUN_DIR                               PNG curves of a run's metrics
+    rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side
 
 Hyper-parameters that name an estimator or a loss take any registered name, e.g.
 `rlgraph trace grpo -p estimator=rloo -p loss=gspo`. `--import my_module` (or a .py path; any
@@ -86,6 +91,27 @@ def _parser() -> argparse.ArgumentParser:
                       help="spmd: seconds a step may wait on a worker before failing (default 60 on CPU, 600 on CUDA)")
     demo.add_argument("--rl-steps", type=_positive_int, default=None, help="stop RL after this many steps (default: time-bound)")
 
+    train = sub.add_parser("train", parents=[common], help="train from a config (YAML or .py): your model, data, rewards")
+    train.add_argument("config", nargs="?", help="the config file (examples/*.yaml); optional with --resume")
+    train.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. -o train.steps=10 -o optimizer.lr=1e-5")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    train.add_argument("--dry-run", action="store_true", help="print the compiled plan and memory per rank, then exit")
+
+    export = sub.add_parser("export", parents=[common], help="write a run's policy as a Hugging Face directory")
+    export.add_argument("run_dir")
+    export.add_argument("out")
+    export.add_argument("--checkpoint", help="a step-* directory of the run (default: the latest)")
+    export.add_argument("--adapter", action="store_true", help="LoRA runs: write the peft adapter, not merged weights")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+
+    plot = sub.add_parser("plot", parents=[common], help="write PNG curves (reward, accuracy, KL, length, throughput)")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="where the PNGs go (default: RUN_DIR/plots)")
+
+    bench = sub.add_parser("bench", parents=[common], help="rlgraph vs TRL GRPOTrainer on the same model, data, reward")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (rlgraph bench -- --help)")
+
     check = sub.add_parser("check", parents=[common],
                            help="property-test a registered estimator or loss (rlgraph.testing); prints a counterexample")
     check.add_argument("kind", choices=("estimator", "loss"))
@@ -119,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlgraph.ir.errors import RLGraphError
 
     args = _parser().parse_args(argv)
-    commands = {"list": _list, "check": _check, "demo": _demo, "trace": _trace, "plan": _plan}
+    commands = {"list": _list, "check": _check, "demo": _demo, "trace": _trace, "plan": _plan, "train": _train,
+                "export": _export, "plot": _plot, "bench": _bench}
     try:
         import_modules(args.imports)
         return commands[args.command](args)
@@ -201,6 +228,55 @@ def _demo(args) -> int:
                         nproc=args.nproc, device=args.device, rl_max_steps=args.rl_steps, timeout_s=args.timeout,
                         address=args.address))
     return 0
+
+
+def _train(args) -> int:
+    from rlgraph.ir.errors import ConfigError
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import dry_run, load_run_config, train
+
+    if args.resume:
+        config = load_run_config(args.resume, args.override)
+        if args.config is not None:
+            given = load_config(args.config, args.override)
+            for section in ("algorithm", "model", "rollout", "data", "rewards"):
+                if getattr(given, section) != getattr(config, section):
+                    raise ConfigError(f"--resume {args.resume}: {args.config} has another {section} section than the run",
+                                      fix="resume without a config (the run's own config.yaml is used), or start a new run")
+    elif args.config is None:
+        raise ConfigError("rlgraph train needs a CONFIG file or --resume RUN_DIR", fix="rlgraph train examples/math_grpo.yaml")
+    else:
+        config = load_config(args.config, args.override)
+    if args.dry_run:
+        dry_run(config)
+        return 0
+    result = train(config, resume=bool(args.resume))
+    shown = (f"; held-out accuracy {result.eval_before:.1%} -> {result.eval_after:.1%}"
+             if result.eval_before is not None and result.eval_after is not None else "")
+    print(f"run {result.run_dir}: {result.steps} steps in {result.seconds:.0f} s{shown}")
+    return 0
+
+
+def _export(args) -> int:
+    from rlgraph.train.export import export_run
+
+    out = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, adapter=args.adapter, overwrite=args.overwrite)
+    print(f"exported {args.run_dir} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+def _plot(args) -> int:
+    from rlgraph.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _bench(args) -> int:
+    from rlgraph.bench import main as bench_main
+
+    return bench_main([arg for arg in args.args if arg != "--"])
 
 
 _PROPERTY_NAMES = {"assert_padding_invariant": "padding invariance", "assert_microbatch_invariant": "micro-batch invariance",

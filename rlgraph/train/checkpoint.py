@@ -74,6 +74,19 @@ def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` `step-*` checkpoints (never the one `latest` names);
+    returns the deleted paths. Leftover temporary directories of a crashed save go too."""
+    run_dir = Path(run_dir)
+    latest = latest_checkpoint(run_dir)
+    steps = sorted(path for path in run_dir.glob("step-*") if path.is_dir())
+    doomed = [path for path in steps[: max(len(steps) - keep_last, 0)] if path != latest]
+    doomed += [path for path in run_dir.glob(".step-*") if path.is_dir()]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     pointer = Path(run_dir) / "latest"
     if not pointer.exists():

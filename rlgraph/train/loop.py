@@ -16,7 +16,7 @@ import torch
 
 from rlgraph.ir.program import Program
 from rlgraph.runtime.eager import Interpreter
-from rlgraph.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlgraph.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 
 
 @attrs.define
@@ -25,7 +25,12 @@ class Trainer:
     the program's `rg.filter_groups` refills its batch).
 
     `sampler` (anything with `state_dict`/`load_state_dict`) is checkpointed with the models so a
-    resumed run sees exactly the batches the uninterrupted run would have seen.
+    resumed run sees exactly the batches the uninterrupted run would have seen. So are the torch
+    RNG (dropout, LoRA dropout) and whatever `extra_state()` returns (`load_extra` takes it back).
+
+    `before_step(step)` runs before each step (a learning-rate schedule); `after_step(step,
+    metrics)` returns the step's metrics enriched (reward terms, evaluation) before they enter the
+    history and the checkpoint. `keep_last` checkpoints are kept.
     """
 
     program: Program
@@ -34,35 +39,53 @@ class Trainer:
     sampler: Any = None
     run_dir: Path | None = None
     checkpoint_every: int | None = None
+    keep_last: int | None = None
     step: int = 0
     history: list[dict[str, float]] = attrs.field(factory=list)
+    before_step: Callable[[int], None] | None = None
+    after_step: Callable[[int, dict[str, float]], dict[str, float]] | None = None
+    extra_state: Callable[[], dict[str, Any]] | None = None
+    load_extra: Callable[[dict[str, Any]], None] | None = None
 
-    def resume(self) -> bool:
-        """Load the latest checkpoint of `run_dir` if there is one; returns whether it did."""
-        path = latest_checkpoint(self.run_dir) if self.run_dir else None
+    def resume(self, path: Path | None = None) -> bool:
+        """Load checkpoint `path` (default: the latest of `run_dir`) if there is one; returns whether it did."""
+        path = path or (latest_checkpoint(self.run_dir) if self.run_dir else None)
         if path is None:
             return False
-        restored = load_checkpoint(path, self.interpreter)
+        restored = load_checkpoint(path, self.interpreter)  # every file read and checked before anything changes
+        if self.load_extra is not None:
+            self.load_extra(restored.get("user", {}))
         self.step = restored["step"]
         self.history = list(restored.get("history", []))
         if self.sampler is not None:
             self.sampler.load_state_dict(restored["sampler"])
         self.interpreter.carried = {name: torch.as_tensor(value) for name, value in restored.get("carried", {}).items()}
+        if restored.get("torch_rng") is not None:
+            torch.set_rng_state(restored["torch_rng"])
         return True
 
     def save(self) -> Path:
         assert self.run_dir is not None, "set run_dir to checkpoint"
         extra = {"history": self.history, "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-                 "carried": dict(self.interpreter.carried)}  # state.carry values (e.g. an adaptive KL coefficient)
-        return save_checkpoint(self.run_dir, self.step, self.interpreter.export_state(), extra)
+                 "carried": dict(self.interpreter.carried),  # state.carry values (e.g. an adaptive KL coefficient)
+                 "torch_rng": torch.get_rng_state(),
+                 "user": self.extra_state() if self.extra_state is not None else {}}
+        path = save_checkpoint(self.run_dir, self.step, self.interpreter.export_state(), extra)
+        if self.keep_last:
+            prune_checkpoints(self.run_dir, self.keep_last)
+        return path
 
     def run_step(self) -> dict[str, float]:
+        if self.before_step is not None:
+            self.before_step(self.step)
         start = time.perf_counter()
         # next_batch is also the prompt source of a refill loop (rg.filter_groups): the sampler,
         # checkpointed with the models, sees every batch drawn, so a resumed run stays exact.
         _, metrics = self.interpreter.run(self.program, self.next_batch(), more_prompts=self.next_batch)
         metrics["time/step_s"] = time.perf_counter() - start
         self.step += 1
+        if self.after_step is not None:
+            metrics = self.after_step(self.step, metrics)
         self.history.append(metrics)
         if self.checkpoint_every and self.run_dir and self.step % self.checkpoint_every == 0:
             self.save()

@@ -1,0 +1,83 @@
+"""`rlgraph export RUN_DIR OUT`: a run's trained policy as a Hugging Face directory.
+
+OUT holds `model.safetensors`, `config.json`, `generation_config.json` and the tokenizer, so
+`AutoModelForCausalLM.from_pretrained(OUT)` loads it and generates. A LoRA run is exported merged
+(base + B A scale, a plain model) by default, or with `adapter=True` as a peft adapter directory
+beside the base model's name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from rlgraph.backends.local.executor import CheckpointMismatch
+from rlgraph.backends.local.models import build_causal_lm
+from rlgraph.ir.errors import ConfigError
+from rlgraph.train.checkpoint import latest_checkpoint, read_checkpoint
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
+               adapter: bool = False, overwrite: bool = False) -> Path:
+    """Write the policy of `checkpoint` (default: the run's latest) to `out`; returns `out`.
+
+    The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
+    """
+    from rlgraph.train.run import _tokenizer, load_run_config
+
+    run_dir, out = Path(run_dir), Path(out)
+    config = load_run_config(run_dir)
+    path = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
+    if path is None:
+        raise ConfigError(f"{run_dir} has no checkpoint to export", fix="train the run for at least one step first")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"export target {out} already exists", fix="choose a new directory or pass --overwrite")
+    if adapter and config.model.lora is None:
+        raise ConfigError("--adapter: the run trained full weights, not LoRA adapters", fix="export without --adapter")
+    state, step, _ = read_checkpoint(path)
+    if "policy" not in state.roles:
+        raise CheckpointMismatch(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
+    tokenizer = _tokenizer(config)
+    model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
+    weights = dict(state.roles["policy"].model)
+    if config.model.lora is not None:
+        from rlgraph.train.lora import LoraSettings, apply_lora, merged_state_dict
+
+        lora = config.model.lora
+        model = apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)))
+        _load(model, weights, path, strict=False)
+        if not adapter:
+            merged = merged_state_dict(model)
+            model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
+            _load(model, merged, path, strict=True)
+    else:
+        _load(model, weights, path, strict=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        model.eval().save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "rlgraph_export.txt").write_text(f"run {run_dir}\ncheckpoint {path.name} (step {step})\n"
+                                                f"algorithm {config.algorithm.name}\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _load(model, weights: dict, path: Path, *, strict: bool) -> None:
+    """Load `weights`, refusing names or shapes the model does not have (another model)."""
+    expected = model.state_dict()
+    unknown = sorted(set(weights) - set(expected))
+    missing = sorted(set(expected) - set(weights)) if strict else []
+    if strict:  # tied embeddings: the checkpoint holds both names, or the one the model keeps
+        missing = [name for name in missing if not name.endswith("lm_head.weight")]
+    bad = [name for name in weights if name in expected and tuple(weights[name].shape) != tuple(expected[name].shape)]
+    if unknown or missing or bad:
+        raise CheckpointMismatch(f"checkpoint {path} does not fit the run's model (unknown {unknown[:3]}, missing "
+                                 f"{missing[:3]}, other shapes {bad[:3]}): was the model directory changed?")
+    model.load_state_dict(weights, strict=False)

@@ -1,0 +1,438 @@
+"""`rlgraph train`: a run on your own model, data and rewards, from one config.
+
+    prepare(config)  -> Setup     tokenizer, prompt splits, rewards, the compiled RL and eval plans
+    build_roles(...) -> executor  the policy (LoRA or full), the reference, the critic, the rewards
+    train(config)                 warm start, then the RL plan step after step: metrics, evaluation,
+                                  checkpoints, logs; `resume=True` continues a run exactly
+
+Every RL step is one run of the compiled plan by the `PlanRunner` (the plan is the truth); so is
+every evaluation (the `evaluate` algorithm's plan). This module wires roles, data and the clock.
+The run directory holds `config.yaml` (resolved), `plan.txt`, `metrics.jsonl`, `tensorboard/`,
+`step-*/` checkpoints, `plots/*.png` and `summary.json`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from rich.console import Console
+
+from rlgraph.algorithms import ALGORITHMS, evaluate, sft
+from rlgraph.api import compile as compile_algorithm
+from rlgraph.backends.local.critic import build_critic
+from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
+from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.data.prompts import load_prompts, split_holdout, to_demonstrations, to_prompts
+from rlgraph.data.sampler import Sampler
+from rlgraph.ir.errors import ConfigError
+from rlgraph.rewards.combine import RewardPipeline, RewardTerm
+from rlgraph.rewards import build_reward
+from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.plan_runner import PlanRunner
+from rlgraph.runtime.pool import resolve_device
+from rlgraph.train.checkpoint import latest_checkpoint
+from rlgraph.train.config import TrainConfig, load_config
+from rlgraph.train.loop import Trainer
+
+
+@attrs.define
+class Setup:
+    """What a run needs before any weight exists: enough for `--dry-run`."""
+
+    config: TrainConfig
+    tokenizer: Any
+    train_rows: list
+    eval_rows: list
+    reports: list
+    rewards: RewardPipeline
+    rl: Any                 # Compiled: the RL algorithm's plan
+    eval: Any               # Compiled: the evaluate algorithm's plan
+    device: str
+
+
+@attrs.frozen
+class RunResult:
+    run_dir: Path
+    steps: int
+    seconds: float
+    eval_before: float | None
+    eval_after: float | None
+
+
+# -- setup ----------------------------------------------------------------------------------------
+def prepare(config: TrainConfig) -> Setup:
+    """Tokenizer, data, rewards and both plans; refuses a bad config before any model is built."""
+    from rlgraph.cli import import_modules  # the same --import rules as every command
+
+    import_modules(config.imports)
+    if config.runtime.threads:
+        torch.set_num_threads(config.runtime.threads)
+    tokenizer = _tokenizer(config)
+    data = config.data
+    options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=data.extra_fields,
+                   chat_template=data.chat_template, system_prompt=data.system_prompt,
+                   max_prompt_tokens=data.max_prompt_tokens, format=data.format, split=data.split)
+    train_rows, train_report = load_prompts(data.train, tokenizer, **options)
+    reports = [train_report]
+    if data.eval is not None:
+        eval_rows, eval_report = load_prompts(data.eval, tokenizer, **options)
+        reports.append(eval_report)
+    elif data.eval_fraction:
+        train_rows, eval_rows = split_holdout(train_rows, data.eval_fraction, seed=config.train.seed)
+    else:
+        eval_rows = []
+    if config.eval.max_prompts:
+        eval_rows = eval_rows[: config.eval.max_prompts]
+    if len(train_rows) < config.rollout.prompts_per_step:
+        raise ConfigError(f"data.train {data.train}: {len(train_rows)} usable prompts, fewer than "
+                          f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
+                          fix="add prompts or lower rollout.prompts_per_step")
+    rewards = RewardPipeline([RewardTerm(r.name, build_reward(r.name, **r.options), r.weight) for r in config.rewards],
+                             on_error=config.reward_on_error, timeout_s=config.reward_timeout_s)
+    device = resolve_device(config.runtime.device)
+    prompt_len = max(len(tokenizer(row.text)["input_ids"]) for row in train_rows)
+    rl, evaluation = _compile(config, device, prompt_len, len(eval_rows))
+    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
+
+
+def _tokenizer(config: TrainConfig) -> Any:
+    source = config.model.tokenizer or config.model.path
+    if source is not None and not (Path(source) / "tokenizer.json").is_file():
+        if config.model.tokenizer is not None:
+            raise ConfigError(f"model.tokenizer {source!r} has no tokenizer.json",
+                              fix="point it at a directory written by tokenizer.save_pretrained(...)")
+        source = None  # a model directory without a tokenizer: the shipped one
+    return load_tokenizer(source)
+
+
+def _algorithm(name: str) -> Any:
+    if name in ALGORITHMS:
+        return ALGORITHMS[name]
+    if ":" in name:  # a user's @rg.algorithm: "module:fn" or "file.py:fn"
+        return load_object(name, "algorithm.name")
+    from rlgraph.ir.errors import did_you_mean
+
+    raise ConfigError(f"algorithm.name {name!r} is not an algorithm{did_you_mean(name, ALGORITHMS)}",
+                      fix=f"one of {', '.join(sorted(ALGORITHMS))}, or 'my_module:my_algorithm'")
+
+
+def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int) -> tuple[Any, Any]:
+    from rlgraph.cli import parse_placement
+    from rlgraph.plan.mesh import Mesh
+
+    rollout, runtime = config.rollout, config.runtime
+    fixed = sorted({"n", "temperature", "max_new_tokens"} & set(config.algorithm.hparams))
+    if fixed:
+        raise ConfigError(f"algorithm.hparams sets {', '.join(fixed)}", fix="set them in the rollout section")
+    hparams = {**config.algorithm.hparams, "n": rollout.n, "temperature": rollout.temperature,
+               "max_new_tokens": rollout.max_new_tokens}
+    ranks = runtime.nproc if runtime.runtime != "local" else 1
+    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, ranks)
+    placement = parse_placement(runtime.placement)
+    models = {"policy": config.model.path} if config.model.path else {}
+    lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
+    extra = {"lora": lora} if lora else {}
+    sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
+    rl = compile_algorithm(_algorithm(config.algorithm.name), mesh=mesh, placement=placement, engine=runtime.engine,
+                           sizes=sizes, models=models, **extra, **hparams)
+    eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
+    evaluation = compile_algorithm(evaluate, mesh=mesh, placement=placement, engine=runtime.engine, models=models,
+                                   sizes={**sizes, "B": max(eval_prompts, ranks), "n": 1, "T": eval_tokens},
+                                   max_new_tokens=eval_tokens)
+    return rl, evaluation
+
+
+# -- roles ----------------------------------------------------------------------------------------
+def build_roles(setup: Setup) -> LocalExecutor:
+    """The policy (+ LoRA adapters), and the reference and critic when the plan reads them."""
+    config = setup.config
+    model = build_causal_lm(config.model.path, tokenizer=setup.tokenizer, seed=config.train.seed).to(setup.device)
+    if config.model.lora is not None:
+        from rlgraph.train.lora import LoraSettings, apply_lora
+
+        lora = config.model.lora
+        model = apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)))
+    policy = LMWorker(model, _optimizer(config, model, config.optimizer.lr))
+    executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
+                             max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device)
+    return executor
+
+
+def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
+    """The reference (the warm-started policy, frozen; with LoRA the base itself, adapters off) and
+    PPO's critic (the warm-started backbone plus a value head), for the roles the plan reads."""
+    config, roles = setup.config, {node.target for node in setup.rl.source.inputs}
+    policy = executor.models["policy"].model
+    if "ref" in roles:
+        if config.model.lora is not None:
+            from rlgraph.train.lora import reference_of
+
+            executor.models["ref"] = LMWorker(reference_of(policy))
+        else:
+            executor.models["ref"] = LMWorker(copy.deepcopy(policy).requires_grad_(False))
+    if "critic" in roles:
+        if config.model.lora is not None:
+            raise ConfigError("model.lora with a critic (PPO) is not supported yet", fix="use a critic-free algorithm with LoRA")
+        critic = build_critic(config.model.path, tokenizer=setup.tokenizer, seed=config.train.seed + 1).to(setup.device)
+        critic.backbone.load_state_dict(policy.state_dict())
+        lr = config.optimizer.critic_lr or config.optimizer.lr
+        executor.models["critic"] = LMWorker(critic, _optimizer(config, critic, lr), kind="critic")
+
+
+def _optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Over the parameters that train (LoRA: the adapters only)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = config.optimizer
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=opt.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=opt.betas, weight_decay=opt.weight_decay)
+
+
+def lr_factor(config: TrainConfig, step: int) -> float:
+    """The schedule's multiplier of `optimizer.lr` at RL step `step` (0-based): linear warmup, then
+    constant, linear or cosine decay to `min_lr_ratio` at `train.steps` (a time-bound run stays constant)."""
+    opt, total = config.optimizer, config.train.steps
+    if step < opt.warmup_steps:
+        return (step + 1) / (opt.warmup_steps + 1)
+    if opt.schedule == "constant" or total is None or total <= opt.warmup_steps:
+        return 1.0
+    progress = min((step - opt.warmup_steps) / max(total - opt.warmup_steps, 1), 1.0)
+    shape = 1.0 - progress if opt.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * shape
+
+
+# -- the run --------------------------------------------------------------------------------------
+def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
+    """Print the data report, the compiled plan and its memory per rank; build and run nothing."""
+    console = console or Console()
+    setup = prepare(config)
+    for report in setup.reports:
+        console.print(report.summary())
+    console.print(f"train prompts {len(setup.train_rows)}, eval prompts {len(setup.eval_rows)}")
+    console.print(setup.rl.as_text(), markup=False, highlight=False)
+    return setup
+
+
+def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> RunResult:
+    """Run `config` in `config.directory`; with `resume`, continue from its latest checkpoint."""
+    from rlgraph.train.logging import MetricLogger, make_sinks
+
+    console = console or Console()
+    run_dir = config.directory
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise ConfigError(f"--resume {run_dir}: no checkpoint there (no 'latest' file)",
+                          fix="start the run without --resume, or point at a run directory that has step-* checkpoints")
+    if not resume and latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"run directory {run_dir} already holds checkpoints",
+                          fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
+    torch.manual_seed(config.train.seed)
+    setup = prepare(config)
+    for report in setup.reports:
+        console.print(report.summary())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config.to_yaml())
+    (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
+    executor = build_roles(setup)
+    session = _Session(setup, executor, console)
+    trainer = session.trainer(run_dir)
+    if checkpoint is not None:
+        add_rl_roles(setup, executor)
+        _refuse_other_run(config, checkpoint)
+        trainer.resume(checkpoint)
+        console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
+    else:
+        session.warm_start()
+        add_rl_roles(setup, executor)
+        session.reset_optimizer()
+    sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
+                       mlflow=config.logging.mlflow, resume_step=trainer.step if checkpoint else None)
+    with MetricLogger(sinks) as logger:
+        session.logger = logger
+        if checkpoint is None and setup.eval_rows:
+            logger.log(0, session.evaluate())
+        seconds = session.loop(trainer)
+    result = RunResult(run_dir, trainer.step, seconds, session.first_eval, session.last_eval)
+    (run_dir / "summary.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
+                                                      for k, v in attrs.asdict(result).items()}, indent=1))
+    if config.logging.plots:
+        from rlgraph.train.plot import plot_run
+
+        plot_run(run_dir)
+    return result
+
+
+def _refuse_other_run(config: TrainConfig, checkpoint: Path) -> None:
+    """A checkpoint of another algorithm or model is refused before anything is loaded."""
+    from rlgraph.train.checkpoint import read_checkpoint
+
+    _, _, extra = read_checkpoint(checkpoint)
+    saved = extra.get("user", {}).get("fingerprint")
+    mine = fingerprint(config)
+    if saved is not None and saved != mine:
+        diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
+                 for key in sorted(set(saved) | set(mine)) if saved.get(key) != mine.get(key)]
+        raise CheckpointMismatch(f"checkpoint {checkpoint} was written by another run ({'; '.join(diffs)})")
+
+
+def fingerprint(config: TrainConfig) -> dict[str, str]:
+    """What a checkpoint must agree on to be resumed: the algorithm, its hyper-parameters, the model."""
+    return {"algorithm": config.algorithm.name,
+            "hparams": json.dumps(config.algorithm.hparams, sort_keys=True, default=str),
+            "rollout": json.dumps(config.rollout.model_dump(), sort_keys=True),
+            "model": str(config.model.path), "lora": json.dumps(config.model.lora.model_dump() if config.model.lora else None)}
+
+
+class _Session:
+    """One run's moving parts: runners, samplers, evaluation and per-step metrics."""
+
+    def __init__(self, setup: Setup, executor: LocalExecutor, console: Console):
+        self.setup, self.config, self.executor, self.console = setup, setup.config, executor, console
+        self.sampler = Sampler(setup.train_rows, setup.config.rollout.prompts_per_step, seed=setup.config.train.seed)
+        self.runner: PlanRunner | None = None
+        self.eval_runner: PlanRunner | None = None
+        self.logger: Any = None
+        self.first_eval: float | None = None
+        self.last_eval: float | None = None
+        self._stage_seconds: dict[str, float] = {}
+
+    def next_batch(self) -> Any:
+        return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
+
+    def trainer(self, run_dir: Path) -> Trainer:
+        self.runner = PlanRunner(self.setup.rl, self.executor)
+        self.eval_runner = PlanRunner(self.setup.eval, self.executor)
+        checkpoint = self.config.checkpoint
+        return Trainer(self.setup.rl.program, self.runner, self.next_batch, self.sampler, run_dir=run_dir,
+                       checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
+                       before_step=self.before_step, after_step=self.after_step,
+                       extra_state=lambda: {"fingerprint": fingerprint(self.config),
+                                            "config": self.config.to_yaml()})
+
+    # -- warm start ---------------------------------------------------------------------------
+    def warm_start(self) -> None:
+        """SFT on the answers until `warm_start.steps` or the target held-out accuracy."""
+        warm = self.config.warm_start
+        if not warm.steps:
+            return
+        worker = self.executor.models["policy"]
+        worker.optimizer = _optimizer(self.config, worker.model, warm.lr)
+        rows = [row for row in self.setup.train_rows if row.answer is not None]
+        sampler = Sampler(rows, min(warm.batch_size, len(rows)), seed=self.config.train.seed + 1)
+        interpreter, program = Interpreter(self.executor), sft.trace()
+        start, accuracy = time.perf_counter(), None
+        for step in range(1, warm.steps + 1):
+            interpreter.run(program, to_demonstrations(sampler.next_batch(), self.setup.tokenizer))
+            if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
+                accuracy = self.evaluate()["eval/accuracy"]
+                if accuracy >= warm.target_accuracy:
+                    break
+        shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
+        self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
+
+    def reset_optimizer(self) -> None:
+        """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights."""
+        worker = self.executor.models["policy"]
+        worker.optimizer = _optimizer(self.config, worker.model, self.config.optimizer.lr)
+
+    # -- steps --------------------------------------------------------------------------------
+    def before_step(self, step: int) -> None:
+        factor = lr_factor(self.config, step)
+        for role, base in (("policy", self.config.optimizer.lr),
+                           ("critic", self.config.optimizer.critic_lr or self.config.optimizer.lr)):
+            worker = self.executor.models.get(role)
+            if worker is not None and worker.optimizer is not None:
+                for group in worker.optimizer.param_groups:
+                    group["lr"] = base * factor
+        self.setup.rewards.pop_metrics()  # what an evaluation left behind is not this step's
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""
+        metrics = dict(metrics)
+        terms = self.setup.rewards.pop_metrics()
+        metrics.update(terms)
+        accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
+        if accuracy is not None:
+            metrics["accuracy"] = accuracy
+        metrics["lr"] = self.config.optimizer.lr * lr_factor(self.config, step - 1)
+        rows = self.config.rollout.prompts_per_step * self.config.rollout.n * metrics.get("filter/rounds", 1.0)
+        seconds = metrics["time/step_s"]
+        metrics["samples_per_s"] = rows / seconds
+        if "response_length/mean" in metrics:
+            metrics["tokens_per_s"] = rows * metrics["response_length/mean"] / seconds
+        metrics.update(self._stage_times())
+        every = self.config.eval.every
+        if self.setup.eval_rows and every and step % every == 0:
+            metrics.update(self.evaluate())
+        return metrics
+
+    def _stage_times(self) -> dict[str, float]:
+        """Seconds of this step in each kind of plan step (generate, train, reward, ...)."""
+        totals: dict[str, float] = {}
+        for step in self.setup.rl.plan.steps:
+            totals[step.kind] = totals.get(step.kind, 0.0) + self.runner.step_seconds.get(step.index, 0.0)
+        out = {f"time/{kind}_s": seconds - self._stage_seconds.get(kind, 0.0) for kind, seconds in totals.items()}
+        self._stage_seconds = totals
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy decoding of the held-out prompts through the evaluate plan: accuracy and reward."""
+        runner = self.eval_runner or PlanRunner(self.setup.eval, self.executor)
+        self.setup.rewards.pop_metrics()
+        _, metrics = runner.run(to_prompts(self.setup.eval_rows, self.setup.tokenizer))
+        terms = self.setup.rewards.pop_metrics()
+        accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
+        self.first_eval = accuracy if self.first_eval is None else self.first_eval
+        self.last_eval = accuracy
+        return {"eval/accuracy": accuracy, "eval/reward": metrics["accuracy"],
+                "eval/response_length": metrics["response_tokens"]}
+
+    def loop(self, trainer: Trainer) -> float:
+        from rlgraph.train.progress import RunProgress
+
+        train, start = self.config.train, time.perf_counter()
+        remaining = None if train.steps is None else max(train.steps - trainer.step, 0)
+        with RunProgress(total_steps=train.steps, seconds=train.seconds, console=self.console,
+                         enabled=self.config.logging.progress, start_step=trainer.step) as progress:
+            for metrics in trainer.run(steps=remaining, seconds=train.seconds) if remaining != 0 else ():
+                self.logger.log(trainer.step, metrics)
+                progress.update(trainer.step, metrics)
+        if trainer.step % self.config.checkpoint.every:
+            trainer.save()  # the last step is always checkpointed
+        if self.setup.eval_rows and (not self.config.eval.every or trainer.step % self.config.eval.every):
+            final = self.evaluate()
+            self.logger.log(trainer.step, final)
+        return time.perf_counter() - start
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """The resolved config a run saved (`RUN_DIR/config.yaml`), with `overrides`."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory: it has no config.yaml", fix="pass the directory rlgraph train wrote")
+    config = load_config(None, overrides, base=yaml.safe_load(path.read_text()))
+    return config.model_copy(update={"run_dir": str(run_dir)})
+
+
+def load_object(spec: str, where: str) -> Any:
+    """`module:name` or `path/file.py:name` -> the object (a user's algorithm)."""
+    from rlgraph.cli import import_modules
+
+    module, _, name = spec.rpartition(":")
+    import_modules([module])
+    import sys
+
+    key = Path(module).stem if module.endswith(".py") else module
+    found = getattr(sys.modules.get(key), name, None)
+    if found is None:
+        raise ConfigError(f"{where} {spec!r}: {module} has no {name!r}", fix="name a function the module defines")
+    return found
