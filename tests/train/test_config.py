@@ -1,0 +1,114 @@
+"""The `rlgraph train` config: schema, overrides, and errors that name the key, file and line."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlgraph.ir.errors import ConfigError
+from rlgraph.train.config import TrainConfig, load_config
+
+MINIMAL = """\
+name: t
+data:
+  train: prompts.jsonl
+rewards:
+  - name: math
+train: {steps: 3}
+"""
+
+
+def write(tmp_path, text, name="config.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_minimal_config_takes_the_documented_defaults(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.algorithm.name == "grpo" and config.rollout.n == 8 and config.optimizer.lr == 1e-5
+    assert config.rewards[0].name == "math" and config.rewards[0].weight == 1.0
+    assert str(config.directory) == "runs/t"
+    assert config.accuracy_reward == "math"
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL), ["optimizer.lr=3e-4", "model.lora={r: 4}"])
+    again = load_config(None, base=__import__("yaml").safe_load(config.to_yaml()))
+    assert again == config and again.model.lora.r == 4
+
+
+def test_overrides_reach_nested_keys_and_list_items(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL), ["train.steps=10", "rewards.0.weight=0.5",
+                                                      "algorithm.hparams.kl=0.04", "data.extra_fields=[tests, id]"])
+    assert config.train.steps == 10 and config.rewards[0].weight == 0.5
+    assert config.algorithm.hparams == {"kl": 0.04} and config.data.extra_fields == ["tests", "id"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("data:\n  train: x\n  prompt_feild: q\nrewards: [{name: math}]\ntrain: {steps: 1}\n",
+     "unknown key 'data.prompt_feild' (CONFIG:3); did you mean 'data.prompt_field'?"),
+    ("data: {train: x}\nrewards:\n  - name: math\n    wieght: 2\ntrain: {steps: 1}\n",
+     "unknown key 'rewards.0.wieght' (CONFIG:4); did you mean 'rewards.0.weight'?"),
+    ("data: {train: x}\nrewards: [{name: math}]\ntrain: {steps: 1}\nrollout:\n  n: 0\n",
+     "rollout.n: Input should be greater than or equal to 1 (got 0) (CONFIG:5)"),
+    ("data: {train: x}\nrewards: [{name: math}]\ntrian: {steps: 1}\n",
+     "unknown key 'trian' (CONFIG:3); did you mean 'train'?"),
+    ("data: {train: x}\nrewards: []\ntrain: {steps: 1}\n", "rewards: List should have at least 1 item"),
+    ("data: {train: x}\nrewards: [{name: math}]\n", "set train.steps or train.seconds"),
+    ("rewards: [{name: math}]\ntrain: {steps: 1}\n", "missing key 'data'"),
+    ("data: {train: x}\nrewards: [{name: math}, {name: math}]\ntrain: {steps: 1}\n", "reward 'math' is listed twice"),
+    ("data: {train: x}\nrewards: [{name: math}]\ntrain: {steps: 1}\neval: {accuracy_reward: exact}\n",
+     "eval.accuracy_reward 'exact' is not one of the rewards"),
+    ("data: {train: x}\nrewards: [{name: math}]\ntrain: {steps: 1}\nmodel: {lora: {r: 4}}\nruntime: {runtime: spmd}\n",
+     "model.lora runs on the local runtime only"),
+])
+def test_mistakes_are_named_with_their_line(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert expected.replace("CONFIG", str(path)) in str(error.value)
+
+
+def test_a_misspelt_override_is_attributed_to_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'optimizer.lrr' \(-o\); did you mean 'optimizer.lr'"):
+        load_config(write(tmp_path, MINIMAL), ["optimizer.lrr=1e-4"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps", "must be written key=value"),
+    ("=3", "must be written key=value"),
+    ("rewards.5.weight=1", "'5' is not an index of a list of 1"),
+    ("name.sub=1", "'name' holds 't', not a section"),
+])
+def test_bad_overrides(tmp_path, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, MINIMAL), [override])
+
+
+def test_python_config_file(tmp_path):
+    path = write(tmp_path, "config = {'data': {'train': 'x.jsonl'}, 'rewards': [{'name': 'math'}], 'train': {'steps': 2}}\n",
+                 "config.py")
+    assert load_config(path).train.steps == 2
+    typed = write(tmp_path, "from rlgraph.train.config import TrainConfig\n"
+                  "config = TrainConfig(data={'train': 'y'}, rewards=[{'name': 'math'}], train={'steps': 4})\n", "typed.py")
+    assert load_config(typed).data.train == "y"
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("missing.yaml", None, "does not exist"),
+    ("config.toml", "a = 1", "unknown kind '.toml'"),
+    ("list.yaml", "- 1\n- 2\n", "holds a list, not a mapping"),
+    ("broken.yaml", "data: [unclosed\n", "is not valid YAML"),
+    ("noconfig.py", "x = 1\n", "defines no `config`"),
+])
+def test_bad_config_files(tmp_path, name, text, expected):
+    if text is not None:
+        write(tmp_path, text, name)
+    with pytest.raises(ConfigError, match=expected):
+        load_config(tmp_path / name)
+
+
+def test_config_is_frozen():
+    config = TrainConfig(data={"train": "x"}, rewards=[{"name": "math"}], train={"steps": 1})
+    with pytest.raises(Exception):
+        config.train.steps = 5
