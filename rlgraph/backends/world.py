@@ -72,6 +72,21 @@ class WorldSpec:
     seed: int = 0
     fsdp_unit_params: int = 1_000_000  # a decoder layer with at least this many parameters is its own FSDP2 unit
 
+    @classmethod
+    def of_executor(cls, executor: Any, rewards: Mapping[str, Callable[..., Any]], *, source: Any = None,
+                    tokenizer: str | None = None, max_new_tokens: int = 16, seed: int = 0) -> WorldSpec:
+        """A local executor's roles as a recipe worker processes rebuild them from: each role's
+        current weights (a CPU copy, whatever the device), its optimizer kind and learning rate
+        (a fresh optimizer state), built from `source` (a model directory or config; None: the tiny Qwen2)."""
+        roles = {}
+        for role, worker in executor.models.items():
+            optimizer = worker.optimizer
+            kind = None if optimizer is None else ("sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw")
+            roles[role] = RoleSpec(source=source, kind=worker.kind, optimizer=kind,
+                                   lr=optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0,
+                                   weights={k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()})
+        return cls(roles, dict(rewards), tokenizer=tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+
     def load_tokenizer(self) -> Any:
         from rlgraph.backends.local.models import load_tokenizer
 

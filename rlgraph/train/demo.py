@@ -29,7 +29,7 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data import arithmetic
 from rlgraph.rewards import exact_match
 from rlgraph.api import compile as compile_algorithm
-from rlgraph.backends.world import RoleSpec, WorldSpec
+from rlgraph.backends.world import WorldSpec
 from rlgraph.plan.mesh import Mesh, colocated
 from rlgraph.runtime.spmd import SpmdTransport, resolve_device
 from rlgraph.runtime.eager import Interpreter
@@ -214,7 +214,8 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
         (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
     transport = None
     if remote:
-        world = world_of(executor, {"reward": exact_match}, config)
+        world = WorldSpec.of_executor(executor, {"reward": exact_match}, max_new_tokens=config.max_new_tokens,
+                                      seed=config.seed)
         console.print(f"starting {config.nproc} {config.runtime} workers ({device}) for the plan's ranks ...")
         if config.runtime == "ray":
             from rlgraph.runtime.ray_transport import RayTransport
@@ -246,18 +247,6 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
         if transport is not None:
             transport.close()
     return rl_trainer, seconds, reward
-
-
-def world_of(executor: LocalExecutor, rewards: dict[str, Any], config: DemoConfig) -> WorldSpec:
-    """The executor's roles as a recipe worker processes rebuild them from (current weights, fresh optimizers)."""
-    roles = {}
-    for role, worker in executor.models.items():
-        lr = worker.optimizer.param_groups[0]["lr"] if worker.optimizer is not None else 0.0
-        optimizer = None if worker.optimizer is None else ("sgd" if isinstance(worker.optimizer, torch.optim.SGD) else "adamw")
-        roles[role] = RoleSpec(kind=worker.kind, optimizer=optimizer, lr=lr,
-                               weights={k: v.detach().to("cpu", copy=True)  # a copy on the CPU, whatever the device
-                                        for k, v in worker.model.state_dict().items()})
-    return WorldSpec(roles, rewards, max_new_tokens=config.max_new_tokens, seed=config.seed)
 
 
 def _progress(console: Console) -> Progress:

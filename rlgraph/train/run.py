@@ -242,23 +242,25 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
     executor = build_roles(setup)
     session = _Session(setup, executor, console)
-    trainer = session.trainer(run_dir)
+    if checkpoint is None:
+        session.warm_start()
+    add_rl_roles(setup, executor)
+    session.reset_optimizer()
+    trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
     if checkpoint is not None:
-        add_rl_roles(setup, executor)
         _refuse_other_run(config, checkpoint)
         trainer.resume(checkpoint)
         console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
-    else:
-        session.warm_start()
-        add_rl_roles(setup, executor)
-        session.reset_optimizer()
     sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
                        mlflow=config.logging.mlflow, resume_step=trainer.step if checkpoint else None)
-    with MetricLogger(sinks) as logger:
-        session.logger = logger
-        if checkpoint is None and setup.eval_rows:
-            logger.log(0, session.evaluate())
-        seconds = session.loop(trainer)
+    try:
+        with MetricLogger(sinks) as logger:
+            session.logger = logger
+            if checkpoint is None and setup.eval_rows:
+                logger.log(0, session.evaluate())
+            seconds = session.loop(trainer)
+    finally:
+        session.close()
     result = RunResult(run_dir, trainer.step, seconds, session.first_eval, session.last_eval)
     (run_dir / "summary.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
                                                       for k, v in attrs.asdict(result).items()}, indent=1))
@@ -298,6 +300,7 @@ class _Session:
         self.sampler = Sampler(setup.train_rows, setup.config.rollout.prompts_per_step, seed=setup.config.train.seed)
         self.runner: PlanRunner | None = None
         self.eval_runner: PlanRunner | None = None
+        self.transport: Any = None
         self.logger: Any = None
         self.first_eval: float | None = None
         self.last_eval: float | None = None
@@ -307,14 +310,41 @@ class _Session:
         return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
 
     def trainer(self, run_dir: Path) -> Trainer:
-        self.runner = PlanRunner(self.setup.rl, self.executor)
-        self.eval_runner = PlanRunner(self.setup.eval, self.executor)
+        """The RL and eval plan runners over this process (local) or worker processes (spmd, ray)."""
+        runtime = self.config.runtime
+        if runtime.runtime == "local":
+            self.runner = PlanRunner(self.setup.rl, self.executor)
+            self.eval_runner = PlanRunner(self.setup.eval, self.executor)
+        else:
+            from rlgraph.backends.world import WorldSpec
+
+            world = WorldSpec.of_executor(self.executor, {"reward": self.setup.rewards}, source=self.config.model.path,
+                                          tokenizer=self.config.model.tokenizer, seed=self.config.train.seed,
+                                          max_new_tokens=self.config.rollout.max_new_tokens)
+            self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
+            if runtime.runtime == "ray":
+                from rlgraph.runtime.ray_transport import RayTransport
+
+                self.transport = RayTransport(self.setup.rl.plan, world, address=runtime.address, device=self.setup.device,
+                                              timeout_s=runtime.timeout_s)
+            else:
+                from rlgraph.runtime.spmd import SpmdTransport
+
+                self.transport = SpmdTransport(self.setup.rl.plan, world, device=self.setup.device, timeout_s=runtime.timeout_s)
+            controller = world.controller()
+            controller.rewards["reward"].fn = self.setup.rewards  # the same pipeline object: its metrics are read here
+            self.runner = PlanRunner(self.setup.rl, self.transport, controller=controller)
+            self.eval_runner = PlanRunner(self.setup.eval, self.transport, controller=controller)
         checkpoint = self.config.checkpoint
         return Trainer(self.setup.rl.program, self.runner, self.next_batch, self.sampler, run_dir=run_dir,
                        checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
                        before_step=self.before_step, after_step=self.after_step,
                        extra_state=lambda: {"fingerprint": fingerprint(self.config),
                                             "config": self.config.to_yaml()})
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
     # -- warm start ---------------------------------------------------------------------------
     def warm_start(self) -> None:
@@ -327,11 +357,13 @@ class _Session:
         rows = [row for row in self.setup.train_rows if row.answer is not None]
         sampler = Sampler(rows, min(warm.batch_size, len(rows)), seed=self.config.train.seed + 1)
         interpreter, program = Interpreter(self.executor), sft.trace()
+        # the workers do not exist yet: evaluate in this process (the eval plan, or eagerly for spmd/ray)
+        local = PlanRunner(self.setup.eval, self.executor) if self.config.runtime.runtime == "local" else interpreter
         start, accuracy = time.perf_counter(), None
         for step in range(1, warm.steps + 1):
             interpreter.run(program, to_demonstrations(sampler.next_batch(), self.setup.tokenizer))
             if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
-                accuracy = self.evaluate()["eval/accuracy"]
+                accuracy = self.evaluate(local)["eval/accuracy"]
                 if accuracy >= warm.target_accuracy:
                     break
         shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
@@ -382,11 +414,13 @@ class _Session:
         self._stage_seconds = totals
         return out
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy decoding of the held-out prompts through the evaluate plan: accuracy and reward."""
-        runner = self.eval_runner or PlanRunner(self.setup.eval, self.executor)
+    def evaluate(self, runner: Any = None) -> dict[str, float]:
+        """Greedy decoding of the held-out prompts through the evaluate plan: accuracy and reward.
+        (Before the workers start, the warm start evaluates eagerly in this process: `runner`.)"""
+        runner = runner or self.eval_runner
         self.setup.rewards.pop_metrics()
-        _, metrics = runner.run(to_prompts(self.setup.eval_rows, self.setup.tokenizer))
+        prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
+        _, metrics = runner.run(self.setup.eval.source, prompts) if isinstance(runner, Interpreter) else runner.run(prompts)
         terms = self.setup.rewards.pop_metrics()
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
