@@ -409,7 +409,8 @@ class _Session:
         """Seconds of this step in each kind of plan step (generate, train, reward, ...)."""
         totals: dict[str, float] = {}
         for step in self.setup.rl.plan.steps:
-            totals[step.kind] = totals.get(step.kind, 0.0) + self.runner.step_seconds.get(step.index, 0.0)
+            kind = _step_kind(step)
+            totals[kind] = totals.get(kind, 0.0) + self.runner.step_seconds.get(step.index, 0.0)
         out = {f"time/{kind}_s": seconds - self._stage_seconds.get(kind, 0.0) for kind, seconds in totals.items()}
         self._stage_seconds = totals
         return out
@@ -418,6 +419,8 @@ class _Session:
         """Greedy decoding of the held-out prompts through the evaluate plan: accuracy and reward.
         (Before the workers start, the warm start evaluates eagerly in this process: `runner`.)"""
         runner = runner or self.eval_runner
+        if isinstance(runner, PlanRunner):
+            runner.versions.clear()  # the RL plan moved the policy on since: ask the ranks for the live version
         self.setup.rewards.pop_metrics()
         prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
         _, metrics = runner.run(self.setup.eval.source, prompts) if isinstance(runner, Interpreter) else runner.run(prompts)
@@ -444,6 +447,16 @@ class _Session:
             final = self.evaluate()
             self.logger.log(trainer.step, final)
         return time.perf_counter() - start
+
+
+def _step_kind(step: Any) -> str:
+    """A plan step's kind as the plan prints it: a stage's phase (generate, train, infer, reward, math,
+    controller), `transfer` for the collectives, `sync_weights`, `offload`."""
+    phase = getattr(step, "phase", None)
+    if phase is not None:
+        return phase
+    name = type(step).__name__
+    return {"Transfer": "transfer", "SyncWeights": "sync_weights", "Offload": "offload"}.get(name, name.lower())
 
 
 def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConfig:
