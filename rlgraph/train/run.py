@@ -244,6 +244,7 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     session = _Session(setup, executor, console)
     if checkpoint is None:
         session.warm_start()
+        session.first_eval = None  # "before" is the policy RL starts from, not the one SFT started from
     add_rl_roles(setup, executor)
     session.reset_optimizer()
     trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
