@@ -142,9 +142,13 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
     rl = compile_algorithm(_algorithm(config.algorithm.name), mesh=mesh, placement=placement, engine=runtime.engine,
                            sizes=sizes, models=models, **extra, **hparams)
+    # Evaluation runs in this process on one device (with the latest weights pulled from the workers
+    # on spmd/ray): a generate-only plan over the training workers would read an engine no
+    # sync_weights step has loaded since the last update.
     eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
-    evaluation = compile_algorithm(evaluate, mesh=mesh, placement=placement, engine=runtime.engine, models=models,
-                                   sizes={**sizes, "B": max(eval_prompts, ranks), "n": 1, "T": eval_tokens},
+    evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=parse_placement("colocated:offload=False"),
+                                   engine="native", models=models,
+                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
                                    max_new_tokens=eval_tokens)
     return rl, evaluation
 
@@ -335,7 +339,7 @@ class _Session:
             controller = world.controller()
             controller.rewards["reward"].fn = self.setup.rewards  # the same pipeline object: its metrics are read here
             self.runner = PlanRunner(self.setup.rl, self.transport, controller=controller)
-            self.eval_runner = PlanRunner(self.setup.eval, self.transport, controller=controller)
+            self.eval_runner = PlanRunner(self.setup.eval, self.executor)
         checkpoint = self.config.checkpoint
         return Trainer(self.setup.rl.program, self.runner, self.next_batch, self.sampler, run_dir=run_dir,
                        checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
@@ -358,8 +362,7 @@ class _Session:
         rows = [row for row in self.setup.train_rows if row.answer is not None]
         sampler = Sampler(rows, min(warm.batch_size, len(rows)), seed=self.config.train.seed + 1)
         interpreter, program = Interpreter(self.executor), sft.trace()
-        # the workers do not exist yet: evaluate in this process (the eval plan, or eagerly for spmd/ray)
-        local = PlanRunner(self.setup.eval, self.executor) if self.config.runtime.runtime == "local" else interpreter
+        local = PlanRunner(self.setup.eval, self.executor)
         start, accuracy = time.perf_counter(), None
         for step in range(1, warm.steps + 1):
             interpreter.run(program, to_demonstrations(sampler.next_batch(), self.setup.tokenizer))
@@ -417,14 +420,15 @@ class _Session:
         return out
 
     def evaluate(self, runner: Any = None) -> dict[str, float]:
-        """Greedy decoding of the held-out prompts through the evaluate plan: accuracy and reward.
-        (Before the workers start, the warm start evaluates eagerly in this process: `runner`.)"""
+        """Greedy decoding of the held-out prompts through the evaluate plan (in this process, on
+        one device): accuracy and reward."""
         runner = runner or self.eval_runner
-        if isinstance(runner, PlanRunner):
-            runner.versions.clear()  # the RL plan moved the policy on since: ask the ranks for the live version
+        if self.transport is not None:  # the trained weights live in the workers: bring the policy's here
+            self.executor.models["policy"].model.load_state_dict(self.transport.pull_state("policy"))
+        runner.versions.clear()  # the RL plan moved the policy on since: ask for the live version
         self.setup.rewards.pop_metrics()
         prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
-        _, metrics = runner.run(self.setup.eval.source, prompts) if isinstance(runner, Interpreter) else runner.run(prompts)
+        _, metrics = runner.run(prompts)
         terms = self.setup.rewards.pop_metrics()
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
