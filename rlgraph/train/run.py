@@ -125,7 +125,7 @@ def _algorithm(name: str) -> Any:
 
 def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int) -> tuple[Any, Any]:
     from rlgraph.cli import parse_placement
-    from rlgraph.plan.mesh import Mesh
+    from rlgraph.plan.mesh import Mesh, colocated
 
     rollout, runtime = config.rollout, config.runtime
     fixed = sorted({"n", "temperature", "max_new_tokens"} & set(config.algorithm.hparams))
@@ -135,7 +135,11 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
                "max_new_tokens": rollout.max_new_tokens}
     ranks = runtime.nproc if runtime.runtime != "local" else 1
     mesh = Mesh("cpu" if device == "cpu" else "h100", 1, ranks)
-    placement = parse_placement(runtime.placement)
+    try:
+        placement = parse_placement(runtime.placement)
+    except (SystemExit, TypeError, ValueError) as error:
+        raise ConfigError(f"runtime.placement {runtime.placement!r}: {str(error).removeprefix('rlgraph: ')}",
+                          fix="e.g. colocated:offload=False, colocated:fsdp=2, split:policy=1,rollout=1, or auto") from None
     models = {"policy": config.model.path} if config.model.path else {}
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
@@ -146,7 +150,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     # on spmd/ray): a generate-only plan over the training workers would read an engine no
     # sync_weights step has loaded since the last update.
     eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
-    evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=parse_placement("colocated:offload=False"),
+    evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
                                    engine="native", models=models,
                                    sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
                                    max_new_tokens=eval_tokens)
