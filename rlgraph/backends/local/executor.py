@@ -260,7 +260,7 @@ class LocalExecutor:
     # -- checkpoints -----------------------------------------------------------------------------
     def export_state(self) -> ExecutorState:
         # On the CPU, whatever the device, so a checkpoint loads on any machine.
-        roles = {role: RoleState({k: v.detach().cpu().contiguous() for k, v in worker.model.state_dict().items()},
+        roles = {role: RoleState({k: v.detach().cpu().contiguous() for k, v in checkpoint_weights(worker).items()},
                                  None if worker.optimizer is None else to_device(worker.optimizer.state_dict(), "cpu"),
                                  _optimizer_kind(worker.optimizer), worker.version)
                  for role, worker in self.models.items()}
@@ -269,10 +269,10 @@ class LocalExecutor:
     def import_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
         """Restore `state`, all or nothing: every role, shape and optimizer kind is checked first."""
         for role, worker in self.models.items():
-            check_role_state(role, worker.model.state_dict(), _optimizer_kind(worker.optimizer), state, where)
+            check_role_state(role, checkpoint_weights(worker), _optimizer_kind(worker.optimizer), state, where)
         for role, worker in self.models.items():
             held = state.roles[role]
-            worker.model.load_state_dict(dict(held.model), strict=True)
+            load_checkpoint_weights(worker, held.model)
             if worker.optimizer is not None:
                 worker.optimizer.load_state_dict(dict(held.optimizer))
             worker.version = held.version
@@ -339,16 +339,70 @@ def check_role_state(role: str, expected: Mapping[str, torch.Tensor], optimizer_
                                  "was it written by another algorithm?")
     held = state.roles[role]
     missing, extra = sorted(set(expected) - set(held.model)), sorted(set(held.model) - set(expected))
+    shapes = [name for name, tensor in expected.items()
+              if name in held.model and tuple(held.model[name].shape) != tuple(tensor.shape)]
+    if (missing or extra or shapes) and (_is_adapter_set(expected) or _is_adapter_set(held.model)):
+        raise CheckpointMismatch(f"{where}: role {role!r} holds {describe_weights(held.model)}; this run has "
+                                 f"{describe_weights(expected)}\n  fix: resume with the settings the checkpoint was "
+                                 "written with (model.lora), or start a new run")
     if missing or extra:
         raise CheckpointMismatch(f"{where}: role {role!r} has other weights than the model (missing {missing[:3]}, "
                                  f"unexpected {extra[:3]}): another architecture")
-    for name, tensor in expected.items():
-        if tuple(held.model[name].shape) != tuple(tensor.shape):
-            raise CheckpointMismatch(f"{where}: role {role!r} weight {name!r} is {tuple(held.model[name].shape)}, "
-                                     f"the model's is {tuple(tensor.shape)}: another model shape")
+    if shapes:
+        name = shapes[0]
+        raise CheckpointMismatch(f"{where}: role {role!r} weight {name!r} is {tuple(held.model[name].shape)}, "
+                                 f"the model's is {tuple(expected[name].shape)}: another model shape")
     if held.optimizer_kind != optimizer_kind:
         raise CheckpointMismatch(f"{where}: role {role!r} was trained with {held.optimizer_kind or 'no optimizer'}, "
                                  f"this run uses {optimizer_kind or 'none'}")
+
+
+def checkpoint_weights(worker: LMWorker) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint keeps of a role: every tensor of its state dict, except for a
+    trainable role that also has frozen parameters (LoRA adapters over a frozen base), which keeps
+    only its trainable parameters: the frozen ones never change, so they come back from the
+    model source on resume, and the optimizer (built over the parameters that require grad) holds
+    exactly these. A role with no parameters (a LoRA policy's reference view) keeps nothing."""
+    state = worker.model.state_dict()
+    if worker.optimizer is None:
+        return state
+    trainable = {name for name, param in worker.model.named_parameters() if param.requires_grad}
+    frozen = any(not param.requires_grad for param in worker.model.parameters())
+    return {name: tensor for name, tensor in state.items() if name in trainable} if trainable and frozen else state
+
+
+def load_checkpoint_weights(worker: LMWorker, weights: Mapping[str, torch.Tensor]) -> None:
+    """Load what `checkpoint_weights` gave (checked by `check_role_state` first): all of the state
+    dict, or only the trainable tensors, the frozen base staying as the model source built it."""
+    expected = checkpoint_weights(worker)
+    assert set(expected) == set(weights), sorted(set(expected) ^ set(weights))[:4]
+    if len(expected) == len(worker.model.state_dict()):
+        worker.model.load_state_dict(dict(weights), strict=True)
+        return
+    result = worker.model.load_state_dict(dict(weights), strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys[:4]
+
+
+def _is_adapter_set(weights: Mapping[str, torch.Tensor]) -> bool:
+    return any(".lora_" in name for name in weights)
+
+
+def describe_weights(weights: Mapping[str, torch.Tensor]) -> str:
+    """What a role's checkpoint tensors are, for a mismatch message: "LoRA adapters r=8 on
+    q_proj,v_proj", "full weights (27 tensors)" or "no weights" (peft's `<module>.lora_A.<adapter>.weight`
+    is [r, in]; the rank and the wrapped modules are read from those)."""
+    if not weights:
+        return "no weights (a view of another role's weights)"
+    ranks, targets = set(), set()
+    for name, tensor in weights.items():
+        module, found, _ = name.partition(".lora_A.")
+        if found:
+            ranks.add(int(tensor.shape[0]))
+            targets.add(module.rsplit(".", 1)[-1])
+    if not ranks:
+        return f"full weights ({len(weights)} tensors)"
+    rank = f"r={min(ranks)}" if len(ranks) == 1 else f"r={min(ranks)}..{max(ranks)}"
+    return f"LoRA adapters {rank} on {','.join(sorted(targets))}"
 
 
 def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool

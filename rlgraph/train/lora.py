@@ -1,0 +1,219 @@
+"""LoRA for `rlgraph train`: train low-rank adapters (peft) instead of every weight.
+
+    model = apply_lora(build_causal_lm(), LoraSettings(r=8))   # only the adapters require grad
+    reference = reference_of(model)      # the KL reference: the same module, adapters off, no weights of its own
+    weights = merged_state_dict(model)   # base names, W + B A * alpha / r: for a generator or an export
+
+Why a view for the reference: with LoRA the frozen base *is* the reference policy, so a second
+copy (a deepcopy, as full fine-tuning needs) would double the weights in memory and in every
+checkpoint for nothing. `reference_of` runs the policy's own module inside peft's
+`disable_adapter()`; it holds no parameters, so the executor checkpoints nothing for it.
+Why adapters only in checkpoints: the base never changes, so it comes back from the model source
+on resume (`LocalExecutor.export_state` keeps only the trainable tensors of such a role).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import warnings
+from collections.abc import Iterator
+
+import attrs
+import torch
+from transformers import PreTrainedModel
+
+from rlgraph.ir.errors import ConfigError
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _check_r(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"LoRA r={value!r}: the adapter rank must be a whole number >= 1",
+                          fix="r: 8 (typical ranks are 4 to 64)")
+
+
+def _check_alpha(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigError(f"LoRA alpha={value!r}: the scale numerator must be a finite number > 0 (scale = alpha / r)",
+                          fix="alpha: 16 (often 2 * r)")
+
+
+def _check_dropout(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"LoRA dropout={value!r}: a probability in [0, 1) is needed", fix="dropout: 0.0 or 0.05")
+
+
+def _targets(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):  # "q_proj" would otherwise become ('q', '_', 'p', ...)
+        return (value,)
+    return tuple(value) if isinstance(value, (list, tuple)) else value  # type: ignore[return-value]
+
+
+def _check_targets(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, tuple) or not value or not all(isinstance(name, str) and name for name in value):
+        raise ConfigError(f"LoRA target_modules={value!r}: a non-empty list of linear module names is needed",
+                          fix=f"target_modules: {list(DEFAULT_TARGETS)}")
+
+
+@attrs.frozen
+class LoraSettings:
+    """The adapters: rank `r`, scale `alpha / r`, dropout on the adapter input, and the linear
+    modules they wrap (a name matches a module whose name is it or ends in `.name`)."""
+
+    r: int = attrs.field(default=8, validator=_check_r)
+    alpha: float = attrs.field(default=16.0, validator=_check_alpha)
+    dropout: float = attrs.field(default=0.0, validator=_check_dropout)
+    target_modules: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=_targets, validator=_check_targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    def describe(self) -> str:
+        return f"LoRA r={self.r}, alpha={self.alpha:g} on {','.join(self.target_modules)}"
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct short names (`q_proj`, `lm_head`, ...) of `model`'s `nn.Linear` modules."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+
+
+def _check_targets_exist(model: torch.nn.Module, targets: tuple[str, ...]) -> None:
+    """Refuse a target that wraps nothing: peft would either raise deep inside or, for a list where
+    other names match, silently train fewer modules than asked."""
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    short = linear_module_names(model)
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in linear):
+            close = difflib.get_close_matches(target, short, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"LoRA target_modules: {target!r} matches no linear module of {type(model).__name__}{hint} "
+                              f"(its linear modules: {', '.join(short)})",
+                              fix=f"target_modules: {list(DEFAULT_TARGETS)} (attention) or add gate_proj, up_proj, down_proj (MLP)")
+
+
+def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> torch.nn.Module:
+    """`model` wrapped by peft with fresh adapters (B = 0, so it computes what `model` computed);
+    only the adapter tensors require grad. `model` itself is modified in place (its target
+    linears are replaced by LoRA layers), as peft does."""
+    from peft import LoraConfig, get_peft_model
+
+    if is_lora(model):
+        raise ConfigError(f"apply_lora: {type(model).__name__} already holds LoRA adapters",
+                          fix="apply LoRA once, to the plain model")
+    _check_targets_exist(model, settings.target_modules)
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # peft calls a transformers method that transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        lora_model = get_peft_model(model, config)
+    trainable = [name for name, param in lora_model.named_parameters() if param.requires_grad]
+    assert trainable and all(".lora_" in name for name in trainable), trainable[:4]
+    return lora_model
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    """Whether `module` holds peft LoRA layers (a `PeftModel`, or a model they were injected into)."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(sub, LoraLayer) for sub in module.modules())
+
+
+def _peft(lora_model: torch.nn.Module, what: str):
+    from peft import PeftModel
+
+    if not isinstance(lora_model, PeftModel) or not is_lora(lora_model):
+        raise ConfigError(f"{what}: {type(lora_model).__name__} is not a LoRA model",
+                          fix="pass the model apply_lora returned")
+    return lora_model
+
+
+def trainable_state(lora_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors that train (the adapters), under the peft model's state-dict names, detached."""
+    names = {name for name, param in lora_model.named_parameters() if param.requires_grad}
+    return {name: tensor.detach() for name, tensor in lora_model.state_dict().items() if name in names}
+
+
+def _base_name(name: str) -> str:
+    """`q_proj.base_layer.weight` (peft's name for the wrapped weight) -> `q_proj.weight`."""
+    return name.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def merged_state_dict(lora_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's state dict (its names and shapes) with every adapter merged:
+    W + B A * alpha / r. New tensors; the live model is untouched (still unmerged, adapters on)."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = _peft(lora_model, "merged_state_dict")
+    base = peft_model.get_base_model()
+    merged = {_base_name(name): tensor.detach() for name, tensor in base.state_dict().items() if ".lora_" not in name}
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue  # a merged layer's base weight holds the delta already
+        key = f"{name}.weight"
+        weight = merged[key]  # [out, in]
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)  # [out, in]
+        merged[key] = weight
+    return merged
+
+
+class _AdaptersOff(torch.nn.Module):
+    """`module`'s forward with the peft model's adapters disabled; holds no parameters (the wrapped
+    modules are kept outside the module tree, so `parameters()` and `state_dict()` are empty)."""
+
+    def __init__(self, peft_model: torch.nn.Module, inner: torch.nn.Module):
+        super().__init__()
+        self._held = (peft_model, inner)  # a tuple: nn.Module does not register what it holds
+
+    @contextlib.contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """Adapters off and the shared module in this view's mode (eval for log-probs), then both restored."""
+        peft_model, _ = self._held
+        was_training = peft_model.training
+        peft_model.train(self.training)
+        try:
+            with peft_model.disable_adapter():
+                yield
+        finally:
+            peft_model.train(was_training)
+
+    def forward(self, *args, **kwargs):
+        with self.adapters_off():
+            return self._held[1](*args, **kwargs)
+
+
+class LoraReference(_AdaptersOff):
+    """The KL reference of a LoRA policy: the policy's module with its adapters off (= the base
+    model). What `sequence_logprobs` and `NativeGenerator` read (`config`, `device`, the decoder,
+    the embeddings, the forward) is served from the shared module; every forward, the decoder's
+    included, runs with the adapters disabled. Not thread-safe: while it runs, the policy's
+    adapters are off too (the local executor runs one primitive at a time)."""
+
+    def __init__(self, peft_model: torch.nn.Module):
+        super().__init__(peft_model, peft_model)
+        self.config = peft_model.get_base_model().config
+
+    @property
+    def device(self) -> torch.device:
+        return self._held[0].get_base_model().device
+
+    def get_decoder(self) -> torch.nn.Module:
+        return _AdaptersOff(self._held[0], self._held[0].get_base_model().get_decoder()).train(self.training)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self._held[0].get_base_model().get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self._held[0].get_base_model().get_output_embeddings()
+
+
+def reference_of(lora_model: torch.nn.Module) -> torch.nn.Module:
+    """The KL reference of a LoRA policy: the same module run with adapters disabled. It holds no
+    parameters (no second copy in memory or in checkpoints) and gives the base model's log-probs
+    and generations."""
+    return LoraReference(_peft(lora_model, "reference_of"))
