@@ -1,0 +1,329 @@
+"""rlgraph.train.logging: metrics.jsonl (round trip, resume, torn lines), TensorBoard, W&B / MLflow, fan-out."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from rlgraph.ir.errors import ConfigError
+from rlgraph.train import logging as run_logging
+from rlgraph.train.logging import (JsonlSink, MetricLogger, MetricsError, MlflowSink, TensorBoardSink, WandbSink,
+                                   check_metrics, make_sinks, read_metrics)
+
+
+def strict_loads(line: str):
+    """json.loads that refuses NaN / Infinity tokens, i.e. JSON as the standard defines it."""
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def write_steps(path, steps, resume_step=None):
+    sink = JsonlSink(path, resume_step)
+    for step in steps:
+        sink.log(step, {"reward": step / 10, "kl": 0.001 * step})
+    sink.close()
+
+
+# -- metrics.jsonl ------------------------------------------------------------------------------------
+def test_jsonl_round_trip_writes_non_finite_as_null(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(1, {"reward": 0.25, "kl": math.nan, "up": math.inf, "down": -math.inf, "count": 3,
+                 "tensor": torch.tensor(0.5), "numpy": np.float32(1.5)})
+    sink.log(2, {"reward": 1 / 3})
+    sink.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = strict_loads(lines[0])  # valid JSON: no NaN / Infinity tokens
+    assert first["kl"] is None and first["up"] is None and first["down"] is None
+    assert first["step"] == 1 and first["count"] == 3 and first["tensor"] == 0.5 and first["numpy"] == 1.5
+    assert abs(first["time"] - __import__("time").time()) < 60
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2]
+    assert rows[1]["reward"] == 1 / 3  # exact: repr round trip
+    assert math.isnan(rows[0]["kl"]) and math.isnan(rows[0]["up"])
+
+
+def test_jsonl_flushes_every_line(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(1, {"reward": 1.0})
+    assert strict_loads((tmp_path / "metrics.jsonl").read_text())["reward"] == 1.0  # before close
+    sink.close()
+
+
+def test_fresh_run_starts_a_new_file(tmp_path):
+    write_steps(tmp_path / "metrics.jsonl", [1, 2, 3])
+    write_steps(tmp_path / "metrics.jsonl", [1])
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1]
+
+
+def test_resume_keeps_exactly_the_lines_up_to_the_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in (0, 1, 2, 3, 3, 4, 5):  # 0 and the second 3: evaluations
+        sink.log(step, {"reward": float(step)})
+    sink.close()
+    before = path.read_text().splitlines()
+    write_steps(path, [4], resume_step=3)
+    after = path.read_text().splitlines()
+    assert after[:5] == before[:5]  # byte for byte, the evaluation at step 3 included
+    assert [strict_loads(line)["step"] for line in after] == [0, 1, 2, 3, 3, 4]
+    assert strict_loads(after[-1])["reward"] == 0.4
+
+
+def test_resume_rewrite_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    write_steps(path, [1, 2, 3])
+    before = path.read_bytes()
+
+    def crash(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(run_logging.os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        JsonlSink(path, resume_step=1)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp file left behind
+
+
+def test_torn_last_line_is_skipped_on_read_and_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    write_steps(path, [1, 2])
+    with open(path, "a") as handle:
+        handle.write('{"step": 3, "rew')  # killed mid-write
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
+    write_steps(path, [3], resume_step=5)
+    assert [strict_loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_resume_of_a_missing_file_starts_empty(tmp_path):
+    write_steps(tmp_path / "metrics.jsonl", [4], resume_step=3)
+    assert [row["step"] for row in read_metrics(tmp_path)] == [4]
+
+
+def test_garbage_before_the_last_line_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward": 0.5}\nnot json\n{"step": 3, "reward": 0.1}\n')
+    with pytest.raises(MetricsError,
+                       match=r"metrics.jsonl:2: not JSON \(Expecting value at column 1\): 'not json'\n"
+                             r"  fix: repair or delete that line"):
+        read_metrics(tmp_path)
+    with pytest.raises(MetricsError, match=r"metrics.jsonl:2:"):
+        JsonlSink(path, resume_step=3)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"step": 1, "reward": "high"}\n{"step": 2}\n', r":1: metric 'reward' is not a number: 'high'"),
+    ('[1, 2]\n{"step": 2}\n', r":1: expected a JSON object, got list"),
+    ('{"reward": 1.0}\n{"step": 2}\n', r":1: 'step' must be a non-negative int, got None"),
+])
+def test_read_refuses_bad_rows(tmp_path, text, message):
+    (tmp_path / "metrics.jsonl").write_text(text)
+    with pytest.raises(MetricsError, match=message):
+        read_metrics(tmp_path)
+
+
+def test_read_refuses_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(MetricsError, match="run directory .*nope does not exist"):
+        read_metrics(tmp_path / "nope")
+    with pytest.raises(MetricsError, match="no metrics.jsonl in"):
+        read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("garbage, all of it")
+    with pytest.raises(MetricsError, match="no readable line"):
+        read_metrics(tmp_path)
+    with pytest.raises(MetricsError, match="is a file"):
+        read_metrics(tmp_path / "metrics.jsonl")
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert read_metrics(tmp_path) == []  # a run that has not logged yet
+
+
+@pytest.mark.parametrize("step, metrics, message", [
+    (1, {"reward": "0.5"}, r"metric 'reward' of step 1 is not a number: '0.5' \(str\)"),
+    (1, {"reward": [0.5]}, r"metric 'reward' of step 1 is not a number"),
+    (1, {"reward": torch.ones(2)}, r"metric 'reward' of step 1 is not a number"),
+    (1, {"reward": None}, r"metric 'reward' of step 1 is not a number"),
+    (1, {"step": 1.0}, r"metric name 'step' of step 1 is not allowed"),
+    (1, {3: 1.0}, r"metric name 3 of step 1 is not allowed"),
+    (1, [("reward", 1.0)], r"metrics of step 1 must be a mapping"),
+    (-1, {}, r"step must be a non-negative int, got -1"),
+    (True, {}, r"step must be a non-negative int, got True"),
+    (1.5, {}, r"step must be a non-negative int, got 1.5"),
+])
+def test_bad_metrics_are_refused_naming_step_and_key(step, metrics, message):
+    with pytest.raises(MetricsError, match=message):
+        check_metrics(step, metrics)
+
+
+def test_steps_must_not_go_down(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(2, {"reward": 1.0})
+    sink.log(2, {"eval/accuracy": 0.5})  # an evaluation repeats its step
+    with pytest.raises(MetricsError, match="step 1 logged after step 2"):
+        sink.log(1, {"reward": 1.0})
+    sink.close()
+    resumed = JsonlSink(tmp_path / "metrics.jsonl", resume_step=5)
+    with pytest.raises(MetricsError, match="step 0 logged after step 2"):
+        resumed.log(0, {})
+    resumed.close()
+
+
+@pytest.mark.parametrize("resume_step", [-1, "3", 2.0])
+def test_bad_resume_step_is_refused(tmp_path, resume_step):
+    with pytest.raises(MetricsError, match="resume_step must be a non-negative int"):
+        JsonlSink(tmp_path / "metrics.jsonl", resume_step)
+
+
+def test_jsonl_path_that_is_a_directory_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        JsonlSink(tmp_path)
+
+
+# -- TensorBoard ---------------------------------------------------------------------------------------
+def scalars(log_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
+def test_tensorboard_sink_writes_readable_scalars_and_purges_on_resume(tmp_path):
+    sink = TensorBoardSink(tmp_path / "tb")
+    for step in range(1, 5):
+        sink.log(step, {"reward": step / 4, "time/step_s": 2.0 * step})
+    sink.close()
+    assert scalars(tmp_path / "tb", "reward") == [(1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0)]
+    assert scalars(tmp_path / "tb", "time/step_s") == [(1, 2.0), (2, 4.0), (3, 6.0), (4, 8.0)]
+    resumed = TensorBoardSink(tmp_path / "tb", resume_step=2)
+    resumed.log(3, {"reward": -1.0})
+    resumed.close()
+    assert scalars(tmp_path / "tb", "reward") == [(1, 0.25), (2, 0.5), (3, -1.0)]  # the killed run's 3, 4 hidden
+
+
+# -- W&B and MLflow ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("section, make", [("wandb", lambda: WandbSink({"project": "p"})),
+                                           ("mlflow", lambda: MlflowSink({"experiment": "e"}))])
+def test_missing_package_says_which_extra_to_install(monkeypatch, section, make):
+    monkeypatch.setitem(sys.modules, section, None)  # import raises ImportError
+    with pytest.raises(ConfigError, match=rf"logging.{section} is set but the {section} package is not installed"
+                                          rf"(.|\n)*pip install 'rlgraph\[{section}\]'"):
+        make()
+
+
+def fake_module(name, calls):
+    module = types.ModuleType(name)
+
+    def record(function, result=None):
+        def call(*args, **kwargs):
+            calls.append((function, args, kwargs))
+            return result
+        return call
+    run = types.SimpleNamespace(log=record("run.log"), finish=record("run.finish"))
+    for function in ("set_tracking_uri", "set_experiment", "log_metrics", "end_run"):
+        setattr(module, function, record(function))
+    module.init = record("init", run)
+    module.start_run = record("start_run", run)
+    return module
+
+
+def test_wandb_sink_passes_options_steps_and_closes(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_module("wandb", calls))
+    sink = WandbSink({"project": "p", "name": "run-1", "mode": "offline"}, tmp_path)
+    sink.log(3, {"reward": torch.tensor(0.5)})
+    sink.close()
+    assert calls == [("init", (), {"dir": str(tmp_path), "project": "p", "name": "run-1", "mode": "offline"}),
+                     ("run.log", ({"reward": 0.5},), {"step": 3}), ("run.finish", (), {})]
+
+
+def test_mlflow_sink_sets_uri_experiment_and_drops_non_finite(monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "mlflow", fake_module("mlflow", calls))
+    sink = MlflowSink({"tracking_uri": "file:/tmp/mlruns", "experiment": "math", "run_name": "r"})
+    sink.log(2, {"reward": 1.0, "kl": math.nan})
+    sink.close()
+    assert calls == [("set_tracking_uri", ("file:/tmp/mlruns",), {}), ("set_experiment", ("math",), {}),
+                     ("start_run", (), {"run_name": "r", "tags": None}),
+                     ("log_metrics", ({"reward": 1.0},), {"step": 2}), ("end_run", (), {})]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"projct": "p"}, r"logging.wandb has an unknown option 'projct'(.|\n)*did you mean 'project'"),
+    (True, r"logging.wandb must be a mapping of options, got True"),
+    ("my-project", r"logging.wandb must be a mapping of options, got 'my-project'"),
+])
+def test_bad_wandb_options_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        WandbSink(options)
+
+
+# -- make_sinks and MetricLogger ---------------------------------------------------------------------
+def test_make_sinks_builds_the_configured_sinks(tmp_path):
+    sinks = make_sinks(tmp_path / "run", tensorboard=True, wandb=None, mlflow=None, resume_step=None)
+    assert [type(sink) for sink in sinks] == [JsonlSink, TensorBoardSink]
+    with MetricLogger(sinks) as logger:
+        logger.log(1, {"reward": 0.5})
+    assert read_metrics(tmp_path / "run")[0]["reward"] == 0.5
+    assert scalars(tmp_path / "run" / "tensorboard", "reward") == [(1, 0.5)]
+    only = make_sinks(tmp_path / "other", tensorboard=False, wandb=None, mlflow=None, resume_step=None)
+    assert [type(sink) for sink in only] == [JsonlSink]
+    MetricLogger(only).close()
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"tensorboard": "yes"}, ConfigError, r"logging.tensorboard must be true or false, got 'yes'"),
+    ({"wandb": ["project"]}, ConfigError, r"logging.wandb must be a mapping"),
+    ({"mlflow": {"uri": "x"}}, ConfigError, r"logging.mlflow has an unknown option 'uri'"),
+    ({"resume_step": -2}, MetricsError, r"resume_step must be a non-negative int, got -2"),
+])
+def test_make_sinks_refuses_bad_options(tmp_path, kwargs, error, message):
+    options = {"tensorboard": False, "wandb": None, "mlflow": None, "resume_step": None, **kwargs}
+    with pytest.raises(error, match=message):
+        make_sinks(tmp_path, **options)
+
+
+def test_make_sinks_refuses_a_file_as_run_dir(tmp_path):
+    (tmp_path / "run").write_text("")
+    with pytest.raises(ConfigError, match="run directory .*run is a file"):
+        make_sinks(tmp_path / "run", tensorboard=False, wandb=None, mlflow=None, resume_step=None)
+
+
+def test_refused_resume_leaves_metrics_untouched(tmp_path, monkeypatch):
+    write_steps(tmp_path / "metrics.jsonl", [1, 2, 3])
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match="rlgraph\\[wandb\\]"):
+        make_sinks(tmp_path, tensorboard=False, wandb={"project": "p"}, mlflow=None, resume_step=1)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+class ListSink:
+    def __init__(self, fail_close=False):
+        self.rows, self.closed, self.fail_close = [], False, fail_close
+
+    def log(self, step, metrics):
+        self.rows.append((step, dict(metrics)))
+
+    def close(self):
+        self.closed = True
+        if self.fail_close:
+            raise RuntimeError("close failed")
+
+
+def test_logger_fans_out_checked_floats_and_closes_every_sink():
+    first, second = ListSink(fail_close=True), ListSink()
+    logger = MetricLogger([first, second])
+    logger.log(1, {"reward": torch.tensor(2.0), "n": 3})
+    assert first.rows == second.rows == [(1, {"reward": 2.0, "n": 3.0})]
+    assert type(first.rows[0][1]["reward"]) is float
+    with pytest.raises(MetricsError, match="metric 'kl' of step 2 is not a number"):
+        logger.log(2, {"kl": "x"})
+    with pytest.raises(RuntimeError, match="close failed"):
+        logger.close()
+    assert first.closed and second.closed  # the second is closed although the first failed
+    with pytest.raises(MetricsError, match="logged after the MetricLogger was closed"):
+        logger.log(3, {})
