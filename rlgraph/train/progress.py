@@ -100,7 +100,7 @@ class RunProgress:
         if self._progress is not None:
             self._progress.update(self._task, completed=self._completed(now), where=self._where(now), info=self.describe())
         elif self.enabled and not self.live and self._due():
-            self.console.print(self.plain_line(now), markup=False, highlight=False)
+            self.console.print(self.plain_line(now), markup=False, highlight=False, soft_wrap=True)  # one log line
 
     def describe(self) -> str:
         """The metrics part of the line: `reward 0.412  kl 0.0031  acc 45.0%  eval acc 47.5%  1.23 s/step`."""
@@ -114,7 +114,8 @@ class RunProgress:
     def plain_line(self, now: float | None = None) -> str:
         """`step 10/100  reward 0.412  ...  1.23 s/step  [12s]`: the line printed where there is no terminal."""
         now = now if now is not None else time.perf_counter()
-        return "  ".join(part for part in (self._where(now), self.describe(), f"[{now - self._start:.0f}s]") if part)
+        elapsed = "" if self.seconds else f"[{now - self._start:.0f}s]"  # _where shows it against the budget
+        return "  ".join(part for part in (self._where(now), self.describe(), elapsed) if part)
 
     def _where(self, now: float) -> str:
         where = f"step {self.step}" + (f"/{self.total_steps}" if self.total_steps else "")
@@ -147,7 +148,7 @@ class RunProgress:
             self._progress.stop()
             self._progress = None
         elif self.enabled and not self.live and self.step > self.start_step and not self._due():
-            self.console.print(self.plain_line(), markup=False, highlight=False)  # the last step is always shown
+            self.console.print(self.plain_line(), markup=False, highlight=False, soft_wrap=True)  # the last step is always shown
 
 
 def _number(value: Any) -> float | None:

@@ -13,8 +13,8 @@ from rlgraph.ir.errors import ConfigError
 from rlgraph.train.progress import Ema, RunProgress
 
 
-def console(terminal: bool) -> Console:
-    return Console(file=io.StringIO(), force_terminal=terminal, width=200, color_system=None)
+def console(terminal: bool, width: int = 200) -> Console:
+    return Console(file=io.StringIO(), force_terminal=terminal, width=width, color_system=None)
 
 
 def step_metrics(step: int) -> dict[str, float]:
@@ -55,13 +55,13 @@ def test_plain_lines_every_n_steps_when_not_a_terminal():
 
 
 def test_last_step_is_printed_even_off_the_grid():
-    out = console(terminal=False)
+    out = console(terminal=False, width=20)  # a narrow log: lines are not wrapped
     with RunProgress(seconds=60, console=out, every=10, start_step=20) as progress:
         for step in (21, 22, 23):
             progress.update(step, {"reward": torch.tensor(0.5)})
     lines = out.file.getvalue().splitlines()
     assert [line.split("  ")[0] for line in lines] == ["step 21", "step 23"]
-    assert "/60 s" in lines[0] and "reward 0.500" in lines[0]
+    assert lines[0].startswith("step 21  0/60 s  reward 0.500  ") and lines[0].endswith(" s/step")
 
 
 def test_bar_on_a_terminal():
