@@ -4,7 +4,9 @@ Bridges the program (which roles train, infer and generate, with which micro-bat
 memory model of `rlgraph.plan.memory`. Colocated groups share ranks: their phases are combined
 with `colocated_peak`, and the result is checked against the device capacity. What a group keeps
 in host memory (its state under `cpu_offload`, or what a colocated offload step parks) is counted
-per rank and checked against each node's host memory.
+per rank and checked against each node's host memory. A role in `options.lora` trains adapters
+over a frozen base, and the reference of a LoRA policy on the policy's ranks is that same module
+with its adapters off: no weights of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from rlgraph.ir import specs as S
+from rlgraph.ir.errors import ConfigError, did_you_mean
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program
 from rlgraph.passes.options import CompileOptions
@@ -60,11 +63,33 @@ def _train_config(node, group: Group, options: CompileOptions, rows: int, seq: i
     return M.TrainMemoryConfig(
         param_dtype=dtype, mixed_precision=dtype != torch.float32, fsdp_shards=group.train.fsdp,
         checkpointing=group.train.checkpointing, micro_batch_tokens=micro * seq, seq_len=seq,
-        offload_params=offloaded, offload_optimizer=offloaded,
+        offload_params=offloaded, offload_optimizer=offloaded, lora=options.lora.get(node.args[0].meta["spec"].role),
     )
 
 
-def _phase_memory(program: Program, group: Group, options: CompileOptions) -> dict[str, M.MemoryBreakdown]:
+def check_lora_roles(program: Program, options: CompileOptions) -> None:
+    """Each `lora=` role must train in this program, and its model must have the targeted linears."""
+    trained = sorted({node.args[0].meta["spec"].role for node in program.graph.nodes if primitive_name(node) == "update"})
+    for role, lora in options.lora.items():
+        if role not in trained:
+            raise ConfigError(f"lora: role {role!r} does not train in this program{did_you_mean(role, trained)} "
+                              f"(roles that train: {', '.join(trained) or 'none'}); its adapters would size nothing",
+                              fix="key lora= by a role that rg.update trains, e.g. lora={'policy': {...}}")
+        try:
+            model_shape(options, role).lora_params(lora)
+        except ValueError as error:
+            raise ConfigError(f"lora[{role!r}]: {error}", fix="target the linear modules of that role's model") from None
+
+
+def shares_lora_weights(options: CompileOptions, role: str, group: Group, groups: Sequence[Group]) -> bool:
+    """Whether `role` is the reference of a LoRA policy on the policy's ranks: the executor runs it
+    as the policy's module with adapters off (`rlgraph.train.lora.reference_of`), holding nothing."""
+    policy = next((other for other in groups if other.name == "policy"), None)
+    return role == "ref" and "policy" in options.lora and policy is not None and set(group.ranks) <= set(policy.ranks)
+
+
+def _phase_memory(program: Program, group: Group, options: CompileOptions,
+                  groups: Sequence[Group] = ()) -> dict[str, M.MemoryBreakdown]:
     """The peak of each phase of `group`: the largest over the primitives of that phase (ReMax's two
     generations, two updates of one role), each sized by its own batch rows. Under `cpu_offload`
     the host's share is `host_memory`'s."""
@@ -84,8 +109,10 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions) -> di
             phase, breakdown = "generate", M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-batch // replicas),
                                                              max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])
         else:
+            role = node.args[0].meta["spec"].role
             phase, breakdown = "infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks),
-                                                       offload_params=state_on_host(group, options.mesh))
+                                                       offload_params=state_on_host(group, options.mesh),
+                                                       shared_weights=shares_lora_weights(options, role, group, groups))
         if phase not in phases or breakdown.total > phases[phase].total:
             phases[phase] = breakdown
     return phases
@@ -122,7 +149,8 @@ def plan_memory(program: Program, groups: Sequence[Group],
                 options: CompileOptions) -> tuple[dict[str, dict[str, dict[str, int]]], dict[str, dict[str, int]]]:
     """(group -> phase -> {part: bytes, total}, group -> host {part: bytes, total} per rank); raises
     `PlacementError` if a rank cannot hold its peak or a node's host memory what its ranks offload."""
-    per_group = {group.name: _phase_memory(program, group, options) for group in groups}
+    check_lora_roles(program, options)
+    per_group = {group.name: _phase_memory(program, group, options, groups) for group in groups}
     host = {group.name: need for group in groups if (need := host_memory(program, group, per_group[group.name], options))}
     by_ranks: dict[tuple[int, ...], dict[str, M.MemoryBreakdown]] = {}
     for group in groups:

@@ -10,8 +10,9 @@ from typing import Any
 import attrs
 
 from rlgraph.ir.checks import number_problem
-from rlgraph.ir.errors import ConfigError, RLGraphError
+from rlgraph.ir.errors import ConfigError, RLGraphError, did_you_mean
 from rlgraph.plan.mesh import Colocated, Mesh, Placement
+from rlgraph.plan.model_size import LoraShape
 
 ENGINES = ("auto", "native", "vllm")  # auto: native on a cpu mesh, vllm on GPUs
 
@@ -48,12 +49,57 @@ def check_sizes(sizes: Mapping[str, Any]) -> None:
                               fix=f"give {dim} as a count of at least 1, e.g. {dim}=8")
 
 
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")  # alpha and dropout: accepted, no bearing on memory
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def lora_shapes(lora: Any) -> dict[str, LoraShape]:
+    """`lora=` of `rg.compile` as role -> `LoraShape`: each value a mapping with `r` and
+    `target_modules` (and optionally `alpha`, `dropout`: peft's settings, as `rlgraph train`'s
+    model.lora gives them), an object with those attributes (`rlgraph.train.lora.LoraSettings`),
+    or a `LoraShape`. Refuses, naming role and key, what the memory model cannot size."""
+    if lora is None:
+        return {}
+    if not isinstance(lora, Mapping):
+        raise ConfigError(f"lora={lora!r} is not a mapping of role to LoRA settings",
+                          fix="lora={'policy': {'r': 16, 'target_modules': ['q_proj', 'v_proj']}}")
+    return {role: _lora_shape(role, value) for role, value in lora.items()}
+
+
+def _lora_shape(role: str, value: Any) -> LoraShape:
+    where = f"lora[{role!r}]"
+    if isinstance(value, LoraShape):
+        return value
+    if not isinstance(value, Mapping):
+        value = {key: getattr(value, key) for key in LORA_KEYS if hasattr(value, key)} or value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} = {value!r} is not LoRA settings", fix=f"{where} = {{'r': 16, 'target_modules': [...]}}")
+    for key in value:
+        if key not in LORA_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(key, LORA_KEYS)}", fix=f"keys: {', '.join(LORA_KEYS)}")
+    r = value.get("r", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConfigError(f"{where}: r={r!r} is not a whole number >= 1", fix=f"{where}['r'] = 16")
+    targets = value.get("target_modules", ("q_proj", "k_proj", "v_proj", "o_proj"))
+    targets = (targets,) if isinstance(targets, str) else targets
+    if not isinstance(targets, (list, tuple)) or not targets:
+        raise ConfigError(f"{where}: target_modules={targets!r} is not a non-empty list of module names",
+                          fix=f"{where}['target_modules'] = ['q_proj', 'k_proj', 'v_proj', 'o_proj']")
+    for name in targets:
+        if name not in LORA_TARGETS:
+            raise ConfigError(f"{where}: target {name!r} is no linear module the memory model knows"
+                              f"{did_you_mean(name, LORA_TARGETS)}", fix=f"choose among {', '.join(LORA_TARGETS)}")
+    return LoraShape(r, tuple(targets))
+
+
 @attrs.frozen
 class CompileOptions:
     """`sizes` gives the concrete dims byte counts are computed for: B prompts, n samples per
     prompt, P prompt tokens, T response tokens (N = B*n is derived). `models` maps each model role
     to its HF-style config (a dict) or a preset name. `engine` is the generation engine ("auto",
-    "native", "vllm"): the plan names it, and `place` refuses a layout it cannot run."""
+    "native", "vllm"): the plan names it, and `place` refuses a layout it cannot run. `lora` maps a
+    trained role to its LoRA adapters (`lora_shapes`): the memory plan then counts that role's base
+    weights frozen, and the reference of a LoRA policy as no weights of its own."""
 
     mesh: Mesh = Mesh()
     placement: Placement = Colocated()
@@ -62,6 +108,7 @@ class CompileOptions:
     bucket_bytes: int = 512 << 20
     reward_on: str = "controller"
     engine: str = "auto"
+    lora: Mapping[str, LoraShape] = attrs.field(factory=dict, converter=lora_shapes)
 
     def __attrs_post_init__(self) -> None:
         check_engine(self.engine, self.mesh)

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from rlgraph.plan.mesh import DEVICE_MEMORY_GIB
-from rlgraph.plan.model_size import ModelShape, dtype_bytes
+from rlgraph.plan.model_size import LoraShape, ModelShape, dtype_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # Tokens per chunk of rlgraph's log-prob head (`rlgraph.kernels.logprob_head.DEFAULT_CHUNK`;
@@ -166,6 +166,8 @@ class TrainMemoryConfig:
     is what the host then holds). `fused_attention`:
     SDPA / flash attention, which never holds the [seq, seq] scores; `fused_optimizer`:
     `AdamW(fused=True)`, which needs no parameter-sized temporary (torch's default is `foreach`).
+    `lora`: train LoRA adapters over a frozen base (`lora_state`): the base weights are held in
+    `param_dtype` only; gradients, AdamW moments and master weights are the adapters'.
     """
 
     param_dtype: torch.dtype = torch.bfloat16
@@ -179,6 +181,7 @@ class TrainMemoryConfig:
     fused_attention: bool = True
     fused_optimizer: bool = False
     logit_chunk_tokens: int = attrs.field(default=LOGIT_CHUNK_TOKENS, validator=_at_least_one)
+    lora: LoraShape | None = None
 
     @classmethod
     def for_device(cls, device: str, **overrides: object) -> TrainMemoryConfig:
@@ -208,9 +211,11 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
     e, shards, tokens = dtype_bytes(cfg.param_dtype), cfg.fsdp_shards, cfg.micro_batch_tokens
     state, _ = _split_state(shape, cfg)
     per_layer = layer_activation_bytes(shape, cfg.param_dtype, seq_len=cfg.seq_len, fused_attention=cfg.fused_attention)
+    per_layer += lora_activation_bytes(shape, cfg.lora, cfg.param_dtype)
     # Checkpointing keeps only each layer's input and recomputes one layer at a time in backward.
     stored = tokens * shape.layers * (e * shape.hidden if cfg.checkpointing else per_layer)
-    gathered = _fsdp_gather_bytes(shape, e, grads=True) if shards > 1 or cfg.offload_params else 0
+    # Under LoRA a unit's gradients are its adapters' (counted in the state), not a unit's worth.
+    gathered = _fsdp_gather_bytes(shape, e, grads=cfg.lora is None) if shards > 1 or cfg.offload_params else 0
     if cfg.offload_params:
         shard_bytes = 4 if cfg.has_master_weights else e  # FSDP2 keeps fp32 shards and reduces in fp32 under mixed precision
         gathered += _offload_staging_bytes(shape, shards, shard_bytes, units=3)  # 2 units' parameter shards, 1 unit's gradients
@@ -238,14 +243,31 @@ def train_host_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakd
     return host + MemoryBreakdown(workspace=_step_temporary_bytes(shape, cfg) if cfg.offload_optimizer else 0)
 
 
+def trainable_params(shape: ModelShape, cfg: TrainMemoryConfig) -> int:
+    """Parameters with gradients and optimizer state: all of them, or the LoRA adapters'."""
+    return shape.n_params if cfg.lora is None else shape.lora_params(cfg.lora)
+
+
+def lora_activation_bytes(shape: ModelShape, lora: LoraShape | None, dtype: torch.dtype) -> int:
+    """Per token per layer, what LoRA adds to a layer's saved activations: each adapter's [r]
+    intermediate A x, kept for B's gradient (A's input is the base linear's, saved already)."""
+    if lora is None:
+        return 0
+    return dtype_bytes(dtype) * lora.r * len(set(lora.target_modules) - {"lm_head"})
+
+
 def _split_state(shape: ModelShape, cfg: TrainMemoryConfig) -> tuple[MemoryBreakdown, MemoryBreakdown]:
     """The training state of one rank (1/fsdp_shards of: params and grads n*e, AdamW's two moments,
-    fp32 master weights n*4), as (on the device, in host memory) by the config's offload flags."""
-    e, n, shards = dtype_bytes(cfg.param_dtype), shape.n_params, cfg.fsdp_shards
+    fp32 master weights n*4), as (on the device, in host memory) by the config's offload flags.
+    Under LoRA with a adapter parameters: params (n + a)*e (the frozen base is held in the compute
+    dtype, with no master copy), grads a*e, moments 2*4*a (mixed precision) and master weights 4*a."""
+    e, shards = dtype_bytes(cfg.param_dtype), cfg.fsdp_shards
+    trained = trainable_params(shape, cfg)
+    held = shape.n_params + (trained if cfg.lora is not None else 0)
     moment_bytes = 4 if cfg.has_master_weights else e
-    weights = MemoryBreakdown(params=_ceil_div(n * e, shards), grads=_ceil_div(n * e, shards))
-    optimizer = MemoryBreakdown(optimizer=_ceil_div(2 * moment_bytes * n, shards),
-                                master_weights=_ceil_div(4 * n, shards) if cfg.has_master_weights else 0)
+    weights = MemoryBreakdown(params=_ceil_div(held * e, shards), grads=_ceil_div(trained * e, shards))
+    optimizer = MemoryBreakdown(optimizer=_ceil_div(2 * moment_bytes * trained, shards),
+                                master_weights=_ceil_div(4 * trained, shards) if cfg.has_master_weights else 0)
     device = (MemoryBreakdown() if cfg.offload_params else weights) + (MemoryBreakdown() if cfg.offload_optimizer else optimizer)
     host = (weights if cfg.offload_params else MemoryBreakdown()) + (optimizer if cfg.offload_optimizer else MemoryBreakdown())
     return device, host
@@ -254,7 +276,7 @@ def _split_state(shape: ModelShape, cfg: TrainMemoryConfig) -> tuple[MemoryBreak
 def _step_temporary_bytes(shape: ModelShape, cfg: TrainMemoryConfig) -> int:
     """One parameter-sized temporary of torch's default `foreach` AdamW (none when fused), per rank."""
     moment_bytes = 4 if cfg.has_master_weights else dtype_bytes(cfg.param_dtype)
-    return 0 if cfg.fused_optimizer else _ceil_div(moment_bytes * shape.n_params, cfg.fsdp_shards)
+    return 0 if cfg.fused_optimizer else _ceil_div(moment_bytes * trainable_params(shape, cfg), cfg.fsdp_shards)
 
 
 def _offload_staging_bytes(shape: ModelShape, shards: int, shard_bytes: int, *, units: int) -> int:
@@ -295,14 +317,16 @@ def generate_memory(shape: ModelShape, *, tp: int, batch_sequences: int, max_seq
 
 
 def infer_memory(shape: ModelShape, *, batch_tokens: int, dtype: torch.dtype = torch.bfloat16, shards: int = 1,
-                 micro_batch_tokens: int | None = None, offload_params: bool = False) -> MemoryBreakdown:
+                 micro_batch_tokens: int | None = None, offload_params: bool = False,
+                 shared_weights: bool = False) -> MemoryBreakdown:
     """Per-rank peak of a forward without gradients (reference / old-policy log-probs, values).
 
     params n*e/shards (FSDP: plus the current and prefetched units); the forward's working set and the
     final hidden states for the tokens processed at once (`micro_batch_tokens`, else all of
     `batch_tokens`); one chunk of fp32 logits and their exponentials. `offload_params` (a role under
     FSDP2's CPUOffloadPolicy): no parameters between units, the two gathered units and their shards
-    copied in from the host instead.
+    copied in from the host instead. `shared_weights`: the forward reads weights another role holds
+    on these ranks (the reference of a LoRA policy is the policy with its adapters off): params 0.
     """
     if batch_tokens < 1 or shards < 1:
         raise ValueError(f"infer_memory: batch_tokens and shards must be >= 1, got {batch_tokens}, {shards}")
@@ -312,7 +336,7 @@ def infer_memory(shape: ModelShape, *, batch_tokens: int, dtype: torch.dtype = t
     if offload_params:
         workspace += _offload_staging_bytes(shape, shards, 4, units=2)  # fp32 shards: the executor's mixed precision
     return MemoryBreakdown(
-        params=0 if offload_params else _ceil_div(shape.n_params * e, shards),
+        params=0 if offload_params or shared_weights else _ceil_div(shape.n_params * e, shards),
         activations=tokens * (forward_working_bytes(shape, dtype) + e * shape.hidden),
         logits=0 if shape.value_head else 2 * 4 * min(tokens, LOGIT_CHUNK_TOKENS) * shape.vocab,
         workspace=workspace,

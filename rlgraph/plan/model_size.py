@@ -27,6 +27,18 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"ModelShape.{attribute.name} must be a positive int, got {value!r}")
 
 
+@attrs.frozen
+class LoraShape:
+    """LoRA adapters of rank `r` on the linear modules named `target_modules` (`q_proj`, ...,
+    `down_proj`, `lm_head`): what the memory model needs of a peft `LoraConfig`."""
+
+    r: int = attrs.field(validator=_positive)
+    target_modules: tuple[str, ...] = attrs.field(converter=tuple)
+
+    def __str__(self) -> str:
+        return f"r={self.r} on {','.join(self.target_modules)}"
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     """Bytes per element of `dtype` (`torch.bfloat16` -> 2)."""
     return dtype.itemsize
@@ -120,6 +132,22 @@ class ModelShape:
         if self.value_head:
             return self.hidden + 1
         return 0 if self.tie_embeddings else self.vocab * self.hidden
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each named linear of a decoder layer, and of the LM head."""
+        h, q, kv, inter = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        layer = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                 "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        return layer if self.value_head else {**layer, "lm_head": (h, self.vocab)}
+
+    def lora_params(self, lora: LoraShape) -> int:
+        """Adapter parameters: r * (in + out) per wrapped linear (A is [r, in], B is [out, r]), in
+        every layer (the LM head once). A name that is no linear here raises ValueError."""
+        shapes = self.linear_shapes()
+        unknown = [name for name in lora.target_modules if name not in shapes]
+        if unknown:
+            raise ValueError(f"LoRA target {unknown[0]!r} is no linear module of this model; it has {', '.join(shapes)}")
+        return sum(lora.r * sum(shapes[name]) * (1 if name == "lm_head" else self.layers) for name in set(lora.target_modules))
 
     @property
     def n_params(self) -> int:
