@@ -94,10 +94,12 @@ def _check_targets_exist(model: torch.nn.Module, targets: tuple[str, ...]) -> No
                               fix=f"target_modules: {list(DEFAULT_TARGETS)} (attention) or add gate_proj, up_proj, down_proj (MLP)")
 
 
-def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> torch.nn.Module:
+def apply_lora(model: PreTrainedModel, settings: LoraSettings, *, seed: int = 0) -> torch.nn.Module:
     """`model` wrapped by peft with fresh adapters (B = 0, so it computes what `model` computed);
     only the adapter tensors require grad. `model` itself is modified in place (its target
-    linears are replaced by LoRA layers), as peft does."""
+    linears are replaced by LoRA layers), as peft does. A is drawn from a generator seeded with
+    `seed` (peft draws from the global RNG, which would make two runs' adapters differ by
+    whatever ran before); the global RNG state is left untouched."""
     from peft import LoraConfig, get_peft_model
 
     if is_lora(model):
@@ -106,7 +108,10 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings) -> torch.nn.Modul
     _check_targets_exist(model, settings.target_modules)
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM")
-    with warnings.catch_warnings():  # peft calls a transformers method that transformers 5 deprecates
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        torch.manual_seed(seed)
+        # peft calls a transformers method that transformers 5 deprecates
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         lora_model = get_peft_model(model, config)
     trainable = [name for name, param in lora_model.named_parameters() if param.requires_grad]

@@ -123,6 +123,20 @@ def test_only_the_adapters_train_and_a_fresh_adapter_changes_nothing():
     torch.testing.assert_close(sequence_logprobs(model.eval(), ro), sequence_logprobs(base.eval(), ro), atol=0, rtol=0)
 
 
+def test_fresh_adapters_depend_on_the_seed_only_and_leave_the_global_rng_alone():
+    torch.manual_seed(1)
+    first = trainable_state(apply_lora(_base(), LoraSettings()))
+    state = torch.get_rng_state()
+    torch.manual_seed(2)
+    again = trainable_state(apply_lora(_base(), LoraSettings()))
+    other = trainable_state(apply_lora(_base(), LoraSettings(), seed=1))
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert any(not torch.equal(first[name], other[name]) for name in first if ".lora_A." in name)
+    torch.manual_seed(1)
+    apply_lora(_base(), LoraSettings())
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_updates_change_only_the_adapters_and_the_optimizer_holds_only_them():
     executor = _lora_executor()
     model = executor.models["policy"].model
@@ -169,6 +183,11 @@ def test_merged_weights_in_a_plain_model_give_the_peft_models_logprobs_and_leave
     plain.load_state_dict(merged, strict=True)
     torch.testing.assert_close(sequence_logprobs(plain.eval(), ro), sequence_logprobs(model, ro), atol=1e-5, rtol=0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    params = SamplingParams(max_new_tokens=6)
+    peft_rows, plain_rows = (NativeGenerator(m, eos_token_id=TOKENIZER.eos_token_id, pad_token_id=TOKENIZER.pad_token_id)
+                             .generate(tiny_prompts(3), 2, params, seed=3) for m in (model, plain))
+    assert torch.equal(peft_rows.response_ids, plain_rows.response_ids)  # a generator served merged weights samples alike
+    torch.testing.assert_close(peft_rows.logprobs, plain_rows.logprobs, atol=1e-5, rtol=0)
     q = "model.layers.0.self_attn.q_proj.weight"
     peft_q = model.get_base_model().model.layers[0].self_attn.q_proj
     delta = peft_q.lora_B["default"].weight @ peft_q.lora_A["default"].weight * (16.0 / 4)  # [64, 4] @ [4, 64]
@@ -244,3 +263,41 @@ def test_a_frozen_full_copy_still_checkpoints_every_tensor():
     worker = LMWorker(copy.deepcopy(_base()).requires_grad_(False))
     assert set(checkpoint_weights(worker)) == set(worker.model.state_dict())
     assert describe_weights({}) == "no weights (a view of another role's weights)"
+
+
+# -- end to end ------------------------------------------------------------------------------------
+def _grpo_trainer(run_dir):
+    """GRPO with a KL term (so the reference view runs) through the compiled plan, checkpointing every 2 steps."""
+    import rlgraph as rg
+    from rlgraph.algorithms import grpo
+    from rlgraph.data import arithmetic
+    from rlgraph.runtime.plan_runner import PlanRunner
+    from rlgraph.train.loop import Trainer
+
+    executor = _lora_executor(lr=3e-2)
+    compiled = rg.compile(grpo, mesh=rg.Mesh("cpu", 1, 1), placement=rg.colocated(offload=False), engine="native",
+                          sizes={"B": 3, "P": 8, "T": 3}, lora={"policy": {"r": 4}}, n=2, kl=0.1, max_new_tokens=3)
+    sampler = arithmetic.PromptSampler(arithmetic.make_splits(seed=0).train, batch_size=3, seed=1)
+    trainer = Trainer(compiled.program, PlanRunner(compiled, executor),
+                      lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER), sampler, run_dir=run_dir,
+                      checkpoint_every=2)
+    return trainer, executor
+
+
+@pytest.mark.slow
+def test_grpo_with_kl_on_a_lora_policy_trains_the_adapters_and_resumes_exactly(tmp_path):
+    straight, straight_exec = _grpo_trainer(tmp_path / "a")
+    list(straight.run(steps=4))
+    assert "ref" in {group.name for group in straight.interpreter.compiled.plan.groups}  # the KL term reads the view
+    model, base = straight_exec.models["policy"].model, _base()
+    for name, tensor in merged_state_dict(model).items():  # the base never moved; the adapters did
+        assert torch.equal(tensor, base.state_dict()[name]) != (name.endswith("_proj.weight") and "mlp" not in name), name
+    first, _ = _grpo_trainer(tmp_path / "b")
+    list(first.run(steps=3))  # checkpoint at step 2, then one step that is lost
+    resumed, resumed_exec = _grpo_trainer(tmp_path / "b")
+    assert resumed.resume() and resumed.step == 2
+    list(resumed.run(steps=2))
+    assert [m["reward"] for m in resumed.history] == [m["reward"] for m in straight.history]
+    for (name, a), b in zip(straight_exec.models["policy"].model.named_parameters(),
+                            resumed_exec.models["policy"].model.parameters()):
+        assert torch.equal(a, b), name
