@@ -7,14 +7,15 @@ epochs and can be checkpointed, so a resumed run sees exactly the batches it wou
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import attrs
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlgraph.batches import Prompts, Rollouts
+from rlgraph.data.prompts import encode_prompts, encode_responses
+from rlgraph.data.sampler import Sampler
 
 
 @attrs.frozen
@@ -56,69 +57,24 @@ def make_splits(seed: int = 0, *, low: int = 0, high: int = 99, test_size: int =
 def to_prompts(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase) -> Prompts:
     """Left-padded prompts with `meta = {"answer": [...], "text": [...]}`."""
     texts = [p.prompt for p in problems]
-    encoded = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
-    return Prompts(encoded["input_ids"], encoded["attention_mask"].bool(),  # [B, P], [B, P]
-                   {"answer": [p.answer for p in problems], "text": texts})
+    ids, mask = encode_prompts(texts, tokenizer)  # [B, P], [B, P]
+    return Prompts(ids, mask, {"answer": [p.answer for p in problems], "text": texts})
 
 
 def to_demonstrations(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase) -> Rollouts:
     """SFT batch: each response is the answer's characters then EOS, right-padded with the pad id."""
-    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-        raise ValueError("to_demonstrations: the tokenizer needs eos and pad tokens; use rlgraph's character tokenizer")
-    answers = tokenizer([p.answer for p in problems], add_special_tokens=False)["input_ids"]
-    steps = max(len(a) for a in answers) + 1
-    response = torch.full((len(problems), steps), tokenizer.pad_token_id, dtype=torch.long)  # [B, T]
-    mask = torch.zeros(len(problems), steps, dtype=torch.bool)  # [B, T]
-    for row, answer in enumerate(answers):
-        response[row, : len(answer) + 1] = torch.tensor([*answer, tokenizer.eos_token_id])
-        mask[row, : len(answer) + 1] = True
+    response, mask = encode_responses([p.answer for p in problems], tokenizer)  # [B, T], [B, T]
     return Rollouts.from_demonstrations(to_prompts(problems, tokenizer), response, mask)
 
 
-class PromptSampler:
-    """Endless batches of `batch_size` problems: each epoch is a fresh seeded shuffle of `problems`
-    (the tail that does not fill a batch is skipped); `state_dict()` / `load_state_dict()` resume
-    the exact sequence of batches."""
+class PromptSampler(Sampler):
+    """`Sampler` over problems (the demo's name for it): same seed, same batches as before."""
+
+    noun = "problems"
 
     def __init__(self, problems: Sequence[Problem], batch_size: int, *, seed: int = 0) -> None:
-        if not 1 <= batch_size <= len(problems):
-            raise ValueError(f"PromptSampler: batch_size must be in [1, {len(problems)}] (the number of problems), "
-                             f"got {batch_size}")
-        self.problems = tuple(problems)
-        self.batch_size = batch_size
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order(0)
+        super().__init__(problems, batch_size, seed=seed)
 
-    def _epoch_order(self, epoch: int) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.problems), generator=generator).tolist()
-
-    def next_batch(self) -> list[Problem]:
-        if self.position + self.batch_size > len(self.problems):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._epoch_order(self.epoch)
-        index = self._order[self.position : self.position + self.batch_size]
-        self.position += self.batch_size
-        return [self.problems[i] for i in index]
-
-    def __iter__(self) -> Iterator[list[Problem]]:
-        return self
-
-    def __next__(self) -> list[Problem]:
-        return self.next_batch()
-
-    def state_dict(self) -> dict[str, int]:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "batch_size": self.batch_size, "num_problems": len(self.problems)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from `state_dict()`; refuses a state saved for other problems or batch size."""
-        expected = {"batch_size": self.batch_size, "num_problems": len(self.problems)}
-        found = {key: state.get(key) for key in expected}
-        if found != expected:
-            raise ValueError(f"PromptSampler.load_state_dict: the state was saved with {found}, this sampler has "
-                             f"{expected}; build the sampler with the same problems and batch size")
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
-        self._order = self._epoch_order(self.epoch)
+    @property
+    def problems(self) -> tuple[Problem, ...]:
+        return self.items
