@@ -79,6 +79,10 @@ class ConfigError(RLGraphError, ValueError):
         super().__init__(message + (f"\n  fix: {fix}" if fix else ""))
 
 
+class RewardError(RLGraphError, ValueError):
+    """A reward that raised, timed out, or returned something other than one finite number per rollout."""
+
+
 def did_you_mean(name: object, choices: Iterable[str]) -> str:
     """"; did you mean 'x'?" when `name` is close to one of `choices`, else ""."""
     close = difflib.get_close_matches(str(name), list(choices), n=1)

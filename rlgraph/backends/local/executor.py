@@ -31,7 +31,7 @@ from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, S
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.protocols import ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
 from rlgraph.functional.aggregate import global_counts
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.ir.errors import RewardError, RLGraphError
 from rlgraph.batches import Prompts, Rollouts, to_device
 
 
@@ -294,10 +294,6 @@ def require_device(device: torch.device | str) -> torch.device:
 
 class NonFiniteUpdate(RLGraphError):
     """An update's gradient norm was NaN or inf; no weight was changed by that mini-batch."""
-
-
-class RewardError(RLGraphError):
-    """A reward function returned something that is not one finite number per rollout."""
 
 
 def _as_scores(role: str, values: Any, completions: list[str]) -> torch.Tensor:

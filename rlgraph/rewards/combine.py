@@ -1,0 +1,165 @@
+"""Several rewards as one reward role, with a stated policy for rewards that fail.
+
+    pipeline = RewardPipeline([RewardTerm("math", math_reward, 1.0),
+                               RewardTerm("format", FormatRegex(r"\\d+$"), 0.1)],
+                              on_error="zero", timeout_s=30)
+    scores = pipeline(completions, **meta)     # sum_k weight_k * term_k, one float per completion
+    pipeline.pop_metrics()                     # {"reward/math": mean, "reward/format": mean, "reward/errors": 0.0}
+
+A term *fails* when it raises, runs past `timeout_s`, returns something other than one number per
+completion, or returns NaN/inf for some completions. `on_error`:
+  - "fail": raise a RewardError naming the term, what went wrong and the first bad sample (its
+    index, prompt and completion), so nothing is trained on a wrong score;
+  - "zero": score the failed samples 0 for that term (all of the call's samples when the term
+    raised, timed out or returned a wrong shape; only the non-finite ones otherwise), count them
+    in `reward/errors` (and `reward/<term>/errors`), and go on.
+
+A term that times out keeps running in a daemon thread (Python cannot stop a thread); a reward
+that can hang for good belongs in a subprocess, as `CodeTests` does.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from rlgraph.ir.errors import ConfigError, RewardError
+
+
+@attrs.frozen
+class RewardTerm:
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+
+
+class _Failure(Exception):
+    """What went wrong, the rows it hit, and (for non-finite values) the scores with those rows at 0."""
+
+    def __init__(self, problem: str, rows: list[int], partial: list[float] | None = None):
+        super().__init__(problem)
+        self.problem, self.rows, self.partial = problem, rows, partial
+
+
+class RewardPipeline:
+    """Callable `(completions, **meta) -> list[float]`: the weighted sum of its terms."""
+
+    def __init__(self, terms: Sequence[RewardTerm], *, on_error: Literal["fail", "zero"] = "fail",
+                 timeout_s: float | None = None):
+        if not terms:
+            raise ConfigError("a reward pipeline needs at least one reward term")
+        names = [term.name for term in terms]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"reward terms {names} repeat a name; give each term once")
+        if on_error not in ("fail", "zero"):
+            raise ConfigError(f"reward_on_error={on_error!r} is not one of 'fail', 'zero'")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ConfigError(f"reward_timeout_s={timeout_s!r} must be > 0 (or null for no limit)")
+        self.terms, self.on_error, self.timeout_s = list(terms), on_error, timeout_s
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._errors: dict[str, int] = {}
+
+    def __call__(self, completions: Sequence[str], **meta: Any) -> list[float]:
+        total = [0.0] * len(completions)
+        for term in self.terms:
+            scores = self._score(term, completions, meta)
+            for row, score in enumerate(scores):
+                total[row] += term.weight * score
+            self._sums[term.name] = self._sums.get(term.name, 0.0) + sum(scores)
+            self._counts[term.name] = self._counts.get(term.name, 0) + len(scores)
+        return total
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Each term's mean score, and the failed samples, since the last call."""
+        out = {f"reward/{name}": self._sums[name] / count for name, count in self._counts.items() if count}
+        out["reward/errors"] = float(sum(self._errors.values()))
+        out.update({f"reward/{name}/errors": float(count) for name, count in self._errors.items()})
+        self._sums, self._counts, self._errors = {}, {}, {}
+        return out
+
+    # -- one term -------------------------------------------------------------------------------
+    def _score(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> list[float]:
+        n = len(completions)
+        try:
+            return self._checked(term, self._call(term, completions, meta), n)
+        except _Failure as failure:
+            if self.on_error == "fail":
+                raise RewardError(self._describe(term, failure, completions, meta)) from None
+            self._errors[term.name] = self._errors.get(term.name, 0) + len(failure.rows)
+            return failure.partial if failure.partial is not None else [0.0] * n
+
+    def _call(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> Any:
+        everyone = list(range(len(completions)))
+        if self.timeout_s is None:
+            try:
+                return term.fn(list(completions), **meta)
+            except Exception as exc:
+                raise _Failure(f"raised {_where(exc)}", everyone) from None
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = term.fn(list(completions), **meta)
+            except BaseException as exc:  # reported in the caller's thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"reward-{term.name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise _Failure(f"did not return within reward_timeout_s={self.timeout_s:g} s", everyone)
+        if "error" in box:
+            raise _Failure(f"raised {_where(box['error'])}", everyone)
+        return box["value"]
+
+    @staticmethod
+    def _checked(term: RewardTerm, values: Any, n: int) -> list[float]:
+        everyone = list(range(n))
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+            values = values.tolist()  # a tensor or an array
+        if not isinstance(values, (list, tuple)):
+            raise _Failure(f"returned {type(values).__name__}, not a list of {n} numbers", everyone)
+        if len(values) != n:
+            raise _Failure(f"returned {len(values)} scores for {n} completions", everyone)
+        scores = [float(v) if isinstance(v, numbers.Real) else math.nan for v in values]
+        bad = [i for i, v in enumerate(scores) if not math.isfinite(v)]
+        if bad:
+            first = values[bad[0]]
+            problem = (f"returned {first} (not finite)" if isinstance(first, numbers.Real)
+                       else f"returned {type(first).__name__} {first!r}, not a number")
+            raise _Failure(problem, bad, [0.0 if i in set(bad) else v for i, v in enumerate(scores)])
+        return scores
+
+    def _describe(self, term: RewardTerm, failure: _Failure, completions: Sequence[str], meta: dict[str, Any]) -> str:
+        row = failure.rows[0]
+        prompt = meta.get("text", [None] * len(completions))
+        sample = f"sample {row} of {len(completions)}"
+        if row < len(completions):
+            if prompt and row < len(prompt) and prompt[row] is not None:
+                sample += f" (prompt {_short(prompt[row])}"
+                sample += f", completion {_short(completions[row])})"
+            else:
+                sample += f" (completion {_short(completions[row])})"
+        many = f"; {len(failure.rows)} samples affected" if len(failure.rows) > 1 and len(failure.rows) < len(completions) else ""
+        return (f"reward {term.name!r} {failure.problem} on {sample}{many}\n"
+                f"  fix: make the reward return one finite float per completion, or set `reward_on_error: zero` to score "
+                f"such samples 0 and count them in the metric reward/errors")
+
+
+def _where(exc: BaseException) -> str:
+    """`ValueError: msg (at file.py:12 in fn)`: the exception and the innermost frame that raised it."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    place = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{place}"
+
+
+def _short(text: Any, limit: int = 80) -> str:
+    text = str(text)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
