@@ -143,6 +143,11 @@ class CodeTests:
         self.timeout_s, self.memory_mb, self.partial = float(timeout_s), int(memory_mb), bool(partial)
         self.tests_field, self.workers, self.python = tests_field, workers or (os.cpu_count() or 1), python or sys.executable
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The per-row fields this reward reads (checked against the data before a run starts)."""
+        return (self.tests_field,)
+
     def __call__(self, completions: Sequence[str], **meta: Any) -> list[float]:
         if self.tests_field not in meta:
             raise ValueError(f"code: the rollouts carry no {self.tests_field!r} field (they carry "

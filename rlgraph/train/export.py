@@ -24,7 +24,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
-    from rlgraph.train.run import _tokenizer, load_run_config
+    from rlgraph.train.run import _tokenizer, build_policy, load_run_config
 
     run_dir, out = Path(run_dir), Path(out)
     config = load_run_config(run_dir)
@@ -39,13 +39,11 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     if "policy" not in state.roles:
         raise CheckpointMismatch(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
     tokenizer = _tokenizer(config)
-    model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
+    model = build_policy(config, tokenizer)
     weights = dict(state.roles["policy"].model)
     if config.model.lora is not None:
-        from rlgraph.train.lora import LoraSettings, apply_lora, merged_state_dict
+        from rlgraph.train.lora import merged_state_dict
 
-        lora = config.model.lora
-        model = apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)))
         _load(model, weights, path, strict=False)
         if not adapter:
             merged = merged_state_dict(model)

@@ -29,11 +29,10 @@ from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.critic import build_critic
 from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
-from rlgraph.data.prompts import load_prompts, split_holdout, to_demonstrations, to_prompts
+from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout, to_demonstrations, to_prompts
 from rlgraph.data.sampler import Sampler
 from rlgraph.ir.errors import ConfigError
-from rlgraph.rewards.combine import RewardPipeline, RewardTerm
-from rlgraph.rewards import build_reward
+from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.pool import resolve_device
@@ -94,12 +93,29 @@ def prepare(config: TrainConfig) -> Setup:
         raise ConfigError(f"data.train {data.train}: {len(train_rows)} usable prompts, fewer than "
                           f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
                           fix="add prompts or lower rollout.prompts_per_step")
-    rewards = RewardPipeline([RewardTerm(r.name, build_reward(r.name, **r.options), r.weight) for r in config.rewards],
-                             on_error=config.reward_on_error, timeout_s=config.reward_timeout_s)
+    rewards = build_rewards(config)
     device = resolve_device(config.runtime.device)
-    prompt_len = max(len(tokenizer(row.text)["input_ids"]) for row in train_rows)
+    prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows))
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
+
+
+def build_rewards(config: TrainConfig) -> RewardPipeline:
+    """The config's reward terms as one pipeline; a bad name or option is a ConfigError naming the entry."""
+    terms = []
+    for index, reward in enumerate(config.rewards):
+        where = f"rewards[{index}] ({reward.name})"
+        spec = load_object(reward.name, f"{where}:") if ":" in reward.name else reward.name
+        try:
+            fn = build_reward(spec, **reward.options)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error.summary}", fix=error.fix) from None
+        missing = sorted(set(getattr(fn, "fields", ())) - {"answer", "text", *config.data.extra_fields})
+        if missing:
+            raise ConfigError(f"{where} reads the per-row field(s) {', '.join(missing)}, which the data does not pass",
+                              fix=f"add them to data.extra_fields, e.g. extra_fields: [{', '.join(missing)}]")
+        terms.append(RewardTerm(reward.name, fn, reward.weight))
+    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s)
 
 
 def _tokenizer(config: TrainConfig) -> Any:
@@ -161,16 +177,24 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
 def build_roles(setup: Setup) -> LocalExecutor:
     """The policy (+ LoRA adapters), and the reference and critic when the plan reads them."""
     config = setup.config
-    model = build_causal_lm(config.model.path, tokenizer=setup.tokenizer, seed=config.train.seed).to(setup.device)
-    if config.model.lora is not None:
-        from rlgraph.train.lora import LoraSettings, apply_lora
-
-        lora = config.model.lora
-        model = apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)))
+    model = build_policy(config, setup.tokenizer).to(setup.device)
     policy = LMWorker(model, _optimizer(config, model, config.optimizer.lr))
     executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
                              max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device)
     return executor
+
+
+def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
+    """The policy as the run starts it: the model (seeded init for a config) and, with `model.lora`,
+    its adapters (seeded too), so a run, its resume and its export build the same module."""
+    model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
+    if config.model.lora is None:
+        return model
+    from rlgraph.train.lora import LoraSettings, apply_lora
+
+    lora = config.model.lora
+    return apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)),
+                      seed=config.train.seed)
 
 
 def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
@@ -241,6 +265,8 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     if not resume and latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run directory {run_dir} already holds checkpoints",
                           fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
+    if checkpoint is not None:
+        _refuse_other_run(config, checkpoint)  # before anything is compiled or built
     torch.manual_seed(config.train.seed)
     setup = prepare(config)
     for report in setup.reports:
@@ -257,7 +283,6 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     session.reset_optimizer()
     trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
     if checkpoint is not None:
-        _refuse_other_run(config, checkpoint)
         trainer.resume(checkpoint)
         console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
     sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
@@ -411,6 +436,8 @@ class _Session:
         every = self.config.eval.every
         if self.setup.eval_rows and every and step % every == 0:
             metrics.update(self.evaluate())
+        if self.logger is not None:  # before the step's checkpoint: a run killed after it has its metrics
+            self.logger.log(step, metrics)
         return metrics
 
     def _stage_times(self) -> dict[str, float]:
@@ -448,7 +475,6 @@ class _Session:
         with RunProgress(total_steps=train.steps, seconds=train.seconds, console=self.console,
                          enabled=self.config.logging.progress, start_step=trainer.step) as progress:
             for metrics in trainer.run(steps=remaining, seconds=train.seconds) if remaining != 0 else ():
-                self.logger.log(trainer.step, metrics)
                 progress.update(trainer.step, metrics)
         if trainer.step % self.config.checkpoint.every:
             trainer.save()  # the last step is always checkpointed
@@ -484,7 +510,11 @@ def load_object(spec: str, where: str) -> Any:
     from rlgraph.cli import import_modules
 
     module, _, name = spec.rpartition(":")
-    import_modules([module])
+    try:
+        import_modules([module])
+    except SystemExit as error:  # the CLI's message names --import; here the config key is what is wrong
+        reason = str(error).removeprefix("rlgraph: ").split(": ", 1)[-1]
+        raise ConfigError(f"{where} {spec!r}: cannot import {module}: {reason}") from None
     import sys
 
     key = Path(module).stem if module.endswith(".py") else module

@@ -1,0 +1,63 @@
+"""Every example in examples/ runs (shortened where it trains)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def in_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the example configs name their data relative to the project root
+
+
+def test_plan_70b_ppo_fits_after_the_refused_placement(capsys):
+    compiled = load("plan_70b_ppo").main()
+    out = capsys.readouterr().out
+    assert "refused" in out and "memory per rank" in out
+    assert all(max(p["total"] for p in phases.values()) < 80 * 2**30 for phases in compiled.memory_analysis().values())
+
+
+def test_property_test_loss_example():
+    module = load("property_test_loss")
+    module.test_token_mean_loss_is_microbatch_invariant()
+    module.test_sequence_mean_loss_is_caught()
+
+
+@pytest.mark.slow
+def test_custom_estimator_example():
+    assert load("custom_estimator").main(steps=2)["steps"] == 2
+
+
+@pytest.mark.slow
+def test_custom_reward_example():
+    assert load("custom_reward").main(steps=2)["steps"] == 2
+
+
+@pytest.mark.slow
+def test_math_grpo_example_runs_from_the_command_line(tmp_path):
+    """The README's command, shortened: a run directory with metrics, plan, checkpoints and plots."""
+    run_dir = tmp_path / "math"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlgraph", "train", "examples/math_grpo/config.yaml", "-o", f"run_dir={run_dir}",
+         "-o", "train.steps=2", "-o", "warm_start.steps=4", "-o", "rollout.prompts_per_step=4", "-o", "eval.max_prompts=8",
+         "-o", "logging.progress=false", "-o", "runtime.threads=1"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("metrics.jsonl", "plan.txt", "config.yaml", "plots/reward.png", "tensorboard"):
+        assert (run_dir / name).exists(), name
+    assert list(run_dir.glob("step-*"))

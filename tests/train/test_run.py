@@ -1,0 +1,251 @@
+"""`rlgraph train` end to end on the tiny model: the run directory, exact resume (also after a
+kill), refused checkpoints, export to a Hugging Face directory, LoRA runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rlgraph.backends.local.executor import CheckpointMismatch
+from rlgraph.ir.errors import ConfigError, RLGraphError
+from rlgraph.train.checkpoint import latest_checkpoint
+from rlgraph.train.config import load_config
+from rlgraph.train.run import load_run_config, train
+
+ROOT = Path(__file__).resolve().parents[2]
+# Metrics that depend on the clock, not on the computation.
+CLOCK = ("time/", "samples_per_s", "tokens_per_s")
+
+
+def write_data(tmp_path: Path) -> Path:
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def config_text(tmp_path: Path, run_dir: Path, **sections) -> str:
+    config = {
+        "name": "t", "run_dir": str(run_dir),
+        "data": {"train": str(write_data(tmp_path)), "eval_fraction": 0.125, "prompt_field": "question",
+                 "chat_template": False},
+        "rewards": [{"name": "math"}],
+        "algorithm": {"name": "grpo", "hparams": {"kl": 0.04}},
+        "rollout": {"prompts_per_step": 4, "n": 4, "max_new_tokens": 4},
+        "optimizer": {"lr": 1e-3},
+        "warm_start": {"steps": 3, "batch_size": 16, "lr": 2e-3},
+        "train": {"steps": 4, "seed": 0},
+        "runtime": {"threads": 1},
+        "eval": {"every": 2},
+        "checkpoint": {"every": 1, "keep_last": 2},
+        "logging": {"tensorboard": False, "progress": False, "plots": False},
+    }
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values} if isinstance(values, dict) else values
+    return yaml.safe_dump(config)
+
+
+def make_config(tmp_path: Path, name: str, overrides=(), **sections):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(config_text(tmp_path, tmp_path / name, **sections))
+    return load_config(path, list(overrides)), path
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in row.items() if k != "time" and not k.startswith(CLOCK)} for row in rows]
+
+
+def policy_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(latest_checkpoint(run_dir) / "policy.safetensors"))
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert metrics_of(a) == metrics_of(b)
+    wa, wb = policy_weights(a), policy_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("full")
+    config, path = make_config(tmp_path, "full")
+    result = train(config)
+    return tmp_path / "full", result, path
+
+
+def test_run_directory_holds_everything_a_person_looks_at(full_run):
+    run_dir, result, _ = full_run
+    assert result.steps == 4
+    for name in ("config.yaml", "plan.txt", "metrics.jsonl", "summary.json", "latest"):
+        assert (run_dir / name).is_file(), name
+    assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-000003", "step-000004"]  # keep_last=2
+    assert "plan grpo" in (run_dir / "plan.txt").read_text()
+    rows = metrics_of(run_dir)
+    steps = [row for row in rows if "reward" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3, 4]
+    for key in ("reward", "accuracy", "reward/math", "lr", "policy/loss"):
+        assert all(key in row for row in steps), key
+    evals = [row["step"] for row in rows if "eval/accuracy" in row]
+    assert evals == [0, 2, 4]
+    assert load_run_config(run_dir) == load_config(None, base=yaml.safe_load((run_dir / "config.yaml").read_text()))
+
+
+def test_resume_continues_exactly(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    config, _ = make_config(tmp_path, "half", ["train.steps=2"])
+    train(config)
+    resumed = load_run_config(tmp_path / "half", ["train.steps=4"])
+    assert train(resumed, resume=True).steps == 4
+    assert_same_run(run_dir, tmp_path / "half")
+
+
+@pytest.mark.slow
+def test_kill_at_a_random_step_and_resume_gives_the_same_run(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    _, path = make_config(tmp_path, "killed")
+    target = tmp_path / "killed"
+    kill_after = int(torch.randint(1, 4, (1,)))  # a random step of 1..3
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "rlgraph", "train", str(path)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        latest = latest_checkpoint(target) if (target / "latest").exists() else None
+        if latest is not None and int(latest.name.split("-")[1]) >= kill_after:
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    done = subprocess.run([sys.executable, "-m", "rlgraph", "train", "--resume", str(target)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_run(run_dir, target)
+
+
+def test_a_truncated_checkpoint_is_refused(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    copy = tmp_path / "copy"
+    __import__("shutil").copytree(run_dir, copy)
+    weights = latest_checkpoint(copy) / "policy.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 100])
+    config = load_run_config(copy, ["train.steps=5"])
+    with pytest.raises(CheckpointMismatch, match="policy.safetensors cannot be read"):
+        train(config, resume=True)
+
+
+def test_a_checkpoint_of_another_run_is_refused(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    copy = tmp_path / "copy"
+    __import__("shutil").copytree(run_dir, copy)
+    other = load_run_config(copy, ["train.steps=5", "algorithm.name=rloo"])
+    with pytest.raises(CheckpointMismatch, match="algorithm: checkpoint 'grpo', this run 'rloo'"):
+        train(other, resume=True)
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    copy = tmp_path / "copy"
+    __import__("shutil").copytree(run_dir, copy)
+    model_dir = tmp_path / "wide"
+    model_dir.mkdir()
+    tiny = json.loads((ROOT / "rlgraph/assets/tiny_qwen2.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**tiny, "hidden_size": 32, "intermediate_size": 64}))
+    config = load_run_config(copy, ["train.steps=5", f"model.path={model_dir}"])
+    with pytest.raises(CheckpointMismatch, match="model"):
+        train(config, resume=True)
+
+
+def test_starting_over_an_existing_run_or_resuming_nothing_is_refused(full_run, tmp_path):
+    run_dir, _, path = full_run
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        train(load_config(path))
+    config, _ = make_config(tmp_path, "never")
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        train(config, resume=True)
+
+
+def test_export_loads_in_transformers_and_generates(full_run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlgraph.train.export import export_run
+
+    run_dir, _, _ = full_run
+    out = export_run(run_dir, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    trained = policy_weights(run_dir)
+    for name, value in model.state_dict().items():
+        if name in trained:
+            assert torch.equal(value, trained[name]), name
+    ids = tokenizer(["3+4="], return_tensors="pt")
+    generated = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[1] > ids["input_ids"].shape[1]
+    with pytest.raises(ConfigError, match="already exists"):
+        export_run(run_dir, out)
+    with pytest.raises(ConfigError, match="not a run directory"):
+        export_run(tmp_path, tmp_path / "other")
+
+
+def test_lora_run_trains_only_adapters_and_its_reference_is_the_base(tmp_path):
+    config, _ = make_config(tmp_path, "lora", ["model.lora={r: 4, target_modules: [q_proj, v_proj]}", "train.steps=2",
+                                               "warm_start.steps=0", "eval.every=0"])
+    train(config)
+    weights = policy_weights(tmp_path / "lora")
+    assert weights and all("lora_" in name for name in weights)  # only adapters are checkpointed
+    assert not (latest_checkpoint(tmp_path / "lora") / "ref.safetensors").exists() or \
+        not load_file(str(latest_checkpoint(tmp_path / "lora") / "ref.safetensors"))
+    from rlgraph.train.export import export_run
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(export_run(tmp_path / "lora", tmp_path / "hf")), local_files_only=True)
+    assert not any("lora" in name for name in model.state_dict())
+
+
+def test_dry_run_prints_the_plan_and_memory_and_builds_nothing(tmp_path, capsys):
+    from rlgraph.cli import main
+
+    _, path = make_config(tmp_path, "dry")
+    assert main(["train", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "plan grpo" in out and "memory per rank" in out
+    assert not (tmp_path / "dry").exists()
+
+
+@pytest.mark.slow
+def test_spmd_run_resumes_on_the_local_runtime(tmp_path):
+    """The same config on 2 worker processes (FSDP2 policy), then resumed in one process: a
+    checkpoint is runtime-independent; evaluation pulls the trained policy from the workers."""
+    config, _ = make_config(tmp_path, "spmd", ["train.steps=2", "runtime.runtime=spmd", "runtime.nproc=2",
+                                               "checkpoint.every=2"])
+    result = train(config)
+    assert result.steps == 2 and result.eval_after is not None
+    resumed = load_run_config(tmp_path / "spmd", ["train.steps=3", "runtime.runtime=local"])
+    assert train(resumed, resume=True).steps == 3
+    assert [row["step"] for row in metrics_of(tmp_path / "spmd") if "reward" in row] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("placement, expected", [
+    ("colocatd", "did you mean 'colocated'"),
+    ("colocated:fsdpp=2", "unknown option 'fsdpp'"),
+    ("split:policy=x", "group .policy. shares .x., which has no ranks"),
+])
+def test_a_bad_placement_names_the_key(tmp_path, placement, expected):
+    from rlgraph.train.run import prepare
+
+    config, _ = make_config(tmp_path, "bad", [f"runtime.placement={placement}"])
+    with pytest.raises(RLGraphError, match=expected):
+        prepare(config)
