@@ -126,7 +126,7 @@ def _draw_time(ax: Axes, found: dict[str, Series]) -> None:
 GROUPS = (
     Group("reward", "Reward", "reward", ("reward", "reward/std", "eval/reward"), _draw_reward),
     Group("accuracy", "Accuracy", "accuracy", ("accuracy", "eval/accuracy"), _draw_accuracy),
-    Group("kl", "KL to the reference", "KL", ("kl",), _draw_each(("kl",))),
+    Group("kl", "KL to the reference", "KL", ("policy/kl", "kl"), _draw_each(("policy/kl", "kl"))),
     Group("length", "Response length", "tokens", ("response_length/mean", "eval/response_length"), _draw_length),
     Group("throughput", "Throughput", "per second", ("tokens_per_s", "samples_per_s"), _draw_throughput),
     Group("time", "Seconds per step", "seconds", ("time/",), _draw_time),

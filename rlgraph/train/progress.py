@@ -23,7 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rlgraph.ir.errors import ConfigError
 
 # (metrics key, label, format): what the bar shows, in order; the first three are smoothed
-_SMOOTHED = (("reward", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("accuracy", "acc", "{:.1%}"))
+_SMOOTHED = (("reward", "reward", "{:.3f}"), ("policy/kl", "kl", "{:.4f}"), ("accuracy", "acc", "{:.1%}"))
 _LATEST = (("eval/accuracy", "eval acc", "{:.1%}"),)
 _STEP_SECONDS = "time/step_s"
 

@@ -15,11 +15,11 @@ from rlgraph.train.plot import GROUPS, plot_run, series, smooth
 def write_run(run_dir, steps=30, keys=None):
     sink = JsonlSink(run_dir / "metrics.jsonl")
     for step in range(1, steps + 1):
-        metrics = {"reward": step / steps, "reward/std": 0.1, "accuracy": 0.5 * step / steps, "kl": 0.001 * step,
+        metrics = {"reward": step / steps, "reward/std": 0.1, "accuracy": 0.5 * step / steps, "policy/kl": 0.001 * step,
                    "response_length/mean": 10.0 + step, "tokens_per_s": 100.0 * step, "samples_per_s": 8.0,
                    "time/step_s": 1.0, "time/generate_s": 0.6, "time/train_s": 0.3, "lr": 1e-6}
         if step == 7:
-            metrics["kl"] = math.nan  # written as null: a gap, not a crash
+            metrics["policy/kl"] = math.nan  # written as null: a gap, not a crash
         sink.log(step, {k: v for k, v in metrics.items() if keys is None or k in keys})
         if step % 10 == 0 and (keys is None or "eval/accuracy" in keys):
             sink.log(step, {"eval/accuracy": 0.6, "eval/reward": 0.6, "eval/response_length": 12.0})
@@ -42,7 +42,7 @@ def test_plot_run_writes_every_group_and_the_overview(tmp_path):
 
 
 def test_absent_groups_are_skipped_and_named(tmp_path, capsys):
-    write_run(tmp_path, steps=5, keys={"reward", "kl"})
+    write_run(tmp_path, steps=5, keys={"reward", "policy/kl"})
     out = tmp_path / "elsewhere" / "png"
     paths = plot_run(tmp_path, out)
     assert [path.name for path in paths] == ["reward.png", "kl.png", "overview.png"]

@@ -18,7 +18,7 @@ def console(terminal: bool, width: int = 200) -> Console:
 
 
 def step_metrics(step: int) -> dict[str, float]:
-    return {"reward": float(step % 2), "kl": 0.01, "accuracy": 0.5, "time/step_s": 2.0}
+    return {"reward": float(step % 2), "policy/kl": 0.01, "accuracy": 0.5, "time/step_s": 2.0}
 
 
 def test_ema_is_bias_corrected_and_skips_non_finite():
@@ -80,7 +80,7 @@ def test_disabled_prints_nothing():
         progress.update(1, step_metrics(1))
         progress.update(2, step_metrics(2))
     assert out.file.getvalue() == ""
-    assert progress.averages["kl"].value == pytest.approx(0.01)
+    assert progress.averages["policy/kl"].value == pytest.approx(0.01)
 
 
 def test_missing_step_seconds_fall_back_to_wall_time():
