@@ -61,3 +61,18 @@ def test_math_grpo_example_runs_from_the_command_line(tmp_path):
     for name in ("metrics.jsonl", "plan.txt", "config.yaml", "plots/reward.png", "tensorboard"):
         assert (run_dir / name).exists(), name
     assert list(run_dir.glob("step-*"))
+
+
+@pytest.mark.slow
+def test_math_grpo_example_raises_held_out_accuracy(tmp_path, monkeypatch):
+    """The example as shipped (warm start to 30%), 100 of its 400 RL steps: greedy held-out accuracy rises."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch kernels, as `rlgraph train` runs on CPU (interpreted Triton: 10x slower)
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import train
+
+    config = load_config(ROOT / "examples/math_grpo/config.yaml",
+                         [f"run_dir={tmp_path / 'math'}", "train.steps=100", "eval.every=0", "logging.progress=false",
+                          "logging.plots=false", "logging.tensorboard=false"])
+    result = train(config)
+    assert result.eval_before >= 0.25                       # the warm start reached its target
+    assert result.eval_after >= result.eval_before + 0.08   # measured: 0.33 -> 0.505 at step 100
