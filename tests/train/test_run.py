@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,11 @@ def assert_same_run(a: Path, b: Path) -> None:
         assert torch.equal(wa[name], wb[name]), name
 
 
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    """A copy of a finished run to damage or resume differently."""
+    return Path(shutil.copytree(run_dir, tmp_path / "copy"))
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("full")
@@ -138,8 +144,7 @@ def test_kill_at_a_random_step_and_resume_gives_the_same_run(full_run, tmp_path)
 
 def test_a_truncated_checkpoint_is_refused(full_run, tmp_path):
     run_dir, _, _ = full_run
-    copy = tmp_path / "copy"
-    __import__("shutil").copytree(run_dir, copy)
+    copy = copy_run(run_dir, tmp_path)
     weights = latest_checkpoint(copy) / "policy.safetensors"
     weights.write_bytes(weights.read_bytes()[: 100])
     config = load_run_config(copy, ["train.steps=5"])
@@ -149,8 +154,7 @@ def test_a_truncated_checkpoint_is_refused(full_run, tmp_path):
 
 def test_a_checkpoint_of_another_run_is_refused(full_run, tmp_path):
     run_dir, _, _ = full_run
-    copy = tmp_path / "copy"
-    __import__("shutil").copytree(run_dir, copy)
+    copy = copy_run(run_dir, tmp_path)
     other = load_run_config(copy, ["train.steps=5", "algorithm.name=rloo"])
     with pytest.raises(CheckpointMismatch, match="algorithm: checkpoint 'grpo', this run 'rloo'"):
         train(other, resume=True)
@@ -158,8 +162,7 @@ def test_a_checkpoint_of_another_run_is_refused(full_run, tmp_path):
 
 def test_a_checkpoint_of_another_model_shape_is_refused(full_run, tmp_path):
     run_dir, _, _ = full_run
-    copy = tmp_path / "copy"
-    __import__("shutil").copytree(run_dir, copy)
+    copy = copy_run(run_dir, tmp_path)
     model_dir = tmp_path / "wide"
     model_dir.mkdir()
     tiny = json.loads((ROOT / "rlgraph/assets/tiny_qwen2.json").read_text())
