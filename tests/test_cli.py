@@ -89,7 +89,7 @@ def test_plan_offloads_only_around_generation_and_update(capsys):
     code, out, _ = run(capsys, "plan", "ppo", "--mesh", "4x8:h100", "--placement", "colocated:tp=8", "--model", "llama3-70b")
     assert code == 0 and "policy    ranks 0-31   train: fsdp2 shard=32 ckpt; generate: vllm tp=8 dp=4" in out
     assert [line for line in out.splitlines() if "optimizer+grads" in line] == [
-        "  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [18] onload     @policy    optimizer+grads 28.75 GiB"]
+        "  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [17] onload     @policy    optimizer+grads 28.75 GiB"]
 
 
 def _peak_per_rank(out: str) -> float:

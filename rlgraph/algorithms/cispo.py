@@ -10,6 +10,7 @@ sets no lower bound: the default `clip_low=1.0` clamps rho at 0, i.e. never.
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
@@ -21,9 +22,9 @@ def cispo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=1.0, clip_high=
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.group_normalize(r, ro.group)[:, None]                      # [N, 1]
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         value, clip_frac, approx_kl = F.cispo(lp, ro.logprobs, adv, ro.mask, clip_low=clip_low, clip_high=clip_high)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {"reward": r.mean()}
+    return state.replace(policy=policy), rollout_metrics(r, ro)

@@ -16,6 +16,7 @@ from torch import Tensor
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 from rlgraph.ir.ops import traceable
 
 
@@ -40,10 +41,10 @@ def dapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0
     shaped = r + overlong_coef * overlong_penalty(ro.mask, max_length=max_new_tokens, buffer=overlong_buffer)  # [N]
     adv = F.group_normalize(shaped, ro.group)[:, None]                 # [N, 1]
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip_low,
                                                  clip_high=clip_high, agg=F.token_mean)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {"reward": r.mean(), "shaped_reward": shaped.mean()}
+    return state.replace(policy=policy), {**rollout_metrics(r, ro), "shaped_reward": shaped.mean()}

@@ -10,6 +10,7 @@ normaliser in place of each response's length.
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
@@ -21,10 +22,10 @@ def dr_grpo(state: rg.State, prompts: rg.Prompts, *, n=8, clip=0.2, clip_high=No
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.group_normalize(r, ro.group, scale=False)[:, None]         # [N, 1]
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip, clip_high=clip_high,
                                                  agg=F.seq_mean_token_sum_norm)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {"reward": r.mean()}
+    return state.replace(policy=policy), rollout_metrics(r, ro)

@@ -12,12 +12,16 @@ the trainer's (bf16 vLLM vs fp32 FSDP): the old log-probs are recomputed on the 
 token's loss is weighted by min(exp(old_lp - ro.logprobs), tis_cap), and the metrics
 `logprob_mismatch/mean` and `logprob_mismatch/max` report |old_lp - ro.logprobs| every step
 (`rlgraph.algorithms.correction`).
+
+Metrics: `rlgraph.algorithms.metrics` (reward, reward/std, response_length/*; policy/logprob_diff,
+policy/entropy, policy/kl with kl > 0), plus the loss's own (policy/clip_frac, policy/approx_kl).
 """
 
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
 from rlgraph.algorithms.correction import check_tis_cap, rollout_correction
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
@@ -36,12 +40,13 @@ def grpo(state: rg.State, prompts: rg.Prompts, *, n=8, estimator="group_normaliz
     correction = rollout_correction(state, ro, cap=tis_cap, temperature=temperature) if tis_cap is not None else None
     old_lp = ro.logprobs if correction is None else correction.old_logprobs  # [N, T] sampler's, or trainer's
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         weighted = adv if correction is None else adv * correction.weights  # [N, 1] or [N, T]: w_t * loss_t
         surrogate, *metrics = policy_loss(lp, old_lp, weighted, ro.mask, **clipping)
-        total = surrogate + kl * F.token_mean(F.kl_k3(lp, ref), ro.mask) if kl else surrogate  # []
-        return total, dict(zip(policy_loss.metrics, metrics))
+        kl_term = F.token_mean(F.kl_k3(lp, ref), ro.mask) if kl else None  # []
+        total = surrogate + kl * kl_term if kl else surrogate           # []
+        return total, {**dict(zip(policy_loss.metrics, metrics)), **loss_metrics(lp, ro, entropy, kl=kl_term)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    metrics = {"reward": r.mean(), **(correction.metrics if correction is not None else {})}
+    metrics = {**rollout_metrics(r, ro), **(correction.metrics if correction is not None else {})}
     return state.replace(policy=policy), metrics

@@ -19,6 +19,7 @@ import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
 from rlgraph.algorithms.correction import check_tis_cap, rollout_correction
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 
@@ -32,14 +33,15 @@ def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, 
     tis_cap = check_tis_cap(tis_cap, "ppo")                            # None: no rollout correction
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
-    metrics = {"reward": r.mean()}
+    metrics = {}                                                       # the KL's and the correction's
     correction = rollout_correction(state, ro, cap=tis_cap, temperature=temperature) if tis_cap is not None else None
     old_lp = None if correction is None else correction.old_logprobs  # [N, T]; None: the sampler's ro.logprobs
     if correction is not None:
         metrics.update(correction.metrics)
     if kl_target is None:                                              # fixed beta (0: no reference pass)
-        token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature,
-                                                   old_lp=old_lp)    # [N, T]
+        token_rewards, kl_metrics = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature,
+                                                               old_lp=old_lp)  # [N, T]
+        metrics.update(kl_metrics)
     else:                                                              # adaptive beta, carried in the state
         beta = state.carry("kl_coef", init=kl)                         # []
         old = ro.logprobs if old_lp is None else old_lp                # [N, T]
@@ -51,10 +53,10 @@ def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, 
     adv, returns = F.gae(token_rewards, old_values, ro.mask, gamma=gamma, lam=lam)  # [N, T], [N, T]
     adv = F.masked_whiten(adv, ro.mask)                                # [N, T]
 
-    def policy_loss(lp):                                               # lp: [N, T], with gradients
+    def policy_loss(lp, entropy):                                      # lp, entropy: [N, T], with gradients
         old, weighted = (ro.logprobs, adv) if correction is None else (old_lp, adv * correction.weights)  # w_t * loss_t
         value, clip_frac, approx_kl = F.ppo_clip(lp, old, weighted, ro.mask, clip_low=clip)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
     def critic_loss(values):                                           # values: [N, T], with gradients
         value, clip_frac = F.value_loss(values, old_values, returns, ro.mask, clip=value_clip)
@@ -64,4 +66,5 @@ def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, 
                        micro_batch_size=micro_batch_size)
     critic = rg.update(state.critic, ro, critic_loss, epochs=epochs, minibatches=minibatches,
                        micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy, critic=critic), {**metrics, "value": F.masked_mean(old_values, ro.mask)}
+    return state.replace(policy=policy, critic=critic), {**rollout_metrics(r, ro), **metrics,
+                                                         "value": F.masked_mean(old_values, ro.mask)}

@@ -16,6 +16,7 @@ the group mean is subtracted before whitening and the KL moves to the loss as k3
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 
@@ -26,15 +27,15 @@ def reinforce_pp(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, kl=0.0,
                   micro_batch_size=micro_batch_size)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
-    token_rewards = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
+    token_rewards, kl_metrics = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
     adv = F.reinforce_pp(token_rewards, ro.mask, gamma=gamma)          # [N, T]
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {"reward": r.mean()}
+    return state.replace(policy=policy), {**rollout_metrics(r, ro), **kl_metrics}
 
 
 @rg.algorithm
@@ -47,11 +48,11 @@ def reinforce_pp_baseline(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2
     adv = F.reinforce_pp_baseline(r, ro.group, ro.mask)[:, None]       # [N, 1]
     ref = rg.logprobs(state.ref, ro, temperature=temperature) if kl else None  # [N, T]
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)
-        if kl:
-            value = value + kl * F.token_mean(F.kl_k3(lp, ref), ro.mask)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        kl_term = F.token_mean(F.kl_k3(lp, ref), ro.mask) if kl else None  # []
+        total = value + kl * kl_term if kl else value                   # []
+        return total, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy, kl=kl_term)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {"reward": r.mean()}
+    return state.replace(policy=policy), rollout_metrics(r, ro)

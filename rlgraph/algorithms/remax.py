@@ -10,6 +10,7 @@ The baseline costs one extra greedy generation per prompt (B rows, against N = B
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
@@ -23,9 +24,9 @@ def remax(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, temperature=1.
     greedy_r = rg.score(state.reward, greedy)                          # [B]
     adv = F.remax(r, greedy_r[ro.group])[:, None]                      # [N, 1]: each sample gets its prompt's baseline
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {"reward": r.mean(), "greedy_reward": greedy_r.mean()}
+    return state.replace(policy=policy), {**rollout_metrics(r, ro), "greedy_reward": greedy_r.mean()}

@@ -9,6 +9,7 @@ As verl's `rloo` estimator: the advantage replaces GRPO's, the PPO-clip loss sta
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
+from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
@@ -20,9 +21,9 @@ def rloo(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2, temperature=1.0
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.rloo(r, ro.group)[:, None]                                 # [N, 1]
 
-    def loss(lp):                                                      # lp: [N, T], with gradients
+    def loss(lp, entropy):                                             # lp, entropy: [N, T], with gradients
         value, clip_frac, approx_kl = F.ppo_clip(lp, ro.logprobs, adv, ro.mask, clip_low=clip)
-        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl}
+        return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {"reward": r.mean()}
+    return state.replace(policy=policy), rollout_metrics(r, ro)

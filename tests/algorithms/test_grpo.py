@@ -53,7 +53,7 @@ def test_the_loss_hyper_parameter_changes_the_printed_loss():
     assert "= gpg_loss lp f e g" in str(grpo.trace(loss="gpg_loss"))     # takes no clip range: none passed
     assert "gspo[clip_low=0.0003 clip_high=0.0004]" in str(grpo.trace(loss="gspo", clip=3e-4, clip_high=4e-4))
     policy_loss = str(grpo.trace(loss="policy_loss"))
-    assert "stats{loss,grad_norm,clip_frac,approx_kl,entropy,kl}" in policy_loss
+    assert "stats{loss,grad_norm,clip_frac,approx_kl,entropy,kl,logprob_diff}" in policy_loss
     assert "kernels: fused_policy_loss (in loss)" in rg.compile(grpo, mesh="gpu:8", loss="policy_loss").as_text()
 
 

@@ -11,13 +11,16 @@ GRPO = """\
       e:f32[N,1] = getitem[index=(:, None)] d
       f:f32[N,T] = a.logprobs
       g:bool[N,T] = a.mask
-      h:policy@v+1 i:stats{loss,grad_norm,clip_frac,approx_kl} = update[epochs=1 minibatches=1 micro_batch_size=None grad_clip=1.0 temperature=1.0 shuffle=False on_nonfinite='raise'] policy a f e g
+      h:policy@v+1 i:stats{loss,grad_norm,clip_frac,approx_kl,logprob_diff,entropy} = update[epochs=1 minibatches=1 micro_batch_size=None grad_clip=1.0 temperature=1.0 shuffle=False on_nonfinite='raise'] policy a f e g
       loss =
-        { lambda lp:f32[N,T] ; f:f32[N,T] e:f32[N,1] g:bool[N,T] .
+        { lambda lp:f32[N,T] entropy:f32[N,T] ; f:f32[N,T] e:f32[N,1] g:bool[N,T] .
           let j:f32[] k:f32[] l:f32[] = ppo_clip[clip_low=0.2 clip_high=0.2] lp f e g
-          in (j, {clip_frac=k, approx_kl=l}) }
-      m:f32[] = mean b
-  in (state{policy=h}, {reward=m, policy=i}) }"""
+              m:f32[] = logprob_diff lp f g
+              n:f32[] = token_mean entropy g
+              o:f32[] = detach n
+          in (j, {clip_frac=k, approx_kl=l, logprob_diff=m, entropy=o}) }
+      p:f32[] q:f32[] r:f32[] s:f32[] t:f32[] = rollout_stats b g
+  in (state{policy=h}, {reward=p, reward/std=q, response_length/mean=r, response_length/max=s, response_length/clip_frac=t, policy=i}) }"""
 
 
 def test_grpo_prints_like_a_jaxpr():

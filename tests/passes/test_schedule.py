@@ -62,9 +62,9 @@ def test_ppo_70b_moves_optimizer_state_once_each_way_per_iteration():
     compiled = rg.compile(ppo, mesh="4x8:h100", placement=rg.colocated(tp=8), models={"policy": "llama3-70b"},
                           sizes={"B": 32, "P": 64, "T": 256, "n": 1})
     lines = [line for line in compiled.as_text().splitlines() if "optimizer+grads" in line]
-    assert lines == ["  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [18] onload     @policy    optimizer+grads 28.75 GiB"]
+    assert lines == ["  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [17] onload     @policy    optimizer+grads 28.75 GiB"]
     assert "[3] generate   @policy    generate=generate" in compiled.as_text()
-    assert "[19] train      @policy    update=update" in compiled.as_text()
+    assert "[18] train      @policy    update=update" in compiled.as_text()
 
 
 def steps_text(compiled) -> str:
@@ -85,14 +85,14 @@ def test_grpo_colocated_steps():
   [2] generate   @policy    generate=generate
           256 samples (32 prompts x n=8), <= 5 new tokens; 2 replica(s) x tp=1, 128 sequences each | ~8.64e+08 FLOP
   [3] gather     generate:Rollouts[N,T]  policy -> controller  36.2 KiB
-  [4] reward     @controller score=score
+  [4] reward     @controller mask_1=.mask  score=score
   [5] fields     @policy    group=.group
   [6] scatter    score:f32[N]  controller -> policy  1.0 KiB
   [7] math       @policy    group_normalize=group_normalize  getitem=getitem
           kernels: fused_group_normalize
   [8] train      @policy    logprobs=.logprobs  mask=.mask  update=update
           loss loss: 1 epoch(s) x 1 minibatch(es) x 1 micro-batch(es) of 128 rows/rank; grad clip 1.0 | kernels: fused_ppo_clip (in loss) | ~2.59e+09 FLOP
-  [9] controller @controller mean=mean
+  [9] controller @controller rollout_stats=rollout_stats
 """
 
 
@@ -105,7 +105,7 @@ def test_grpo_split_steps():
   [2] generate   @rollout   generate=generate
           256 samples (32 prompts x n=8), <= 5 new tokens; 1 replica(s) x tp=1, 256 sequences each | ~8.64e+08 FLOP
   [3] gather     generate:Rollouts[N,T]  rollout -> controller  36.2 KiB
-  [4] reward     @controller score=score
+  [4] reward     @controller mask_2=.mask  score=score
   [5] fields     @rollout   group=.group
   [6] scatter    score:f32[N]  controller -> rollout  1.0 KiB
   [7] math       @rollout   group_normalize=group_normalize  getitem=getitem
@@ -115,7 +115,7 @@ def test_grpo_split_steps():
   [10] send_recv  getitem:f32[N,1]  rollout -> policy  1.0 KiB
   [11] train      @policy    update=update
           loss loss: 1 epoch(s) x 1 minibatch(es) x 1 micro-batch(es) of 256 rows/rank; grad clip 1.0 | kernels: fused_ppo_clip (in loss) | ~2.59e+09 FLOP
-  [12] controller @controller mean=mean
+  [12] controller @controller rollout_stats=rollout_stats
 """
 
 
