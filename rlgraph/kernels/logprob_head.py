@@ -123,6 +123,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 entropy[rows] = -(torch.exp(logp) * logp).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        ctx.set_materialize_grads(False)  # an entropy only logged (detached) reaches backward as None, not zeros
         return lp, entropy
 
     @staticmethod
@@ -267,6 +268,7 @@ class _TritonTokenLogprobs(torch.autograd.Function):
                 1.0 / temperature, WITH_ENTROPY=with_entropy, **blocks)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.with_entropy, ctx.chunk = temperature, with_entropy, chunk
+        ctx.set_materialize_grads(False)  # an entropy only logged (detached) reaches backward as None, not zeros
         return lp, entropy
 
     @staticmethod
