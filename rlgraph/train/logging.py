@@ -261,10 +261,14 @@ class WandbSink:
     def __init__(self, options: Mapping[str, Any], run_dir: str | Path | None = None):
         options = _check_options(options, _WANDB_OPTIONS, "wandb")
         self.wandb = _import_extra("wandb", "wandb")
-        self.run = self.wandb.init(dir=str(run_dir) if run_dir is not None else None, **options)
+        try:
+            self.run = self.wandb.init(dir=str(run_dir) if run_dir is not None else None, **options)
+        except Exception as exc:  # no login, no network, a bad entity: say so before any step runs
+            raise ConfigError(f"logging.wandb: W&B could not start a run: {type(exc).__name__}: {exc}",
+                              fix="run `wandb login`, or set logging.wandb.mode: offline (sync later with `wandb sync`)") from None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.run.log(check_metrics(step, metrics), step=step)
+        self.run.log(check_metrics(step, metrics), step=step, commit=True)  # shown now, not when the next step comes
 
     def close(self) -> None:
         self.run.finish()
@@ -277,11 +281,18 @@ class MlflowSink:
     def __init__(self, options: Mapping[str, Any]):
         options = _check_options(options, _MLFLOW_OPTIONS, "mlflow")
         self.mlflow = _import_extra("mlflow", "mlflow")
-        if options.get("tracking_uri"):
-            self.mlflow.set_tracking_uri(options["tracking_uri"])
-        if options.get("experiment"):
-            self.mlflow.set_experiment(options["experiment"])
-        self.run = self.mlflow.start_run(run_name=options.get("run_name"), tags=options.get("tags"))
+        try:
+            if options.get("tracking_uri"):
+                self.mlflow.set_tracking_uri(options["tracking_uri"])
+            if options.get("experiment"):
+                self.mlflow.set_experiment(options["experiment"])
+            self.run = self.mlflow.start_run(run_name=options.get("run_name"), tags=options.get("tags"))
+        except Exception as exc:  # an unreachable server, a refused store: say so before any step runs
+            uri = options.get("tracking_uri") or "the default (./mlruns or MLFLOW_TRACKING_URI)"
+            raise ConfigError(f"logging.mlflow: MLflow could not start a run at tracking_uri {uri}: "
+                              f"{type(exc).__name__}: {str(exc)[:400]}",
+                              fix="check the server is up, or use a database store such as sqlite:///mlflow.db; "
+                                  "MLflow 3 refuses a plain directory unless MLFLOW_ALLOW_FILE_STORE=true") from None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         finite = {k: v for k, v in check_metrics(step, metrics).items() if math.isfinite(v)}

@@ -237,7 +237,7 @@ def test_wandb_sink_passes_options_steps_and_closes(monkeypatch, tmp_path):
     sink.log(3, {"reward": torch.tensor(0.5)})
     sink.close()
     assert calls == [("init", (), {"dir": str(tmp_path), "project": "p", "name": "run-1", "mode": "offline"}),
-                     ("run.log", ({"reward": 0.5},), {"step": 3}), ("run.finish", (), {})]
+                     ("run.log", ({"reward": 0.5},), {"step": 3, "commit": True}), ("run.finish", (), {})]
 
 
 def test_mlflow_sink_sets_uri_experiment_and_drops_non_finite(monkeypatch):
@@ -327,3 +327,39 @@ def test_logger_fans_out_checked_floats_and_closes_every_sink():
     assert first.closed and second.closed  # the second is closed although the first failed
     with pytest.raises(MetricsError, match="logged after the MetricLogger was closed"):
         logger.log(3, {})
+
+
+# -- the real packages (installed by `make`; skipped where an install left the extras out) ---------
+def test_wandb_offline_run_receives_the_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="pip install 'rlgraph[wandb]'")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    sink = WandbSink({"project": "rlgraph-test", "mode": "offline", "name": "t"}, tmp_path)
+    for step in (1, 2, 3):
+        sink.log(step, {"reward": step / 10, "kl": math.nan if step == 2 else 0.01})
+    assert sink.run.summary["reward"] == pytest.approx(0.3) and sink.run.summary["kl"] == pytest.approx(0.01)
+    sink.close()
+    records = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))  # what `wandb sync` uploads later
+    assert len(records) == 1 and records[0].stat().st_size > 0
+
+
+def test_mlflow_run_receives_the_metrics_without_non_finite_values(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow", reason="pip install 'rlgraph[mlflow]'")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    sink = MlflowSink({"tracking_uri": uri, "experiment": "e", "run_name": "r"})
+    for step in (1, 2, 3):
+        sink.log(step, {"reward": step / 10, "kl": math.nan if step == 2 else 0.01})
+    sink.close()
+    client = mlflow.tracking.MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name("e").experiment_id])[0]
+    assert run.info.run_name == "r"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "kl")] == [1, 3]
+
+
+def test_mlflow_store_that_refuses_is_a_config_error(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="pip install 'rlgraph[mlflow]'")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
+    with pytest.raises(ConfigError, match=r"logging.mlflow: MLflow could not start a run at tracking_uri file:"):
+        MlflowSink({"tracking_uri": (tmp_path / "mlruns").as_uri(), "experiment": "e"})
