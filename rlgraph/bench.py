@@ -121,7 +121,7 @@ class RlgraphSide:
         self.tokenizer = load_tokenizer(model_dir)
         model = build_causal_lm(model_dir, tokenizer=self.tokenizer)
         reference = copy.deepcopy(model).requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
         self.executor = LocalExecutor({"policy": LMWorker(model, optimizer), "ref": LMWorker(reference)},
                                       {"reward": RewardWorker(exact_match)}, self.tokenizer,
                                       max_new_tokens=config.max_new_tokens, seed=config.seed)
@@ -188,6 +188,7 @@ def make_trl_trainer(config: BenchConfig, model_dir: Path, problems: Sequence[ar
             loss_type="bnpo", epsilon=0.2, learning_rate=config.lr, lr_scheduler_type="constant", weight_decay=0.0,
             max_grad_norm=1.0, bf16=False, gradient_checkpointing=False, dataloader_num_workers=0,
             use_bias_correction_kl=False,  # TRL's default weights the KL term by the ratio (on-policy: its gradient)
+            optim="adamw_torch_fused",     # the same fused AdamW kernel as rlgraph's side
         )
         trainer = GRPOTrainer(model=str(model_dir), reward_funcs=exact_match, args=args, train_dataset=dataset,
                               processing_class=load_tokenizer(model_dir), callbacks=list(callbacks))

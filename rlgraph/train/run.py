@@ -219,12 +219,14 @@ def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
 
 
 def _optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """Over the parameters that train (LoRA: the adapters only)."""
+    """Over the parameters that train (LoRA: the adapters only). AdamW is the fused kernel (one
+    call for every tensor; what the memory model assumes) where torch has it for the parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = config.optimizer
     if opt.name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=opt.weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=opt.betas, weight_decay=opt.weight_decay)
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params) or None
+    return torch.optim.AdamW(params, lr=lr, betas=opt.betas, weight_decay=opt.weight_decay, fused=fused)
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:
