@@ -31,7 +31,7 @@ from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalE
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout, to_demonstrations, to_prompts
 from rlgraph.data.sampler import Sampler
-from rlgraph.ir.errors import ConfigError
+from rlgraph.ir.errors import ConfigError, RLGraphError
 from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
@@ -73,6 +73,7 @@ def prepare(config: TrainConfig) -> Setup:
     import_modules(config.imports)
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
+    _check_model_path(config)
     tokenizer = _tokenizer(config)
     data = config.data
     options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=data.extra_fields,
@@ -94,7 +95,7 @@ def prepare(config: TrainConfig) -> Setup:
                           f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
                           fix="add prompts or lower rollout.prompts_per_step")
     rewards = build_rewards(config)
-    device = resolve_device(config.runtime.device)
+    device = _device(config)
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows))
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
@@ -116,6 +117,32 @@ def build_rewards(config: TrainConfig) -> RewardPipeline:
                               fix=f"add them to data.extra_fields, e.g. extra_fields: [{', '.join(missing)}]")
         terms.append(RewardTerm(reward.name, fn, reward.weight))
     return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s)
+
+
+def _device(config: TrainConfig) -> str:
+    try:
+        return resolve_device(config.runtime.device)
+    except (ValueError, RLGraphError) as error:
+        raise ConfigError(f"runtime.device {config.runtime.device!r}: {str(error).split('; use ')[0]}",
+                          fix="set runtime.device: cpu, or auto (cuda when a GPU is present)") from None
+
+
+def _check_model_path(config: TrainConfig) -> None:
+    """`model.path` is a directory with a config.json (weights optional), a config.json file, or a
+    preset name (`rlgraph plan` presets: a plan and its memory without weights)."""
+    from rlgraph.plan.presets import preset_names
+
+    path = config.model.path
+    if path is None or path in preset_names():
+        return
+    source = Path(path)
+    if not source.exists():
+        raise ConfigError(f"model.path {path!r} does not exist",
+                          fix="point it at a Hugging Face model directory (config.json and safetensors weights), "
+                              "or leave it null for the shipped tiny Qwen2")
+    if source.is_dir() and not (source / "config.json").is_file():
+        raise ConfigError(f"model.path {path!r} is a directory without a config.json",
+                          fix="point it at a directory written by model.save_pretrained(...)")
 
 
 def _tokenizer(config: TrainConfig) -> Any:

@@ -252,3 +252,28 @@ def test_a_bad_placement_names_the_key(tmp_path, placement, expected):
     config, _ = make_config(tmp_path, "bad", [f"runtime.placement={placement}"])
     with pytest.raises(RLGraphError, match=expected):
         prepare(config)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.path=/nonexistent/model", r"model.path '/nonexistent/model' does not exist"),
+    ("model.path={tmp}", r"model.path '.*' is a directory without a config.json"),
+    ("rewards=[{name: math}, {name: format_regex, options: {pattern: '(a'}}]",
+     r"rewards\[1\] \(format_regex\): format_regex: pattern '\(a' is not a valid regular expression"),
+    ("rewards=[{name: exact_mach}]", r"rewards\[0\] \(exact_mach\): unknown reward 'exact_mach'; did you mean 'exact_match'"),
+    ("rewards=[{name: no_such_module:fn}]", r"rewards\[0\] \(no_such_module:fn\): 'no_such_module:fn': cannot import"),
+])
+def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected):
+    from rlgraph.train.run import prepare
+
+    config, _ = make_config(tmp_path, "bad", [override.replace("{tmp}", str(tmp_path))])
+    with pytest.raises(ConfigError, match=expected):
+        prepare(config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_without_a_gpu_names_runtime_device(tmp_path):
+    from rlgraph.train.run import prepare
+
+    config, _ = make_config(tmp_path, "bad", ["runtime.device=cuda"])
+    with pytest.raises(ConfigError, match=r"runtime.device 'cuda': .*no CUDA GPU(.|\n)*fix: set runtime.device: cpu"):
+        prepare(config)
