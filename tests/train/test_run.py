@@ -277,3 +277,26 @@ def test_cuda_without_a_gpu_names_runtime_device(tmp_path):
     config, _ = make_config(tmp_path, "bad", ["runtime.device=cuda"])
     with pytest.raises(ConfigError, match=r"runtime.device 'cuda': .*no CUDA GPU(.|\n)*fix: set runtime.device: cpu"):
         prepare(config)
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    """The training steps' metrics (evaluations left out)."""
+    return [{k: v for k, v in row.items() if not k.startswith("eval/")} for row in metrics_of(run_dir) if "reward" in row]
+
+
+def test_evaluating_more_often_does_not_change_the_training_samples(full_run, tmp_path):
+    run_dir, _, _ = full_run  # eval.every=2
+    config, _ = make_config(tmp_path, "often", ["eval.every=1"])
+    train(config)
+    assert train_rows(tmp_path / "often") == train_rows(run_dir)
+
+
+@pytest.mark.slow
+def test_a_spmd_run_matches_the_local_run(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    config, _ = make_config(tmp_path, "spmd", ["runtime.runtime=spmd", "runtime.nproc=2"])
+    train(config)
+    for spmd, local in zip(train_rows(tmp_path / "spmd"), train_rows(run_dir), strict=True):
+        assert spmd.keys() == local.keys()
+        for key in spmd:
+            assert spmd[key] == pytest.approx(local[key], rel=1e-4, abs=1e-5), key

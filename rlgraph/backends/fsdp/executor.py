@@ -93,7 +93,7 @@ class FSDPExecutor(LocalExecutor):
             return super().generate(model, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
         engine.wake_up()  # a plan without offload steps never put it to sleep; one with them woke it already
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
-        return engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance(), model=model)
+        return engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance(temperature), model=model)
 
     def _engine(self, model: ModelRef) -> torch.nn.Module:
         if model.role not in self.engines:

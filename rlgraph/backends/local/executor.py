@@ -135,7 +135,7 @@ class LocalExecutor:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
         with self._autocast():
             rollouts = engine.generate(to_device(prompts, self.device), n, params, seed=self.sampling.seed,
-                                       call=self.sampling.advance())
+                                       call=self.sampling.advance(temperature))
         # Static T: every rank's rollouts have the same shape, whatever its responses' lengths, so
         # shards concatenate and move between ranks without re-padding, and horizon-normalised
         # losses see the same T on one rank or many.

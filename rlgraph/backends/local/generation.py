@@ -216,8 +216,13 @@ class SamplingStream:
     seed: int
     calls: int = 0
 
-    def advance(self) -> int:
-        """The call number for this generate call; the next call gets the one after."""
+    def advance(self, temperature: float = 1.0) -> int:
+        """The call number for this generate call; the next call gets the one after. Greedy calls
+        (temperature 0) draw nothing and leave the stream where it is, so evaluations never shift
+        the samples of the training steps after them (a run with `eval.every: 10` samples what
+        one with `eval.every: 50` samples, and a controller that evaluates samples like workers that do not)."""
+        if temperature == 0:
+            return self.calls
         self.calls += 1
         return self.calls - 1
 
