@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", parents=[common], help="write a run's policy as a Hugging Face directory")
     export.add_argument("run_dir")
     export.add_argument("out")
-    export.add_argument("--checkpoint", help="a step-* directory of the run (default: the latest)")
+    export.add_argument("--checkpoint", help="a step number or step-* directory of the run (default: the latest)")
     export.add_argument("--adapter", action="store_true", help="LoRA runs: write the peft adapter, not merged weights")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
@@ -244,7 +244,7 @@ def _train(args) -> int:
                     raise ConfigError(f"--resume {args.resume}: {args.config} has another {section} section than the run",
                                       fix="resume without a config (the run's own config.yaml is used), or start a new run")
     elif args.config is None:
-        raise ConfigError("rlgraph train needs a CONFIG file or --resume RUN_DIR", fix="rlgraph train examples/math_grpo.yaml")
+        raise ConfigError("rlgraph train needs a CONFIG file or --resume RUN_DIR", fix="rlgraph train examples/math_grpo/config.yaml, or rlgraph train --resume runs/math_grpo")
     else:
         config = load_config(args.config, args.override)
     if args.dry_run:

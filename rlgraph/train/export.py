@@ -28,9 +28,11 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
 
     run_dir, out = Path(run_dir), Path(out)
     config = load_run_config(run_dir)
-    path = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
-    if path is None:
-        raise ConfigError(f"{run_dir} has no checkpoint to export", fix="train the run for at least one step first")
+    path = _checkpoint_of(run_dir, checkpoint)
+    resolved = out.resolve()
+    if resolved == run_dir.resolve() or resolved in run_dir.resolve().parents:
+        raise ConfigError(f"export target {out} is the run directory {run_dir} or holds it; exporting there would "
+                          "replace the run", fix=f"choose a directory outside it, e.g. {run_dir}-hf")
     if out.exists() and not overwrite:
         raise ConfigError(f"export target {out} already exists", fix="choose a new directory or pass --overwrite")
     if adapter and config.model.lora is None:
@@ -79,3 +81,21 @@ def _load(model, weights: dict, path: Path, *, strict: bool) -> None:
         raise CheckpointMismatch(f"checkpoint {path} does not fit the run's model (unknown {unknown[:3]}, missing "
                                  f"{missing[:3]}, other shapes {bad[:3]}): was the model directory changed?")
     model.load_state_dict(weights, strict=False)
+
+
+def _checkpoint_of(run_dir: Path, checkpoint: str | Path | None) -> Path:
+    """The checkpoint `checkpoint` names: None (the latest), a step number, a step-* name of the run,
+    or a path; a ConfigError listing the run's checkpoints when there is no such one."""
+    if checkpoint is None:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise ConfigError(f"{run_dir} has no checkpoint to export", fix="train the run for at least one step first")
+        return path
+    text = str(checkpoint)
+    candidates = [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    have = sorted(p.name for p in run_dir.glob("step-*") if p.is_dir())
+    raise ConfigError(f"--checkpoint {text!r}: no such checkpoint in {run_dir}",
+                      fix=f"one of {', '.join(have)} (or its step number)" if have else "the run has no checkpoints yet")

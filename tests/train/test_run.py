@@ -300,3 +300,17 @@ def test_a_spmd_run_matches_the_local_run(full_run, tmp_path):
         assert spmd.keys() == local.keys()
         for key in spmd:
             assert spmd[key] == pytest.approx(local[key], rel=1e-4, abs=1e-5), key
+
+
+def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, tmp_path):
+    from rlgraph.train.export import export_run
+
+    run_dir, _, _ = full_run  # checkpoints step-000003 and step-000004 (keep_last=2)
+    out = export_run(run_dir, tmp_path / "at3", checkpoint="3")
+    assert load_file(str(out / "model.safetensors")).keys()
+    with pytest.raises(ConfigError, match=r"--checkpoint '1': no such checkpoint(.|\n)*one of step-000003, step-000004"):
+        export_run(run_dir, tmp_path / "at1", checkpoint="1")
+    for target in (run_dir, run_dir.parent):
+        with pytest.raises(ConfigError, match="would replace the run"):
+            export_run(run_dir, target, overwrite=True)
+    assert (run_dir / "config.yaml").is_file()
