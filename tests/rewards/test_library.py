@@ -268,3 +268,19 @@ def test_pipeline_pickles_for_worker_processes():
                                RewardTerm("code", build_reward("code", timeout_s=1))], on_error="zero", timeout_s=5)
     clone = pickle.loads(pickle.dumps(pipeline))
     assert clone(["12"], answer=["12"], tests=["assert True"]) == pytest.approx([2.2])
+
+
+junk = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5), st.booleans(), st.none(),
+                 st.text(max_size=3))
+
+
+@given(st.lists(junk, min_size=1, max_size=8))
+def test_zero_policy_always_returns_finite_scores_and_counts_every_bad_one(values):
+    pipeline = RewardPipeline([RewardTerm("junk", lambda c, **_: values, 2.0)], on_error="zero")
+    scores = pipeline(["x"] * len(values))
+    assert len(scores) == len(values) and all(math.isfinite(s) for s in scores)
+    bad = [i for i, v in enumerate(values)
+           if isinstance(v, (str, type(None))) or (isinstance(v, float) and not math.isfinite(v))]
+    assert pipeline.pop_metrics()["reward/errors"] == len(bad)
+    for i, value in enumerate(values):
+        assert scores[i] == (0.0 if i in bad else 2.0 * float(value))
