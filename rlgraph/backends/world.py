@@ -9,10 +9,18 @@ places on its rank; the controller keeps the reward functions (`world.controller
 carries a state dict (e.g. a warm-started policy) so every rank starts from the same parameters;
 `source` is anything `build_causal_lm` takes (None: the shipped tiny Qwen2, a config, or a local
 Hugging Face directory, loaded by each rank itself).
+
+LoRA: `RoleSpec(lora={"r": 8, ...})` (the `LoraSettings` fields) builds the model, then peft
+adapters seeded with `seed` (so every rank builds the same ones); only the adapters train. Its
+`weights` are the peft model's whole state dict (base under peft's `base_layer` names, and the
+adapters: what `of_executor` sends), or a plain model's (the base; fresh seeded adapters on top).
+`RoleSpec(base_of="policy")` is a role with no weights of its own: that role's module with its
+adapters off (a LoRA policy's KL reference); it must be placed on that role's ranks.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,9 +38,19 @@ def _one_of(choices: tuple[str, ...]):
     return check
 
 
+def _lm_only(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and instance.kind != "lm":
+        raise ValueError(f"RoleSpec.{attribute.name} is for a language model role, not a {instance.kind!r} one")
+
+
+# The optimizer hyper-parameters `of_executor` carries over (besides the learning rate).
+OPTIMIZER_OPTIONS = ("betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov", "fused")
+
+
 @attrs.frozen
 class RoleSpec:
-    """One model role. `optimizer=None` makes it frozen (a reference model)."""
+    """One model role. `optimizer=None` makes it frozen (a reference model); `optimizer_options`
+    are its other keyword arguments (`weight_decay`, `betas`, ...; default: torch's)."""
 
     source: Any = None
     weights: Mapping[str, torch.Tensor] | None = attrs.field(default=None, eq=False, repr=False)
@@ -40,26 +58,57 @@ class RoleSpec:
     optimizer: str | None = attrs.field(default=None, validator=_one_of(OPTIMIZERS))
     lr: float = 1e-4
     seed: int = 0
+    optimizer_options: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    lora: Mapping[str, Any] | None = attrs.field(default=None, validator=_lm_only, hash=False)  # the LoraSettings fields
+    base_of: str | None = attrs.field(default=None, validator=_lm_only)  # another role's module, adapters off
 
-    def build_module(self, tokenizer: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    def build_module(self, tokenizer: Any, dtype: torch.dtype = torch.float32, *, merged: bool = False) -> torch.nn.Module:
+        """The role's model (with `lora`: the peft model, only its adapters trainable); `merged=True`
+        gives a LoRA role as the plain model with its adapters merged in (what a generator serves)."""
         from rlgraph.backends.local.critic import build_critic
         from rlgraph.backends.local.models import build_causal_lm
 
-        if self.kind == "critic":
+        assert self.base_of is None, "a view of another role builds nothing of its own"
+        if self.lora is not None:
+            module = self._build_lora(tokenizer, dtype, merged)
+        elif self.kind == "critic":
             module = build_critic(self.source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
         else:
             module = build_causal_lm(self.source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
-        if self.weights is not None:
+        if self.weights is not None and self.lora is None:
             module.load_state_dict(dict(self.weights), strict=True)
         if self.optimizer is None:
             module.requires_grad_(False)
         return module
 
+    def _build_lora(self, tokenizer: Any, dtype: torch.dtype, merged: bool) -> torch.nn.Module:
+        """The base (its weights: `weights` when they are a plain model's), then seeded adapters (their
+        weights: `weights` when they are a peft model's); merged: a plain model of the merged weights."""
+        from rlgraph.backends.local.executor import _is_adapter_set
+        from rlgraph.backends.local.models import build_causal_lm
+        # The LoRA recipe lives with `rlgraph train` (peft); a worker builds exactly what the run built.
+        from rlgraph.train.lora import LoraSettings, apply_lora, merged_state_dict
+
+        module = build_causal_lm(self.source, tokenizer=tokenizer, seed=self.seed)  # fp32: the adapters train in it
+        peft_weights = self.weights is not None and _is_adapter_set(self.weights)
+        if self.weights is not None and not peft_weights:
+            module.load_state_dict(dict(self.weights), strict=True)
+        module = apply_lora(module, LoraSettings(**self.lora), seed=self.seed)
+        if peft_weights:
+            module.load_state_dict(dict(self.weights), strict=True)
+        if not merged:
+            return module.to(dtype)
+        plain = build_causal_lm(self.source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+        plain.load_state_dict(merged_state_dict(module), strict=True)
+        return plain
+
     def build_optimizer(self, parameters: Any) -> torch.optim.Optimizer | None:
+        """Over the parameters that require grad (LoRA: the adapters)."""
+        parameters = [p for p in parameters if p.requires_grad]
         if self.optimizer == "sgd":
-            return torch.optim.SGD(parameters, lr=self.lr)
+            return torch.optim.SGD(parameters, lr=self.lr, **self.optimizer_options)
         if self.optimizer == "adamw":
-            return torch.optim.AdamW(parameters, lr=self.lr)
+            return torch.optim.AdamW(parameters, lr=self.lr, **self.optimizer_options)
         return None
 
 
@@ -76,14 +125,22 @@ class WorldSpec:
     def of_executor(cls, executor: Any, rewards: Mapping[str, Callable[..., Any]], *, source: Any = None,
                     tokenizer: str | None = None, max_new_tokens: int = 16, seed: int = 0) -> WorldSpec:
         """A local executor's roles as a recipe worker processes rebuild them from: each role's
-        current weights (a CPU copy, whatever the device), its optimizer kind and learning rate
-        (a fresh optimizer state), built from `source` (a model directory or config; None: the tiny Qwen2)."""
+        current weights (a CPU copy, whatever the device), its optimizer kind, learning rate and
+        hyper-parameters (a fresh optimizer state), built from `source` (a model directory or
+        config; None: the tiny Qwen2). A LoRA role carries its settings (and its peft state dict);
+        a LoRA policy's reference view becomes `RoleSpec(base_of=...)`."""
+        lora, views = _lora_roles(executor.models)
         roles = {}
         for role, worker in executor.models.items():
+            if role in views:
+                roles[role] = RoleSpec(source=source, base_of=views[role])
+                continue
             optimizer = worker.optimizer
             kind = None if optimizer is None else ("sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw")
-            roles[role] = RoleSpec(source=source, kind=worker.kind, optimizer=kind,
-                                   lr=optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0,
+            group = optimizer.param_groups[0] if optimizer is not None else {}
+            roles[role] = RoleSpec(source=source, kind=worker.kind, optimizer=kind, lr=group.get("lr", 0.0),
+                                   optimizer_options={key: group[key] for key in OPTIMIZER_OPTIONS if key in group},
+                                   lora=lora.get(role),
                                    weights={k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()})
         return cls(roles, dict(rewards), tokenizer=tokenizer, max_new_tokens=max_new_tokens, seed=seed)
 
@@ -101,10 +158,25 @@ class WorldSpec:
         tokenizer = self.load_tokenizer()
         models = {}
         for role, spec in self.roles.items():
-            module = spec.build_module(tokenizer).to(device)  # built on the CPU: the same weights on any device
-            models[role] = LMWorker(module, spec.build_optimizer(module.parameters()), kind=spec.kind)
+            if spec.base_of is None:
+                module = spec.build_module(tokenizer).to(device)  # built on the CPU: the same weights on any device
+                models[role] = LMWorker(module, spec.build_optimizer(module.parameters()), kind=spec.kind)
+        for role, spec in self.roles.items():
+            if spec.base_of is not None:
+                from rlgraph.train.lora import reference_of
+
+                models[role] = LMWorker(reference_of(models[self.viewed(role)].model))
+        models = {role: models[role] for role in self.roles}
         return LocalExecutor(models, {name: RewardWorker(fn) for name, fn in self.rewards.items()}, tokenizer,
                              max_new_tokens=self.max_new_tokens, seed=self.seed, device=device)
+
+    def viewed(self, role: str) -> str:
+        """The role whose module `role` (a `base_of` view) runs with adapters off, checked."""
+        base = self.roles[role].base_of
+        if base not in self.roles or self.roles[base].lora is None:
+            raise ValueError(f"RoleSpec(base_of={base!r}) of role {role!r} needs a LoRA role {base!r} "
+                             f"(the roles are {', '.join(self.roles)})")
+        return base
 
     def controller(self) -> Any:
         """The controller's executor: reward functions and the tokenizer, no models."""
@@ -118,3 +190,21 @@ class WorldSpec:
         from rlgraph.backends.fsdp.executor import build_fsdp_executor
 
         return build_fsdp_executor(self, rank, plan, device)
+
+
+def _lora_roles(models: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The LoRA settings (plain data) of each LoRA role, and each adapters-off view's viewed role."""
+    if "peft" not in sys.modules:  # no LoRA model exists before peft is imported (an optional dependency)
+        return {}, {}
+    from rlgraph.train.lora import is_lora, settings_of, viewed_model
+
+    lora = {role: attrs.asdict(settings_of(worker.model)) for role, worker in models.items() if is_lora(worker.model)}
+    owners = {id(worker.model): role for role, worker in models.items()}
+    views = {}
+    for role, worker in models.items():
+        viewed = viewed_model(worker.model)
+        if viewed is not None:
+            if id(viewed) not in owners:
+                raise ValueError(f"role {role!r} is an adapters-off view of a model no role of the executor holds")
+            views[role] = owners[id(viewed)]
+    return lora, views

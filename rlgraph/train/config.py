@@ -171,9 +171,6 @@ class TrainConfig(Section):
         if self.eval.accuracy_reward is not None and self.eval.accuracy_reward not in [r.name for r in self.rewards]:
             raise ValueError(f"eval.accuracy_reward {self.eval.accuracy_reward!r} is not one of the rewards "
                              f"({', '.join(r.name for r in self.rewards)})")
-        if self.model.lora is not None and self.runtime.runtime != "local":
-            raise ValueError("model.lora runs on the local runtime only for now (the FSDP2 workers train full weights); "
-                             "set runtime.runtime: local")
         return self
 
     @property

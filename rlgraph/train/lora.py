@@ -3,6 +3,7 @@
     model = apply_lora(build_causal_lm(), LoraSettings(r=8))   # only the adapters require grad
     reference = reference_of(model)      # the KL reference: the same module, adapters off, no weights of its own
     weights = merged_state_dict(model)   # base names, W + B A * alpha / r: for a generator or an export
+    settings_of(model)                   # the LoraSettings it was built with (plain data for a worker's RoleSpec)
 
 Why a view for the reference: with LoRA the frozen base *is* the reference policy, so a second
 copy (a deepcopy, as full fine-tuning needs) would double the weights in memory and in every
@@ -10,6 +11,9 @@ checkpoint for nothing. `reference_of` runs the policy's own module inside peft'
 `disable_adapter()`; it holds no parameters, so the executor checkpoints nothing for it.
 Why adapters only in checkpoints: the base never changes, so it comes back from the model source
 on resume (`LocalExecutor.export_state` keeps only the trainable tensors of such a role).
+The FSDP2 workers (spmd, ray) use the same pieces over sharded parameters: `base_view` runs the
+policy's FSDP2 root with adapters off (the reference), and `merge_adapters` merges gathered
+buckets for the generation engine (`rlgraph.backends.fsdp.executor`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import attrs
 import torch
@@ -146,25 +150,92 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def plain_name(name: str) -> str | None:
+    """A LoRA model's tensor name as the plain model names it (`base_model.model.` and `.base_layer.`
+    dropped); None for an adapter tensor, which the plain model does not have."""
+    if ".lora_" in name:
+        return None
+    return _base_name(name.removeprefix("base_model.model."))
+
+
+@attrs.frozen
+class AdapterDelta:
+    """One adapter of one wrapped linear, by tensor name: its weight gains `B @ A * scale`."""
+
+    a: str
+    b: str
+    scale: float
+    fan_in_fan_out: bool = False
+
+
+def adapter_deltas(lora_model: torch.nn.Module) -> dict[str, list[AdapterDelta]]:
+    """Plain weight name -> the active, unmerged adapters to add to it, named as in
+    `lora_model.named_parameters()` (a PeftModel's names, or the FSDP2-wrapped module's)."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, list[AdapterDelta]] = {}
+    for name, module in lora_model.named_modules():
+        if not isinstance(module, LoraLayer) or module.merged:
+            continue  # a merged layer's base weight holds the delta already
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                deltas.setdefault(plain_name(f"{name}.weight"), []).append(AdapterDelta(
+                    f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight",
+                    float(module.scaling[adapter]), bool(module.fan_in_fan_out)))
+    return deltas
+
+
+def merge_adapters(tensors: Mapping[str, torch.Tensor], deltas: Mapping[str, list[AdapterDelta]]) -> dict[str, torch.Tensor]:
+    """`tensors` (full tensors under a LoRA model's names: whole layers, base and adapters together)
+    as the plain model's, with every adapter merged: W + B A * scale (what peft's `get_delta_weight`
+    computes). New tensors for the merged weights; the others are `tensors`' own."""
+    merged = {plain_name(name): tensor for name, tensor in tensors.items() if plain_name(name) is not None}
+    for name, adapters in deltas.items():
+        if name not in merged:
+            continue  # another bucket's layer
+        weight = merged[name]  # [out, in]
+        for delta in adapters:
+            update = tensors[delta.b].float() @ tensors[delta.a].float()  # [out, r] @ [r, in]
+            weight = weight + (update.T if delta.fan_in_fan_out else update).mul(delta.scale).to(weight.dtype)
+        merged[name] = weight
+    return merged
+
+
 @torch.no_grad()
 def merged_state_dict(lora_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain model's state dict (its names and shapes) with every adapter merged:
     W + B A * alpha / r. New tensors; the live model is untouched (still unmerged, adapters on)."""
-    from peft.tuners.lora import LoraLayer
-
     peft_model = _peft(lora_model, "merged_state_dict")
-    base = peft_model.get_base_model()
-    merged = {_base_name(name): tensor.detach() for name, tensor in base.state_dict().items() if ".lora_" not in name}
-    for name, module in base.named_modules():
-        if not isinstance(module, LoraLayer) or module.merged:
-            continue  # a merged layer's base weight holds the delta already
-        key = f"{name}.weight"
-        weight = merged[key]  # [out, in]
-        for adapter in module.active_adapters:
-            if adapter in module.lora_A:
-                weight = weight + module.get_delta_weight(adapter).to(weight.dtype)  # [out, in]
-        merged[key] = weight
-    return merged
+    state = {name: tensor.detach() for name, tensor in peft_model.state_dict().items()}
+    return merge_adapters(state, adapter_deltas(peft_model))
+
+
+def settings_of(lora_model: torch.nn.Module) -> LoraSettings:
+    """The settings `apply_lora` built `lora_model` with (its active adapter's peft config)."""
+    config = _peft(lora_model, "settings_of").peft_config[lora_model.active_adapter]
+    targets = config.target_modules  # peft keeps a list as a set
+    return LoraSettings(r=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                        target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)))
+
+
+@contextlib.contextmanager
+def _layers_off(peft_model: torch.nn.Module) -> Iterator[None]:
+    """Every LoRA layer computes its base layer alone: peft's `disable_adapter()` without its side
+    effect on `requires_grad` (it freezes the adapters, then unfreezes what is registered on exit).
+    Under FSDP2 a module holds two parameter objects per tensor (the sharded one and the unsharded
+    one it swaps in around a forward), so that toggle would leave the adapters' sharded parameters
+    frozen; flipping the layers' flag touches no parameter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in peft_model.modules() if isinstance(module, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True  # what BaseTunerLayer.enable_adapters(False) sets, besides requires_grad
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before):
+            layer._disable_adapters = was
 
 
 class _AdaptersOff(torch.nn.Module):
@@ -182,7 +253,7 @@ class _AdaptersOff(torch.nn.Module):
         was_training = peft_model.training
         peft_model.train(self.training)
         try:
-            with peft_model.disable_adapter():
+            with _layers_off(peft_model):
                 yield
         finally:
             peft_model.train(was_training)
@@ -215,6 +286,17 @@ class LoraReference(_AdaptersOff):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self._held[0].get_base_model().get_output_embeddings()
+
+
+def base_view(lora_model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
+    """A module whose forward is `module`'s (a module that runs `lora_model`, e.g. its FSDP2 root)
+    with `lora_model`'s adapters off; it holds no parameters. The spmd KL reference of a LoRA policy."""
+    return _AdaptersOff(_peft(lora_model, "base_view"), module)
+
+
+def viewed_model(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The LoRA model `module` is an adapters-off view of (`reference_of`, `base_view`), else None."""
+    return module._held[0] if isinstance(module, _AdaptersOff) else None
 
 
 def reference_of(lora_model: torch.nn.Module) -> torch.nn.Module:

@@ -384,6 +384,14 @@ class _Session:
             world = WorldSpec.of_executor(self.executor, {"reward": self.setup.rewards}, source=self.config.model.path,
                                           tokenizer=self.config.model.tokenizer, seed=self.config.train.seed,
                                           max_new_tokens=self.config.rollout.max_new_tokens)
+            from rlgraph.backends.fsdp.executor import check_views
+
+            try:  # a LoRA policy's reference (its module, adapters off) must share its ranks: refused before any worker starts
+                check_views(world, self.setup.rl.plan)
+            except ValueError as error:
+                raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
+                                  fix="colocated:offload=False, or a split giving ref the policy's group: "
+                                      "split:policy=1,rollout=1,ref=policy") from None
             self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
             if runtime.runtime == "ray":
                 from rlgraph.runtime.ray_transport import RayTransport

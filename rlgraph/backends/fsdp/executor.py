@@ -19,6 +19,14 @@ it through `WorldSpec.build`). For each group of the plan that holds this rank:
   training group's first rank broadcasts each gathered bucket to the generating ranks), and the
   engine then refuses any other version than the one it was given.
 
+- a LoRA role (`RoleSpec.lora`) shards the peft model: the frozen base and the adapters share
+  FSDP2 units (FSDP2 shards each parameter on its own, so a unit may mix frozen and trainable
+  ones); only the adapters get gradients and optimizer state. Its engine is a plain model, synced
+  with merged weights (W + B A * scale, gathered bucket by bucket, a layer's base and adapters in
+  the same bucket), so it needs no peft. Its checkpoint part holds the adapters only. A
+  `RoleSpec(base_of=...)` role (the KL reference of a LoRA policy) runs that role's FSDP2 root with
+  the adapters off: no weights of its own, the same ranks (`check_views`).
+
 Every rank of a group must run the group's steps together (FSDP2's all-gathers are collectives);
 the plan runner sends a stage to all of a group's ranks, so they do.
 """
@@ -38,7 +46,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from rlgraph.backends.local.executor import (LMWorker, LocalExecutor, RewardWorker, StaleVersionError, _optimizer_kind,
-                                             check_role_state, role_outputs)
+                                             check_role_state, checkpoint_weights, role_outputs)
 from rlgraph.backends.local.generation import SamplingParams, SamplingStream
 from rlgraph.backends.protocols import ExecutorState, ModelRef
 from rlgraph.backends.vllm.engine import VLLMEngine
@@ -62,6 +70,12 @@ class RoleForward(torch.nn.Module):
         return role_outputs(self.module, self.kind, rollouts, temperature=temperature, with_entropy=with_entropy)
 
 
+def role_module(worker: LMWorker) -> torch.nn.Module:
+    """The model a role's FSDP2 root runs (a `base_of` view has none of its own: the view itself,
+    which holds no parameters)."""
+    return worker.model.module if isinstance(worker.model, RoleForward) else worker.model
+
+
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a Hugging Face model (`...DecoderLayer`), each its own FSDP2 unit."""
     return [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -74,7 +88,8 @@ class FSDPExecutor(LocalExecutor):
     def __init__(self, models: dict[str, LMWorker], rewards: dict[str, RewardWorker], tokenizer: Any, *,
                  rank: int, device: torch.device, role_groups: dict[str, Any], shard_groups: dict[str, Any],
                  engines: dict[str, torch.nn.Module],
-                 sync_groups: dict[tuple[int, ...], Any], max_new_tokens: int = 16, seed: int = 0):
+                 sync_groups: dict[tuple[int, ...], Any], adapters: dict[str, Any] | None = None,
+                 max_new_tokens: int = 16, seed: int = 0):
         super().__init__(models, rewards, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
         self.rank = rank
         self.device = device
@@ -84,6 +99,7 @@ class FSDPExecutor(LocalExecutor):
         self.served: dict[str, int] = {}  # served role -> the version its engine holds
         self.sync_groups = sync_groups    # {trainer leader} | generating ranks -> process group
         self.offloaded: dict[str, bool] = {}
+        self.adapters = adapters or {}    # LoRA role -> its adapters to merge for the engine (`adapter_deltas`)
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, model: ModelRef, prompts: Any, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -111,8 +127,8 @@ class FSDPExecutor(LocalExecutor):
         if trains:
             self._live(model)
         group = None if route.colocated else self.sync_groups[_sync_ranks(route.src, route.dst)]
-        layout = [[(name, tuple(param.shape)) for name, param in bucket] for bucket in self._buckets(role, route)] \
-            if trains else None
+        buckets = list(self._buckets(role, route)) if trains else []
+        layout = [self._served_layout(role, bucket) for bucket in buckets] if trains else None
         version = model.version if trains else None
         if group is not None and self.rank in _sync_ranks(route.src, route.dst):
             box = [(version, layout)]  # the generating ranks learn the version and the buckets' names and shapes
@@ -122,9 +138,8 @@ class FSDPExecutor(LocalExecutor):
         engine = self.engines.get(role) if receives else None
         if isinstance(engine, VLLMEngine):
             engine.wake_up(["weights"])  # before loading; the KV cache wakes at the offload before generate
-        params = dict(self.models[role].model.module.named_parameters()) if trains else {}
-        for names_shapes in layout:
-            fulls = gather_full([params[name] for name, _ in names_shapes]) if trains else None
+        for index, names_shapes in enumerate(layout):
+            fulls = self._served_bucket(role, buckets[index]) if trains else None
             if group is not None:
                 fulls = self._broadcast_bucket(names_shapes, fulls, route, group)
             if receives:
@@ -147,17 +162,36 @@ class FSDPExecutor(LocalExecutor):
                 engine_params[name].copy_(full)
 
     def _buckets(self, role: str, route: Any) -> Iterator[list[tuple[str, Any]]]:
-        """The trained model's parameters in order, grouped into buckets of <= `route.bucket_bytes` (fp32)."""
+        """The trained model's parameters in order, grouped into buckets of <= `route.bucket_bytes` (fp32);
+        a LoRA layer's base weight and adapters are never split (they merge into one tensor)."""
         bucket, size = [], 0
-        for name, param in self.models[role].model.module.named_parameters():
-            nbytes = param.numel() * 4
+        for layer in _merge_units(role_module(self.models[role]).named_parameters()):
+            nbytes = sum(param.numel() for _, param in layer) * 4
             if bucket and size + nbytes > route.bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
-            bucket.append((name, param))
+            bucket.extend(layer)
             size += nbytes
         if bucket:
             yield bucket
+
+    def _served_layout(self, role: str, bucket: list[tuple[str, Any]]) -> list[tuple[str, tuple[int, ...]]]:
+        """The names and shapes the engine receives for `bucket` (LoRA: the plain model's, no adapters)."""
+        if role not in self.adapters:
+            return [(name, tuple(param.shape)) for name, param in bucket]
+        from rlgraph.train.lora import plain_name
+
+        return [(plain_name(name), tuple(param.shape)) for name, param in bucket if plain_name(name) is not None]
+
+    def _served_bucket(self, role: str, bucket: list[tuple[str, Any]]) -> list[torch.Tensor]:
+        """`bucket`'s full tensors (one all-gather) as the engine takes them: a LoRA role's merged."""
+        fulls = gather_full([param for _, param in bucket])
+        if role not in self.adapters:
+            return fulls
+        from rlgraph.train.lora import merge_adapters
+
+        with torch.no_grad():
+            return list(merge_adapters(dict(zip([name for name, _ in bucket], fulls)), self.adapters[role]).values())
 
     def _broadcast_bucket(self, names_shapes, fulls, route, group) -> list[torch.Tensor] | None:
         """The trainer's first rank sends one flat fp32 bucket to the generating ranks."""
@@ -221,14 +255,21 @@ class FSDPExecutor(LocalExecutor):
                 param.grad = None
         torch.cuda.synchronize(self.device)
 
-    def full_state(self, role: str) -> dict[str, torch.Tensor] | None:
-        """`role`'s unsharded state dict on the CPU; every rank of its group calls it, its first rank returns it."""
+    def full_state(self, role: str, names: set[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """`role`'s unsharded state dict (or its tensors `names`) on the CPU; every rank of its group
+        calls it, its first rank returns it."""
         if role not in self.models:
             return None
         state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-                 for name, value in self.models[role].model.module.state_dict().items()}
+                 for name, value in role_module(self.models[role]).state_dict().items() if names is None or name in names}
         first = min(dist.get_process_group_ranks(self.role_groups[role]))
         return state if self.rank == first else None
+
+    def _checkpointed(self, role: str) -> set[str]:
+        """The tensors a checkpoint keeps of `role`, as the local executor keeps them: all of them, or a
+        LoRA role's adapters (its frozen base comes back from the model source), or none for a view."""
+        worker = self.models[role]
+        return set(checkpoint_weights(LMWorker(role_module(worker), worker.optimizer)))
 
 
     # -- checkpoints: this rank's part ------------------------------------------------------------
@@ -239,7 +280,8 @@ class FSDPExecutor(LocalExecutor):
         roles = {}
         for role, worker in self.models.items():
             group_ranks = sorted(dist.get_process_group_ranks(self.shard_groups[role]))  # one replica's shards
-            roles[role] = {"model": self.full_state(role), "group": group_ranks, "version": worker.version,
+            roles[role] = {"model": self.full_state(role, self._checkpointed(role)), "group": group_ranks,
+                           "version": worker.version,
                            "optimizer": to_device(worker.optimizer.state_dict(), torch.device("cpu"))
                            if worker.optimizer is not None else None,  # the controller may have no GPU
                            "optimizer_kind": _optimizer_kind(worker.optimizer)}
@@ -247,12 +289,14 @@ class FSDPExecutor(LocalExecutor):
 
     def import_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
         """Load this rank's shards of a full checkpoint state (all or nothing, checked first)."""
+        kept = {role: {name: value for name, value in role_module(worker).state_dict().items()
+                       if name in self._checkpointed(role)} for role, worker in self.models.items()}
         for role, worker in self.models.items():
-            check_role_state(role, worker.model.module.state_dict(), _optimizer_kind(worker.optimizer), state, where)
+            check_role_state(role, kept[role], _optimizer_kind(worker.optimizer), state, where)
         for role, worker in self.models.items():
             held, position, ways = state.roles[role], *self._position(role)
             with torch.no_grad():
-                for name, param in worker.model.module.state_dict().items():
+                for name, param in kept[role].items():
                     target = param.to_local() if isinstance(param, DTensor) else param
                     source = _rows(held.model[name], position, ways) if isinstance(param, DTensor) else held.model[name]
                     target.copy_(source.to(target.device, target.dtype))
@@ -272,13 +316,13 @@ class FSDPExecutor(LocalExecutor):
         of the role's group must call it: the comparison all-gathers)."""
         report: dict[str, Any] = {"served": self.served.get(role)}
         if role in self.models:
-            params = list(self.models[role].model.module.named_parameters())
+            params = list(role_module(self.models[role]).named_parameters())
             report["local_numel"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for _, p in params)
             report["global_numel"] = sum(p.numel() for _, p in params)
             if role in self.engines and not isinstance(self.engines[role], VLLMEngine):
                 engine = dict(self.engines[role].named_parameters())
-                report["engine_diff"] = max(float((engine[name].float() - (p.full_tensor() if isinstance(p, DTensor) else p)
-                                                   .float()).abs().max()) for name, p in params)
+                served = zip([name for name, _ in self._served_layout(role, params)], self._served_bucket(role, params))
+                report["engine_diff"] = max(float((engine[name].float() - full.float()).abs().max()) for name, full in served)
         return report
 
 
@@ -337,6 +381,21 @@ def merge_optimizer_states(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": parts[0]["param_groups"]}
 
 
+def _merge_units(named: Iterator[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive parameters that merge into one served tensor: a LoRA layer's `base_layer`
+    tensors and its adapters (peft registers them together); any other parameter on its own."""
+    unit, key = [], None
+    for name, param in named:
+        layer = name.split(".base_layer.")[0] if ".base_layer." in name else name.split(".lora_")[0]
+        if unit and layer != key:
+            yield unit
+            unit = []
+        unit.append((name, param))
+        key = layer
+    if unit:
+        yield unit
+
+
 def _sync_ranks(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:
     """The ranks of a split sync's broadcast: the trainer's first rank and the generating ranks."""
     return tuple(sorted({src[0], *dst}))
@@ -391,26 +450,56 @@ def _role_mesh(group: Any, rank: int, process_groups: dict, device: torch.device
 def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) -> FSDPExecutor:
     """Rank `rank`'s roles: FSDP2-sharded models for the groups that train or infer on it, engines for
     the groups that generate on it. Every process creates every process group (torch requires it)."""
+    check_views(world, plan)
     role_sets, sync_sets = _rank_sets(plan)
     process_groups = {ranks: dist.new_group(list(ranks)) for ranks in role_sets}
     sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
     tokenizer = world.load_tokenizer()
-    models, engines, role_groups, shard_groups = {}, {}, {}, {}
+    models, engines, role_groups, shard_groups, adapters, views = {}, {}, {}, {}, {}, []
     for group in plan.groups:
         if rank not in group.ranks:
             continue
         if group.name not in GENERATOR_OF:
             spec = _role_spec(world, group.name)
             role_groups[group.name] = process_groups[tuple(group.ranks)]
+            if spec.base_of is not None:
+                views.append(group.name)  # built once the role it views is
+                continue
             mesh, shard_groups[group.name] = _role_mesh(group, rank, process_groups, device)
             models[group.name] = _sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params)
+            if spec.lora is not None:
+                from rlgraph.train.lora import adapter_deltas
+
+                adapters[group.name] = adapter_deltas(role_module(models[group.name]))
         if group.generate is not None:
             served = GENERATOR_OF.get(group.name, group.name)
             engines[served] = _generation_engine(world, served, group, rank, tokenizer, device)
+    for role in views:
+        from rlgraph.train.lora import base_view
+
+        root = models[world.viewed(role)].model
+        models[role] = LMWorker(base_view(root.module, root))
+        shard_groups[role] = role_groups[role]
     return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
                         device=device, role_groups=role_groups, shard_groups=shard_groups, engines=engines,
-                        sync_groups=sync_groups,
+                        sync_groups=sync_groups, adapters=adapters,
                         max_new_tokens=world.max_new_tokens, seed=world.seed)
+
+
+def check_views(world: Any, plan: Any) -> None:
+    """A `base_of` role (a LoRA policy's reference: the policy's module, adapters off) runs the viewed
+    role's FSDP2 root, whose all-gathers span that role's ranks: the plan must place both on the same
+    ranks (a colocated placement does). Raises ValueError naming both placements otherwise."""
+    groups = {group.name: group for group in plan.groups}
+    for role, spec in world.roles.items():
+        if spec.base_of is None or role not in groups:
+            continue
+        base = world.viewed(role)
+        held = sorted(groups[base].ranks) if base in groups else []
+        if sorted(groups[role].ranks) != held:
+            raise ValueError(f"role {role!r} is role {base!r} with its LoRA adapters off (no weights of its own), so it "
+                             f"must run on the ranks of {base!r}, {held}, but the plan places it on ranks "
+                             f"{sorted(groups[role].ranks)}: use a colocated placement, or give it {base!r}'s group")
 
 
 def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device) -> Any:
@@ -428,7 +517,7 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
                                 pad_token_id=tokenizer.pad_token_id, rank=rank, seed=world.seed, load_format="dummy",
                                 tensor_parallel_size=group.generate.tp)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return spec.build_module(tokenizer, dtype).to(device).eval().requires_grad_(False)
+    return spec.build_module(tokenizer, dtype, merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
 
 
 def _role_spec(world: Any, role: str) -> Any:
