@@ -208,6 +208,10 @@ class WorkerPool:
         states = self._all(range(self.world), "full_state", role)
         return next(state for state in states.values() if state is not None)
 
+    def set_learning_rate(self, role: str, lr: float) -> None:
+        """Every rank that trains `role` sets its optimizer's learning rate (a schedule, between steps)."""
+        self._all(range(self.world), "set_learning_rate", role, lr)
+
     def checkpoint_state(self) -> Any:
         """The full `ExecutorState` of every rank's roles (weights gathered, optimizer shards merged)."""
         from rlgraph.backends.fsdp.executor import merge_optimizer_states

@@ -93,6 +93,9 @@ class Worker:
     def full_state(self, role: str) -> dict[str, torch.Tensor] | None:
         return self.executor.full_state(role)
 
+    def set_learning_rate(self, role: str, lr: float) -> bool:
+        return self.executor.set_learning_rate(role, lr)
+
     def weights_report(self, role: str) -> dict[str, Any]:
         return self.executor.weights_report(role)
 

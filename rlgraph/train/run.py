@@ -449,10 +449,10 @@ class _Session:
         factor = lr_factor(self.config, step)
         for role, base in (("policy", self.config.optimizer.lr),
                            ("critic", self.config.optimizer.critic_lr or self.config.optimizer.lr)):
-            worker = self.executor.models.get(role)
-            if worker is not None and worker.optimizer is not None:
-                for group in worker.optimizer.param_groups:
-                    group["lr"] = base * factor
+            # On spmd/ray the optimizers that step live in the workers: the schedule goes to them.
+            target = self.transport if self.transport is not None else self.executor
+            if role in self.executor.models:
+                target.set_learning_rate(role, base * factor)
         self.setup.rewards.pop_metrics()  # what an evaluation left behind is not this step's
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:

@@ -314,3 +314,22 @@ def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, 
         with pytest.raises(ConfigError, match="would replace the run"):
             export_run(run_dir, target, overwrite=True)
     assert (run_dir / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_the_learning_rate_schedule_reaches_the_spmd_workers(tmp_path):
+    """Warmup then linear decay: the workers' optimizers step with the controller's schedule."""
+    schedule = ["optimizer.warmup_steps=2", "optimizer.schedule=linear", "train.steps=4", "eval.every=0"]
+    local, _ = make_config(tmp_path, "local", schedule)
+    spmd, _ = make_config(tmp_path, "spmd", [*schedule, "runtime.runtime=spmd", "runtime.nproc=2"])
+    train(local)
+    train(spmd)
+    rows_local, rows_spmd = train_rows(tmp_path / "local"), train_rows(tmp_path / "spmd")
+    assert [row["lr"] for row in rows_local] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 0.5e-3])
+    for a, b in zip(rows_spmd, rows_local, strict=True):
+        for key in ("reward", "policy/loss", "policy/grad_norm", "policy/kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    weights_spmd, weights_local = policy_weights(tmp_path / "spmd"), policy_weights(tmp_path / "local")
+    assert weights_spmd.keys() == weights_local.keys()
+    for name in weights_local:
+        torch.testing.assert_close(weights_spmd[name], weights_local[name], atol=1e-5, rtol=1e-4)

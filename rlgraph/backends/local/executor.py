@@ -108,6 +108,16 @@ class LocalExecutor:
             raise KeyError(f"the local executor has no model role {role!r}; it has {', '.join(self.models)}")
         return self.models[role]
 
+    def set_learning_rate(self, role: str, lr: float) -> bool:
+        """Set every parameter group of `role`'s optimizer to `lr` (a schedule's value for the next
+        step); False when this executor holds no trainable `role`."""
+        worker = self.models.get(role)
+        if worker is None or worker.optimizer is None:
+            return False
+        for group in worker.optimizer.param_groups:
+            group["lr"] = lr
+        return True
+
     def _live(self, ref: ModelRef) -> LMWorker:
         worker = self._worker(ref.role)
         if ref.version != worker.version:
