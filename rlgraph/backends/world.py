@@ -87,7 +87,7 @@ class RoleSpec:
         from rlgraph.backends.local.executor import _is_adapter_set
         from rlgraph.backends.local.models import build_causal_lm
         # The LoRA recipe lives with `rlgraph train` (peft); a worker builds exactly what the run built.
-        from rlgraph.train.lora import LoraSettings, apply_lora, merged_state_dict
+        from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict
 
         module = build_causal_lm(self.source, tokenizer=tokenizer, seed=self.seed)  # fp32: the adapters train in it
         peft_weights = self.weights is not None and _is_adapter_set(self.weights)
@@ -163,7 +163,7 @@ class WorldSpec:
                 models[role] = LMWorker(module, spec.build_optimizer(module.parameters()), kind=spec.kind)
         for role, spec in self.roles.items():
             if spec.base_of is not None:
-                from rlgraph.train.lora import reference_of
+                from rlgraph.backends.lora import reference_of
 
                 models[role] = LMWorker(reference_of(models[self.viewed(role)].model))
         models = {role: models[role] for role in self.roles}
@@ -196,7 +196,7 @@ def _lora_roles(models: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], d
     """The LoRA settings (plain data) of each LoRA role, and each adapters-off view's viewed role."""
     if "peft" not in sys.modules:  # no LoRA model exists before peft is imported (an optional dependency)
         return {}, {}
-    from rlgraph.train.lora import is_lora, settings_of, viewed_model
+    from rlgraph.backends.lora import is_lora, settings_of, viewed_model
 
     lora = {role: attrs.asdict(settings_of(worker.model)) for role, worker in models.items() if is_lora(worker.model)}
     owners = {id(worker.model): role for role, worker in models.items()}

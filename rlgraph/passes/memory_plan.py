@@ -83,7 +83,7 @@ def check_lora_roles(program: Program, options: CompileOptions) -> None:
 
 def shares_lora_weights(options: CompileOptions, role: str, group: Group, groups: Sequence[Group]) -> bool:
     """Whether `role` is the reference of a LoRA policy on the policy's ranks: the executor runs it
-    as the policy's module with adapters off (`rlgraph.train.lora.reference_of`), holding nothing."""
+    as the policy's module with adapters off (`rlgraph.backends.lora.reference_of`), holding nothing."""
     policy = next((other for other in groups if other.name == "policy"), None)
     return role == "ref" and "policy" in options.lora and policy is not None and set(group.ranks) <= set(policy.ranks)
 

@@ -56,7 +56,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def lora_shapes(lora: Any) -> dict[str, LoraShape]:
     """`lora=` of `rg.compile` as role -> `LoraShape`: each value a mapping with `r` and
     `target_modules` (and optionally `alpha`, `dropout`: peft's settings, as `rlgraph train`'s
-    model.lora gives them), an object with those attributes (`rlgraph.train.lora.LoraSettings`),
+    model.lora gives them), an object with those attributes (`rlgraph.backends.lora.LoraSettings`),
     or a `LoraShape`. Refuses, naming role and key, what the memory model cannot size."""
     if lora is None:
         return {}

@@ -44,7 +44,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     model = build_policy(config, tokenizer)
     weights = dict(state.roles["policy"].model)
     if config.model.lora is not None:
-        from rlgraph.train.lora import merged_state_dict
+        from rlgraph.backends.lora import merged_state_dict
 
         _load(model, weights, path, strict=False)
         if not adapter:

@@ -217,7 +217,7 @@ def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
     model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
     if config.model.lora is None:
         return model
-    from rlgraph.train.lora import LoraSettings, apply_lora
+    from rlgraph.backends.lora import LoraSettings, apply_lora
 
     lora = config.model.lora
     return apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)),
@@ -231,7 +231,7 @@ def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
     policy = executor.models["policy"].model
     if "ref" in roles:
         if config.model.lora is not None:
-            from rlgraph.train.lora import reference_of
+            from rlgraph.backends.lora import reference_of
 
             executor.models["ref"] = LMWorker(reference_of(policy))
         else:

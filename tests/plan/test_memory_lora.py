@@ -40,7 +40,7 @@ def test_adapter_parameters_follow_the_hand_formula():
 
 def test_adapter_parameters_equal_a_real_peft_models():
     from rlgraph.backends.local.models import build_causal_lm, tiny_config
-    from rlgraph.train.lora import LoraSettings, apply_lora
+    from rlgraph.backends.lora import LoraSettings, apply_lora
 
     targets = ("q_proj", "v_proj", "down_proj")
     model = apply_lora(build_causal_lm(), LoraSettings(r=4, target_modules=targets))
@@ -94,7 +94,7 @@ def test_the_reference_shares_the_policys_weights_only_on_its_ranks(ref_on, shar
 
 def test_lora_settings_objects_are_accepted():
     from rlgraph.passes.options import lora_shapes
-    from rlgraph.train.lora import LoraSettings
+    from rlgraph.backends.lora import LoraSettings
 
     assert lora_shapes({"policy": LoraSettings(r=4, target_modules=("q_proj",))}) == {"policy": LoraShape(4, ("q_proj",))}
     assert lora_shapes({"policy": {"target_modules": "v_proj"}}) == {"policy": LoraShape(8, ("v_proj",))}

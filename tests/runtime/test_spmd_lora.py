@@ -23,7 +23,7 @@ from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.spmd import SpmdTransport
 from rlgraph.runtime.transport import SyncRoute
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
-from rlgraph.train.lora import merged_state_dict, reference_of, trainable_state
+from rlgraph.backends.lora import merged_state_dict, reference_of, trainable_state
 from tests.runtime.test_spmd import _assert_same_metrics, _assert_same_weights, _step_both
 from tests.train.test_run import CLOCK, make_config, metrics_of, policy_weights
 

@@ -1,4 +1,4 @@
-"""LoRA via peft (`rlgraph.train.lora`) and how the local executor trains and checkpoints it.
+"""LoRA via peft (`rlgraph.backends.lora`) and how the local executor trains and checkpoints it.
 
 Tiny Qwen2 (h=64, 4 heads, 2 kv heads of 16, 2 layers), CPU, fp32. Tolerances: log-probs of the
 merged model vs the peft model within 1e-5 (the merge reassociates W x + B (A x) s as (W + s B A) x);
@@ -23,7 +23,7 @@ from rlgraph.ir.errors import ConfigError
 from rlgraph.testing import tiny_prompts
 from rlgraph.testing.tiny import length_parity_reward
 from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
-from rlgraph.train.lora import (LoraSettings, apply_lora, is_lora, merged_state_dict, reference_of,
+from rlgraph.backends.lora import (LoraSettings, apply_lora, is_lora, merged_state_dict, reference_of,
                                 trainable_state)
 
 POLICY, REF = ModelRef("policy", 0), ModelRef("ref", 0)

@@ -179,7 +179,7 @@ class FSDPExecutor(LocalExecutor):
         """The names and shapes the engine receives for `bucket` (LoRA: the plain model's, no adapters)."""
         if role not in self.adapters:
             return [(name, tuple(param.shape)) for name, param in bucket]
-        from rlgraph.train.lora import plain_name
+        from rlgraph.backends.lora import plain_name
 
         return [(plain_name(name), tuple(param.shape)) for name, param in bucket if plain_name(name) is not None]
 
@@ -188,7 +188,7 @@ class FSDPExecutor(LocalExecutor):
         fulls = gather_full([param for _, param in bucket])
         if role not in self.adapters:
             return fulls
-        from rlgraph.train.lora import merge_adapters
+        from rlgraph.backends.lora import merge_adapters
 
         with torch.no_grad():
             return list(merge_adapters(dict(zip([name for name, _ in bucket], fulls)), self.adapters[role]).values())
@@ -468,14 +468,14 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
             mesh, shard_groups[group.name] = _role_mesh(group, rank, process_groups, device)
             models[group.name] = _sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params)
             if spec.lora is not None:
-                from rlgraph.train.lora import adapter_deltas
+                from rlgraph.backends.lora import adapter_deltas
 
                 adapters[group.name] = adapter_deltas(role_module(models[group.name]))
         if group.generate is not None:
             served = GENERATOR_OF.get(group.name, group.name)
             engines[served] = _generation_engine(world, served, group, rank, tokenizer, device)
     for role in views:
-        from rlgraph.train.lora import base_view
+        from rlgraph.backends.lora import base_view
 
         root = models[world.viewed(role)].model
         models[role] = LMWorker(base_view(root.module, root))
