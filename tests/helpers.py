@@ -44,3 +44,18 @@ def prompt_source(count: int = 4, offset: int = 100):
         return prompts(count, offset=drawn[0] - count)
 
     return more
+
+
+def assert_spmd_resume_is_exact(compiled, world, path, batch, uninterrupted, final) -> None:
+    """A checkpoint at `path` resumed on fresh spmd workers gives step `batch` the metrics
+    `uninterrupted` and the policy weights `final` of the run that was never stopped, exactly."""
+    from rlgraph.runtime.plan_runner import PlanRunner
+    from rlgraph.runtime.spmd import SpmdTransport
+    from rlgraph.train.checkpoint import load_checkpoint
+
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        resumed = PlanRunner(compiled, transport, controller=world.controller())
+        load_checkpoint(path, resumed)
+        assert resumed.run(batch)[1] == uninterrupted
+        resumed_state = transport.pull_state("policy")
+        assert all(torch.equal(resumed_state[name], value) for name, value in final.items())

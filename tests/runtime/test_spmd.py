@@ -26,6 +26,8 @@ from rlgraph.runtime.spmd import SpmdTransport
 from rlgraph.runtime.transport import SyncRoute
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
 
+from tests.helpers import assert_spmd_resume_is_exact
+
 pytestmark = pytest.mark.slow
 
 TOKENS = 4
@@ -195,12 +197,7 @@ def test_a_spmd_checkpoint_resumes_exactly_on_spmd_and_on_local(tmp_path):
         path = save_checkpoint(tmp_path, 1, runner.export_state(), {})
         uninterrupted = runner.run(second)[1]
         final = transport.pull_state("policy")
-    with SpmdTransport(compiled.plan, world, device="cpu") as transport:  # resumed on the same runtime: exact
-        resumed = PlanRunner(compiled, transport, controller=world.controller())
-        load_checkpoint(path, resumed)
-        assert resumed.run(second)[1] == uninterrupted
-        resumed_state = transport.pull_state("policy")
-        assert all(torch.equal(resumed_state[name], value) for name, value in final.items())
+    assert_spmd_resume_is_exact(compiled, world, path, second, uninterrupted, final)  # the same runtime: exact
     local_executor = world.build_local()
     local = PlanRunner(compiled, local_executor)
     load_checkpoint(path, local)  # resumed on one process: the same step, up to float rounding

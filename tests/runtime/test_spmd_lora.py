@@ -16,6 +16,7 @@ from rlgraph.algorithms import ALGORITHMS
 from rlgraph.backends.fsdp.executor import check_views
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor
 from rlgraph.backends.local.models import load_tokenizer
+from rlgraph.backends.lora import merged_state_dict, reference_of, trainable_state
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.ir.errors import ConfigError
@@ -23,7 +24,8 @@ from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.spmd import SpmdTransport
 from rlgraph.runtime.transport import SyncRoute
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
-from rlgraph.backends.lora import merged_state_dict, reference_of, trainable_state
+
+from tests.helpers import assert_spmd_resume_is_exact
 from tests.runtime.test_spmd import _assert_same_metrics, _assert_same_weights, _step_both
 from tests.train.test_run import CLOCK, make_config, metrics_of, policy_weights
 
@@ -154,12 +156,7 @@ def test_a_spmd_lora_checkpoint_holds_the_adapters_only_and_resumes_exactly_on_s
     policy = state.roles["policy"]
     assert set(policy.model) == {name for name in final if ".lora_" in name} and len(policy.model) == 8
     assert len(policy.optimizer["state"]) == 8 and state.roles["ref"].model == {} and state.roles["ref"].optimizer is None
-    with SpmdTransport(compiled.plan, world, device="cpu") as transport:  # resumed on the same runtime: exact
-        resumed = PlanRunner(compiled, transport, controller=world.controller())
-        load_checkpoint(path, resumed)
-        assert resumed.run(second)[1] == uninterrupted
-        resumed_state = transport.pull_state("policy")
-        assert all(torch.equal(resumed_state[name], value) for name, value in final.items())
+    assert_spmd_resume_is_exact(compiled, world, path, second, uninterrupted, final)  # the same runtime: exact
     local_executor = world.build_local()
     local = PlanRunner(compiled, local_executor)
     load_checkpoint(path, local)  # resumed in one process: the same step, up to float rounding
