@@ -1,9 +1,9 @@
 """`rlgraph train` on a CUDA device: the math example shortened, full weights and LoRA, and resume.
 
 UNTESTED: written on a machine without a GPU; these tests skip there. What they check on a GPU:
-the run directory is complete, every logged number is finite, the policy's weights stay fp32
-masters while the steps compute in bf16 autocast, a run resumed on CUDA continues with the
-checkpointed step, and the export loads in transformers on the CPU.
+every step is logged and every logged number is finite, a run resumed on CUDA continues from
+its checkpoint, and the export (fp32 weights, as the executor keeps its masters while computing
+in bf16 autocast) loads in transformers on the CPU.
 """
 
 from __future__ import annotations
