@@ -76,4 +76,4 @@ def test_math_grpo_example_raises_held_out_accuracy(tmp_path, monkeypatch):
                           "runtime.threads=1"])  # the example's 2 threads would fight the other test worker
     result = train(config)
     assert result.eval_before >= 0.25                       # the warm start reached its target
-    assert result.eval_after >= result.eval_before + 0.08   # measured: 0.33 -> 0.505 at step 100
+    assert result.eval_after >= result.eval_before + 0.08   # measured: 0.33 -> 0.495 at step 100 (2 threads)
