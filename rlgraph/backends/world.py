@@ -178,6 +178,10 @@ class WorldSpec:
                              f"(the roles are {', '.join(self.roles)})")
         return base
 
+    def views(self) -> dict[str, str]:
+        """{role: the role whose module it runs with adapters off} for every `base_of` role, checked."""
+        return {role: self.viewed(role) for role, spec in self.roles.items() if spec.base_of is not None}
+
     def controller(self) -> Any:
         """The controller's executor: reward functions and the tokenizer, no models."""
         from rlgraph.backends.local.executor import LocalExecutor, RewardWorker

@@ -189,6 +189,15 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
     rl = compile_algorithm(_algorithm(config.algorithm.name), mesh=mesh, placement=placement, engine=runtime.engine,
                            sizes=sizes, models=models, **extra, **hparams)
+    if lora and runtime.runtime != "local":
+        from rlgraph.backends.fsdp.executor import check_views
+
+        try:  # a LoRA policy's reference (its module, adapters off) must share its ranks: refused at compile time
+            check_views({"ref": "policy"}, rl.plan)
+        except ValueError as error:
+            raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
+                              fix="colocated:offload=False, or a split giving ref the policy's group: "
+                                  "split:policy=1,rollout=1,ref=policy") from None
     # Evaluation runs in this process on one device (with the latest weights pulled from the workers
     # on spmd/ray): a generate-only plan over the training workers would read an engine no
     # sync_weights step has loaded since the last update.
@@ -384,14 +393,6 @@ class _Session:
             world = WorldSpec.of_executor(self.executor, {"reward": self.setup.rewards}, source=self.config.model.path,
                                           tokenizer=self.config.model.tokenizer, seed=self.config.train.seed,
                                           max_new_tokens=self.config.rollout.max_new_tokens)
-            from rlgraph.backends.fsdp.executor import check_views
-
-            try:  # a LoRA policy's reference (its module, adapters off) must share its ranks: refused before any worker starts
-                check_views(world, self.setup.rl.plan)
-            except ValueError as error:
-                raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
-                                  fix="colocated:offload=False, or a split giving ref the policy's group: "
-                                      "split:policy=1,rollout=1,ref=policy") from None
             self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
             if runtime.runtime == "ray":
                 from rlgraph.runtime.ray_transport import RayTransport

@@ -86,15 +86,17 @@ def test_of_executor_sends_the_lora_policy_and_its_reference_as_a_view():
 def test_a_reference_placed_away_from_the_lora_policy_is_refused_naming_the_placement(tmp_path):
     away = _compile(rg.split({"policy": 1, "rollout": 1, "ref": "rollout"}))
     with pytest.raises(ValueError, match=r"'ref' is role 'policy' with its LoRA adapters off.*ranks of 'policy', \[0\].*ranks \[1\]"):
-        check_views(_world(), away.plan)
-    check_views(_world(), _compile(rg.split({"policy": 1, "rollout": 1, "ref": "policy"})).plan)  # shares: fine
+        check_views(_world().views(), away.plan)
+    check_views(_world().views(), _compile(rg.split({"policy": 1, "rollout": 1, "ref": "policy"})).plan)  # shares: fine
     config, _ = make_config(tmp_path, "away", ["model.lora={r: 4}", "runtime.runtime=spmd", "runtime.nproc=2",
                                                "runtime.placement=split:policy=1,rollout=1,ref=rollout",
                                                "warm_start.steps=0", "train.steps=1"])
-    from rlgraph.train.run import train
+    from rlgraph.train.run import dry_run, train
 
-    with pytest.raises(ConfigError, match=r"runtime.placement 'split:policy=1,rollout=1,ref=rollout'.*colocated"):
-        train(config)
+    for run in (dry_run, train):  # refused with the plan, before any model, warm start or worker
+        with pytest.raises(ConfigError, match=r"runtime.placement 'split:policy=1,rollout=1,ref=rollout'.*colocated"):
+            run(config)
+    assert not (tmp_path / "away").exists()
 
 
 # -- two worker processes ----------------------------------------------------------------------------

@@ -450,7 +450,7 @@ def _role_mesh(group: Any, rank: int, process_groups: dict, device: torch.device
 def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) -> FSDPExecutor:
     """Rank `rank`'s roles: FSDP2-sharded models for the groups that train or infer on it, engines for
     the groups that generate on it. Every process creates every process group (torch requires it)."""
-    check_views(world, plan)
+    check_views(world.views(), plan)
     role_sets, sync_sets = _rank_sets(plan)
     process_groups = {ranks: dist.new_group(list(ranks)) for ranks in role_sets}
     sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
@@ -486,15 +486,15 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
                         max_new_tokens=world.max_new_tokens, seed=world.seed)
 
 
-def check_views(world: Any, plan: Any) -> None:
-    """A `base_of` role (a LoRA policy's reference: the policy's module, adapters off) runs the viewed
-    role's FSDP2 root, whose all-gathers span that role's ranks: the plan must place both on the same
-    ranks (a colocated placement does). Raises ValueError naming both placements otherwise."""
+def check_views(views: Mapping[str, str], plan: Any) -> None:
+    """A view role (a LoRA policy's reference: `views[role]`'s module with its adapters off) runs the
+    viewed role's FSDP2 root, whose all-gathers span that role's ranks: the plan must place both on
+    the same ranks (a colocated placement does). Raises ValueError naming both placements otherwise.
+    `views` is `WorldSpec.views()`, or {"ref": "policy"} for a config with LoRA before any role exists."""
     groups = {group.name: group for group in plan.groups}
-    for role, spec in world.roles.items():
-        if spec.base_of is None or role not in groups:
+    for role, base in views.items():
+        if role not in groups:
             continue
-        base = world.viewed(role)
         held = sorted(groups[base].ranks) if base in groups else []
         if sorted(groups[role].ranks) != held:
             raise ValueError(f"role {role!r} is role {base!r} with its LoRA adapters off (no weights of its own), so it "
