@@ -155,8 +155,11 @@ def test_reward_model_scores_prompt_plus_completion(tmp_path):
     assert scores[0] == pytest.approx(scores[2], abs=1e-5)     # the same pair, in another batch and padding
     clone = pickle.loads(pickle.dumps(reward))                  # a worker gets the settings, loads its own copy
     assert clone._model is None and clone(["12"], text=["1+11="])[0] == pytest.approx(scores[0], abs=1e-5)
+    assert reward._on == ("cuda" if torch.cuda.is_available() else "cpu")  # device "auto"
     with pytest.raises(ConfigError, match="holds no config.json"):
         build_reward("reward_model", path=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="device 'gpu' is not auto, cpu, cuda or cuda:N"):
+        build_reward("reward_model", path=str(tmp_path), device="gpu")
     with pytest.raises(ConfigError, match="label=3"):
         build_reward("reward_model", path=str(tmp_path), label=3)(["1"], text=["a"])
 
