@@ -132,6 +132,11 @@ def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any
     return ExecutorState(roles, run_state["generator"], run_state["sampling"]), meta["step"], run_state["extra"]
 
 
+def read_extra(path: str | Path) -> dict[str, Any]:
+    """The `extra` a checkpoint was saved with (run state only: no weights are read)."""
+    return _read(Path(path) / "run_state.pt", _tensors, "the run state").get("extra", {})
+
+
 def load_checkpoint(path: str | Path, executor: Any) -> dict[str, Any]:
     """Restore weights, optimizer states, versions and RNG into `executor` (or anything with
     `import_state`: an interpreter, a plan runner); returns `{"step": k, **extra}`."""

@@ -309,6 +309,8 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     setup = prepare(config)
     for report in setup.reports:
         console.print(report.summary())
+    if checkpoint is not None:
+        _refuse_other_data(setup, checkpoint)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config.to_yaml())
     (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
@@ -345,15 +347,40 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
 
 def _refuse_other_run(config: TrainConfig, checkpoint: Path) -> None:
     """A checkpoint of another algorithm or model is refused before anything is loaded."""
-    from rlgraph.train.checkpoint import read_checkpoint
+    from rlgraph.train.checkpoint import read_extra
 
-    _, _, extra = read_checkpoint(checkpoint)
-    saved = extra.get("user", {}).get("fingerprint")
+    saved = read_extra(checkpoint).get("user", {}).get("fingerprint")
     mine = fingerprint(config)
     if saved is not None and saved != mine:
         diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
                  for key in sorted(set(saved) | set(mine)) if saved.get(key) != mine.get(key)]
         raise CheckpointMismatch(f"checkpoint {checkpoint} was written by another run ({'; '.join(diffs)})")
+
+
+def _refuse_other_data(setup: Setup, checkpoint: Path) -> None:
+    """A checkpoint's data position means something only for the prompts it was taken over: a
+    resume over other usable prompts (a changed file, field mapping, template or length limit) is
+    refused, naming what differs, instead of silently replaying other batches."""
+    from rlgraph.train.checkpoint import read_extra
+
+    saved = read_extra(checkpoint).get("user", {}).get("data")
+    mine = data_digest(setup.train_rows)
+    if saved is not None and saved != mine:
+        raise CheckpointMismatch(
+            f"checkpoint {checkpoint} was taken over other training prompts: {saved['prompts']} usable prompts "
+            f"(digest {saved['sha256'][:12]}), data.train {setup.config.data.train} now gives {mine['prompts']} "
+            f"(digest {mine['sha256'][:12]}); the data position it saved would replay other batches\n"
+            "  fix: resume with the data the run started with, or start a new run (model.path can point at an export)")
+
+
+def data_digest(rows: list) -> dict[str, Any]:
+    """The usable training prompts, summarised: their count and a sha256 of their text, answer and fields."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([row.text, row.answer, row.fields], sort_keys=True, default=str).encode())
+    return {"prompts": len(rows), "sha256": digest.hexdigest()}
 
 
 def fingerprint(config: TrainConfig) -> dict[str, str]:
@@ -370,6 +397,7 @@ class _Session:
     def __init__(self, setup: Setup, executor: LocalExecutor, console: Console):
         self.setup, self.config, self.executor, self.console = setup, setup.config, executor, console
         self.sampler = Sampler(setup.train_rows, setup.config.rollout.prompts_per_step, seed=setup.config.train.seed)
+        self.data_digest = data_digest(setup.train_rows)  # saved with each checkpoint: a resume needs the same prompts
         self.runner: PlanRunner | None = None
         self.eval_runner: PlanRunner | None = None
         self.transport: Any = None
@@ -412,7 +440,7 @@ class _Session:
                        checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
                        before_step=self.before_step, after_step=self.after_step,
                        extra_state=lambda: {"fingerprint": fingerprint(self.config),
-                                            "config": self.config.to_yaml()})
+                                            "data": self.data_digest, "config": self.config.to_yaml()})
 
     def close(self) -> None:
         if self.transport is not None:

@@ -333,3 +333,14 @@ def test_the_learning_rate_schedule_reaches_the_spmd_workers(tmp_path):
     assert weights_spmd.keys() == weights_local.keys()
     for name in weights_local:
         torch.testing.assert_close(weights_spmd[name], weights_local[name], atol=1e-5, rtol=1e-4)
+
+
+def test_a_resume_over_other_prompts_is_refused(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    copy = copy_run(run_dir, tmp_path)
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b + (a == 7))} for a in range(8) for b in range(8)]  # 8 answers differ
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_run_config(copy, ["train.steps=5", f"data.train={changed}"])
+    with pytest.raises(CheckpointMismatch, match=r"other training prompts: 56 usable prompts .* now gives 56"):
+        train(config, resume=True)
