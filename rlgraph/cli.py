@@ -105,6 +105,15 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--adapter", action="store_true", help="LoRA runs: write the peft adapter, not merged weights")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
+    evaluate = sub.add_parser("eval", parents=[common], help="score a run's checkpoint on held-out prompts with its rewards")
+    evaluate.add_argument("run_dir")
+    evaluate.add_argument("--checkpoint", help="a step number or step-* directory of the run (default: the latest)")
+    evaluate.add_argument("--data", metavar="FILE", help="prompts to score, read with the run's data settings "
+                                                         "(default: the run's held-out split)")
+    evaluate.add_argument("--max-prompts", type=int, metavar="N", help="score the first N prompts only")
+    evaluate.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a key of the run's config, e.g. -o eval.max_new_tokens=64")
+
     plot = sub.add_parser("plot", parents=[common], help="write PNG curves (reward, accuracy, KL, length, throughput)")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="where the PNGs go (default: RUN_DIR/plots)")
@@ -146,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     commands = {"list": _list, "check": _check, "demo": _demo, "trace": _trace, "plan": _plan, "train": _train,
-                "export": _export, "plot": _plot, "bench": _bench}
+                "export": _export, "eval": _eval, "plot": _plot, "bench": _bench}
     try:
         import_modules(args.imports)
         return commands[args.command](args)
@@ -262,6 +271,20 @@ def _export(args) -> int:
 
     out = export_run(args.run_dir, args.out, checkpoint=args.checkpoint, adapter=args.adapter, overwrite=args.overwrite)
     print(f"exported {args.run_dir} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+def _eval(args) -> int:
+    from rlgraph.ir.errors import ConfigError
+    from rlgraph.train.evaluation import evaluate_run
+
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise ConfigError(f"--max-prompts {args.max_prompts}: give a number >= 1")
+    result = evaluate_run(args.run_dir, checkpoint=args.checkpoint, data=args.data, max_prompts=args.max_prompts,
+                          overrides=args.override)
+    print(f"{result['checkpoint']} (step {result['step']}) on {result['data']}, {result['prompts']} prompts, greedy: "
+          f"accuracy ({result['accuracy_reward']}) {result['eval/accuracy']:.1%}, reward {result['eval/reward']:.3f}, "
+          f"response length {result['eval/response_length']:.1f} tokens -> {result['saved']}")
     return 0
 
 

@@ -344,3 +344,22 @@ def test_a_resume_over_other_prompts_is_refused(full_run, tmp_path):
     config = load_run_config(copy, ["train.steps=5", f"data.train={changed}"])
     with pytest.raises(CheckpointMismatch, match=r"other training prompts: 56 usable prompts .* now gives 56"):
         train(config, resume=True)
+
+
+def test_eval_scores_a_checkpoint_like_the_run_did(full_run, tmp_path):
+    from rlgraph.cli import main
+    from rlgraph.train.evaluation import evaluate_run
+
+    run_dir, _, _ = full_run
+    last = [row for row in metrics_of(run_dir) if "eval/accuracy" in row][-1]  # the evaluation at step 4
+    result = evaluate_run(run_dir)
+    assert (result["step"], result["prompts"]) == (4, 8)
+    assert result["eval/accuracy"] == last["eval/accuracy"] and result["eval/reward"] == last["eval/reward"]
+    assert json.loads(Path(result["saved"]).read_text())["eval/accuracy"] == last["eval/accuracy"]
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"question": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(5)))
+    result = evaluate_run(run_dir, checkpoint="3", data=str(other), max_prompts=3)
+    assert (result["step"], result["prompts"], result["checkpoint"]) == (3, 3, "step-000003")
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        evaluate_run(run_dir, checkpoint="9")
+    assert main(["eval", str(run_dir), "--max-prompts", "0"]) == 1
