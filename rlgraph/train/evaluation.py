@@ -27,7 +27,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     """Score `checkpoint` (default: the latest) of `run_dir` on `data` (default: the run's eval split)."""
     from rlgraph.backends.lora import is_lora
     from rlgraph.train.checkpoint import read_checkpoint
-    from rlgraph.train.export import _checkpoint_of, _load
+    from rlgraph.train.export import load_weights, resolve_checkpoint
     from rlgraph.train.run import _Session, build_roles, load_run_config, prepare
 
     console = console or Console()
@@ -37,7 +37,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
         extra.append(f"eval.max_prompts={max_prompts}")
     config = load_run_config(run_dir, [*overrides, *extra])
     config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"runtime": "local", "nproc": 1})})
-    path = _checkpoint_of(run_dir, checkpoint)
+    path = resolve_checkpoint(run_dir, checkpoint)
     setup = prepare(config)
     if not setup.eval_rows:
         raise ConfigError(f"{run_dir}: the run has no held-out prompts (no data.eval, eval_fraction 0)",
@@ -47,7 +47,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
         raise ConfigError(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
     executor = build_roles(setup)
     policy = executor.models["policy"].model
-    _load(policy, dict(state.roles["policy"].model), path, strict=not is_lora(policy))
+    load_weights(policy, dict(state.roles["policy"].model), path, strict=not is_lora(policy))
     session = _Session(setup, executor, console)
     from rlgraph.runtime.plan_runner import PlanRunner
 

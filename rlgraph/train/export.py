@@ -28,7 +28,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
 
     run_dir, out = Path(run_dir), Path(out)
     config = load_run_config(run_dir)
-    path = _checkpoint_of(run_dir, checkpoint)
+    path = resolve_checkpoint(run_dir, checkpoint)
     resolved = out.resolve()
     if resolved == run_dir.resolve() or resolved in run_dir.resolve().parents:
         raise ConfigError(f"export target {out} is the run directory {run_dir} or holds it; exporting there would "
@@ -46,13 +46,13 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     if config.model.lora is not None:
         from rlgraph.backends.lora import merged_state_dict
 
-        _load(model, weights, path, strict=False)
+        load_weights(model, weights, path, strict=False)
         if not adapter:
             merged = merged_state_dict(model)
             model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
-            _load(model, merged, path, strict=True)
+            load_weights(model, merged, path, strict=True)
     else:
-        _load(model, weights, path, strict=True)
+        load_weights(model, weights, path, strict=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
@@ -69,7 +69,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     return out
 
 
-def _load(model, weights: dict, path: Path, *, strict: bool) -> None:
+def load_weights(model, weights: dict, path: Path, *, strict: bool) -> None:
     """Load `weights`, refusing names or shapes the model does not have (another model)."""
     expected = model.state_dict()
     unknown = sorted(set(weights) - set(expected))
@@ -83,7 +83,7 @@ def _load(model, weights: dict, path: Path, *, strict: bool) -> None:
     model.load_state_dict(weights, strict=False)
 
 
-def _checkpoint_of(run_dir: Path, checkpoint: str | Path | None) -> Path:
+def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     """The checkpoint `checkpoint` names: None (the latest), a step number, a step-* name of the run,
     or a path; a ConfigError listing the run's checkpoints when there is no such one."""
     if checkpoint is None:
