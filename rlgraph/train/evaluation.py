@@ -26,6 +26,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
                  ) -> dict[str, Any]:
     """Score `checkpoint` (default: the latest) of `run_dir` on `data` (default: the run's eval split)."""
     from rlgraph.backends.lora import is_lora
+    from rlgraph.runtime.plan_runner import PlanRunner
     from rlgraph.train.checkpoint import read_checkpoint
     from rlgraph.train.export import load_weights, resolve_checkpoint
     from rlgraph.train.run import _Session, build_roles, load_run_config, prepare
@@ -49,8 +50,6 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     policy = executor.models["policy"].model
     load_weights(policy, dict(state.roles["policy"].model), path, strict=not is_lora(policy))
     session = _Session(setup, executor, console)
-    from rlgraph.runtime.plan_runner import PlanRunner
-
     session.eval_runner = PlanRunner(setup.eval, executor)
     metrics = session.evaluate()
     source = data if data is not None else (config.data.eval or f"{config.data.train} (held-out {config.data.eval_fraction:g})")
