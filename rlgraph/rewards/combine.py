@@ -74,6 +74,13 @@ class RewardPipeline:
                 total[row] += term.weight * score
             self._sums[term.name] = self._sums.get(term.name, 0.0) + sum(scores)
             self._counts[term.name] = self._counts.get(term.name, 0) + len(scores)
+        overflow = [row for row, value in enumerate(total) if not math.isfinite(value)]
+        if overflow:  # finite terms whose weighted sum is not (1e308 * 2): never a reward of inf
+            failure = _Failure("overflowed: the weighted sum of the terms is not finite", overflow)
+            if self.on_error == "fail":
+                raise RewardError(self._describe(RewardTerm("sum", None), failure, completions, meta))
+            self._errors["sum"] = self._errors.get("sum", 0) + len(overflow)
+            total = [0.0 if row in set(overflow) else value for row, value in enumerate(total)]
         return total
 
     def pop_metrics(self) -> dict[str, float]:

@@ -282,8 +282,30 @@ def test_zero_policy_always_returns_finite_scores_and_counts_every_bad_one(value
     pipeline = RewardPipeline([RewardTerm("junk", lambda c, **_: values, 2.0)], on_error="zero")
     scores = pipeline(["x"] * len(values))
     assert len(scores) == len(values) and all(math.isfinite(s) for s in scores)
-    bad = [i for i, v in enumerate(values)
-           if isinstance(v, (str, type(None))) or (isinstance(v, float) and not math.isfinite(v))]
+    bad = [i for i, v in enumerate(values)  # not a number, not finite, or finite but not once weighted by 2
+           if isinstance(v, (str, type(None))) or not math.isfinite(2.0 * float(v))]
     assert pipeline.pop_metrics()["reward/errors"] == len(bad)
     for i, value in enumerate(values):
         assert scores[i] == (0.0 if i in bad else 2.0 * float(value))
+
+
+def test_a_weighted_sum_that_overflows_is_a_failure_not_an_inf_reward():
+    huge = RewardTerm("huge", lambda c, **_: [1e308] * len(c), 10.0)
+    with pytest.raises(RewardError, match=r"reward 'sum' overflowed: the weighted sum of the terms is not finite"):
+        RewardPipeline([huge])(["a"], text=["p"])
+    zero = RewardPipeline([huge], on_error="zero")
+    assert zero(["a", "b"]) == [0.0, 0.0] and zero.pop_metrics()["reward/sum/errors"] == 2
+
+
+@given(st.text(max_size=60), st.text(max_size=20))
+def test_math_reward_never_raises_on_any_text(completion, answer):
+    assert math_reward([completion], answer=[answer]) in ([0.0], [1.0])
+    assert isinstance(extract_code(completion), str)
+    assert FormatRegex(r"\d+")([completion]) in ([0.0], [1.0]) and Tags(["think"])([completion]) in ([0.0], [1.0])
+
+
+@given(st.text(alphabet="0123456789-./,{}\\frac boxed#%$", max_size=30))
+def test_answer_parsing_never_raises_on_numberish_text(text):
+    extracted = extract_answer(text)
+    assert extracted is None or isinstance(extracted, str)
+    assert answers_equal(extracted, text) in (True, False)
