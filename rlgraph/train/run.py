@@ -235,7 +235,8 @@ def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
 
 def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
     """The reference (the warm-started policy, frozen; with LoRA the base itself, adapters off) and
-    PPO's critic (the warm-started backbone plus a value head), for the roles the plan reads."""
+    PPO's critic (the warm-started backbone plus a value head; with LoRA the policy's merged
+    weights, the critic itself trained in full), for the roles the plan reads."""
     config, roles = setup.config, {node.target for node in setup.rl.source.inputs}
     policy = executor.models["policy"].model
     if "ref" in roles:
@@ -246,10 +247,13 @@ def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
         else:
             executor.models["ref"] = LMWorker(copy.deepcopy(policy).requires_grad_(False))
     if "critic" in roles:
-        if config.model.lora is not None:
-            raise ConfigError("model.lora with a critic (PPO) is not supported yet", fix="use a critic-free algorithm with LoRA")
         critic = build_critic(config.model.path, tokenizer=setup.tokenizer, seed=config.train.seed + 1).to(setup.device)
-        critic.backbone.load_state_dict(policy.state_dict())
+        if config.model.lora is not None:  # the critic trains in full, from the policy's merged weights
+            from rlgraph.backends.lora import merged_state_dict
+
+            critic.backbone.load_state_dict(merged_state_dict(policy))
+        else:
+            critic.backbone.load_state_dict(policy.state_dict())
         lr = config.optimizer.critic_lr or config.optimizer.lr
         executor.models["critic"] = LMWorker(critic, _optimizer(config, critic, lr), kind="critic")
 

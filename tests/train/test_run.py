@@ -363,3 +363,29 @@ def test_eval_scores_a_checkpoint_like_the_run_did(full_run, tmp_path):
     with pytest.raises(ConfigError, match="no such checkpoint"):
         evaluate_run(run_dir, checkpoint="9")
     assert main(["eval", str(run_dir), "--max-prompts", "0"]) == 1
+
+
+def test_ppo_with_a_lora_policy_trains_a_full_critic_from_the_merged_weights(tmp_path):
+    from safetensors.torch import load_file as load
+
+    config, _ = make_config(tmp_path, "ppo", ["algorithm={name: ppo, hparams: {kl: 0.02}}", "model.lora={r: 4}",
+                                              "train.steps=2", "checkpoint.every=2"])
+    train(config)
+    rows = train_rows(tmp_path / "ppo")
+    assert [row["step"] for row in rows] == [1, 2] and all(row["critic/grad_norm"] > 0 for row in rows)
+    checkpoint = latest_checkpoint(tmp_path / "ppo")
+    policy, critic = load(str(checkpoint / "policy.safetensors")), load(str(checkpoint / "critic.safetensors"))
+    assert policy and all(".lora_" in name for name in policy)             # the policy: adapters only
+    assert any(name.startswith("backbone.") for name in critic) and not any(".lora_" in name for name in critic)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_lora_policy_on_spmd_matches_local(tmp_path):
+    ppo = ["algorithm={name: ppo, hparams: {kl: 0.02}}", "model.lora={r: 4}", "train.steps=3", "eval.every=0"]
+    local, _ = make_config(tmp_path, "local", ppo)
+    spmd, _ = make_config(tmp_path, "spmd", [*ppo, "runtime.runtime=spmd", "runtime.nproc=2"])
+    train(local)
+    train(spmd)
+    for a, b in zip(train_rows(tmp_path / "spmd"), train_rows(tmp_path / "local"), strict=True):
+        for key in ("reward", "ref_kl", "policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
