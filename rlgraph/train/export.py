@@ -24,7 +24,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
-    from rlgraph.train.run import _tokenizer, build_policy, load_run_config
+    from rlgraph.train.run import BASE_FILE, _tokenizer, build_policy, load_run_config
 
     run_dir, out = Path(run_dir), Path(out)
     config = load_run_config(run_dir)
@@ -37,6 +37,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
         raise ConfigError(f"export target {out} already exists", fix="choose a new directory or pass --overwrite")
     if adapter and config.model.lora is None:
         raise ConfigError("--adapter: the run trained full weights, not LoRA adapters", fix="export without --adapter")
+    if adapter and (run_dir / BASE_FILE).is_file():
+        raise ConfigError(f"--adapter: the run's adapters apply to its warm-started base ({run_dir / BASE_FILE}), "
+                          f"not to {config.model.path or 'the model it started from'}",
+                          fix="export without --adapter (merged weights)")
     state, step, _ = read_checkpoint(path)
     if "policy" not in state.roles:
         raise CheckpointMismatch(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")

@@ -220,17 +220,49 @@ def build_roles(setup: Setup) -> LocalExecutor:
     return executor
 
 
+BASE_FILE = "base.safetensors"  # a LoRA run's base after its warm start (the adapters merged into it)
+
+
 def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
     """The policy as the run starts it: the model (seeded init for a config) and, with `model.lora`,
-    its adapters (seeded too), so a run, its resume and its export build the same module."""
+    its adapters (seeded too), so a run, its resume, its evaluation and its export build the same
+    module. A LoRA run that warm-started keeps its merged base in RUN_DIR/base.safetensors: the
+    adapters of its checkpoints apply to that base."""
     model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
     if config.model.lora is None:
         return model
     from rlgraph.backends.lora import LoraSettings, apply_lora
 
+    base = config.directory / BASE_FILE
+    if base.is_file():
+        from safetensors.torch import load_file
+
+        from rlgraph.train.export import load_weights
+
+        load_weights(model, load_file(str(base)), base, strict=True)
     lora = config.model.lora
     return apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)),
                       seed=config.train.seed)
+
+
+def rebase_lora(setup: Setup, executor: LocalExecutor) -> None:
+    """After a LoRA warm start: merge the trained adapters into the base (saved once as
+    RUN_DIR/base.safetensors, atomically) and start RL from fresh adapters on it, so the KL
+    reference (the base, adapters off) is the warm-started policy, still with no second copy."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from rlgraph.backends.lora import merged_state_dict
+
+    merged = {name: tensor.detach().to("cpu").contiguous().clone()
+              for name, tensor in merged_state_dict(executor.models["policy"].model).items()}
+    path = setup.config.directory / BASE_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(merged, str(tmp))
+    os.replace(tmp, path)
+    model = build_policy(setup.config, setup.tokenizer).to(setup.device)
+    executor.models["policy"] = LMWorker(model, _optimizer(setup.config, model, setup.config.optimizer.lr))
 
 
 def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
@@ -318,10 +350,14 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config.to_yaml())
     (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
+    if checkpoint is None:
+        (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
     executor = build_roles(setup)
     session = _Session(setup, executor, console)
     if checkpoint is None:
         session.warm_start()
+        if config.model.lora is not None and config.warm_start.steps:
+            rebase_lora(setup, executor)
         session.first_eval = None  # "before" is the policy RL starts from, not the one SFT started from
     add_rl_roles(setup, executor)
     session.reset_optimizer()
@@ -367,7 +403,11 @@ def _refuse_other_data(setup: Setup, checkpoint: Path) -> None:
     refused, naming what differs, instead of silently replaying other batches."""
     from rlgraph.train.checkpoint import read_extra
 
-    saved = read_extra(checkpoint).get("user", {}).get("data")
+    user = read_extra(checkpoint).get("user", {})
+    if user.get("lora_base") and not (setup.config.directory / BASE_FILE).is_file():
+        raise CheckpointMismatch(f"checkpoint {checkpoint} holds LoRA adapters of a warm-started base, but "
+                                 f"{setup.config.directory / BASE_FILE} is gone: they cannot be applied to another base")
+    saved = user.get("data")
     mine = data_digest(setup.train_rows)
     if saved is not None and saved != mine:
         raise CheckpointMismatch(
@@ -444,7 +484,8 @@ class _Session:
                        checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
                        before_step=self.before_step, after_step=self.after_step,
                        extra_state=lambda: {"fingerprint": fingerprint(self.config),
-                                            "data": self.data_digest, "config": self.config.to_yaml()})
+                                            "data": self.data_digest, "config": self.config.to_yaml(),
+                                            "lora_base": (run_dir / BASE_FILE).is_file()})
 
     def close(self) -> None:
         if self.transport is not None:

@@ -389,3 +389,29 @@ def test_ppo_with_a_lora_policy_on_spmd_matches_local(tmp_path):
     for a, b in zip(train_rows(tmp_path / "spmd"), train_rows(tmp_path / "local"), strict=True):
         for key in ("reward", "ref_kl", "policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+def test_a_lora_warm_start_becomes_the_base_and_the_kl_reference(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlgraph.train.export import export_run
+
+    config, _ = make_config(tmp_path, "lora", ["model.lora={r: 4}", "train.steps=2", "checkpoint.every=1"])
+    train(config)
+    run_dir = tmp_path / "lora"
+    assert (run_dir / "base.safetensors").is_file()
+    first = train_rows(run_dir)[0]
+    assert abs(first["policy/kl"]) < 1e-6  # fresh adapters on the warm-started base: policy == reference
+    # Resume, export and eval rebuild the same policy from the saved base and the adapters.
+    resumed = load_run_config(run_dir, ["train.steps=3"])
+    assert train(resumed, resume=True).steps == 3
+    straight, _ = make_config(tmp_path, "straight", ["model.lora={r: 4}", "train.steps=3", "checkpoint.every=1"])
+    train(straight)
+    assert_same_run(tmp_path / "straight", run_dir)  # the resume was exact: metrics and adapters
+    out = export_run(run_dir, tmp_path / "hf")
+    assert AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True) is not None
+    with pytest.raises(ConfigError, match="adapters apply to its warm-started base"):
+        export_run(run_dir, tmp_path / "adapter", adapter=True)
+    (run_dir / "base.safetensors").unlink()
+    with pytest.raises(CheckpointMismatch, match="base.safetensors is gone"):
+        train(load_run_config(run_dir, ["train.steps=4"]), resume=True)
