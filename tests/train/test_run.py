@@ -284,6 +284,23 @@ def train_rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("eval/")} for row in metrics_of(run_dir) if "reward" in row]
 
 
+def train_local_and_spmd(tmp_path: Path, overrides: list[str]) -> tuple[list[dict], list[dict]]:
+    """The training rows of the same config run on the local runtime and on 2 spmd ranks."""
+    for name, extra in (("local", []), ("spmd", ["runtime.runtime=spmd", "runtime.nproc=2"])):
+        config, _ = make_config(tmp_path, name, [*overrides, *extra])
+        train(config)
+    return train_rows(tmp_path / "local"), train_rows(tmp_path / "spmd")
+
+
+def assert_rows_close(rows: list[dict], expected: list[dict], keys=None) -> None:
+    """Step by step, `keys` (default: every key, which must be the same) agree to 1e-4 relative."""
+    for row, want in zip(rows, expected, strict=True):
+        if keys is None:
+            assert row.keys() == want.keys()
+        for key in keys or want:
+            assert row[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (want["step"], key)
+
+
 def test_evaluating_more_often_does_not_change_the_training_samples(full_run, tmp_path):
     run_dir, _, _ = full_run  # eval.every=2
     config, _ = make_config(tmp_path, "often", ["eval.every=1"])
@@ -296,10 +313,7 @@ def test_a_spmd_run_matches_the_local_run(full_run, tmp_path):
     run_dir, _, _ = full_run
     config, _ = make_config(tmp_path, "spmd", ["runtime.runtime=spmd", "runtime.nproc=2"])
     train(config)
-    for spmd, local in zip(train_rows(tmp_path / "spmd"), train_rows(run_dir), strict=True):
-        assert spmd.keys() == local.keys()
-        for key in spmd:
-            assert spmd[key] == pytest.approx(local[key], rel=1e-4, abs=1e-5), key
+    assert_rows_close(train_rows(tmp_path / "spmd"), train_rows(run_dir))
 
 
 def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, tmp_path):
@@ -320,15 +334,9 @@ def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, 
 def test_the_learning_rate_schedule_reaches_the_spmd_workers(tmp_path):
     """Warmup then linear decay: the workers' optimizers step with the controller's schedule."""
     schedule = ["optimizer.warmup_steps=2", "optimizer.schedule=linear", "train.steps=4", "eval.every=0"]
-    local, _ = make_config(tmp_path, "local", schedule)
-    spmd, _ = make_config(tmp_path, "spmd", [*schedule, "runtime.runtime=spmd", "runtime.nproc=2"])
-    train(local)
-    train(spmd)
-    rows_local, rows_spmd = train_rows(tmp_path / "local"), train_rows(tmp_path / "spmd")
+    rows_local, rows_spmd = train_local_and_spmd(tmp_path, schedule)
     assert [row["lr"] for row in rows_local] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 0.5e-3])
-    for a, b in zip(rows_spmd, rows_local, strict=True):
-        for key in ("reward", "policy/loss", "policy/grad_norm", "policy/kl"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    assert_rows_close(rows_spmd, rows_local, ("reward", "policy/loss", "policy/grad_norm", "policy/kl"))
     weights_spmd, weights_local = policy_weights(tmp_path / "spmd"), policy_weights(tmp_path / "local")
     assert weights_spmd.keys() == weights_local.keys()
     for name in weights_local:
@@ -382,13 +390,9 @@ def test_ppo_with_a_lora_policy_trains_a_full_critic_from_the_merged_weights(tmp
 @pytest.mark.slow
 def test_ppo_with_a_lora_policy_on_spmd_matches_local(tmp_path):
     ppo = ["algorithm={name: ppo, hparams: {kl: 0.02}}", "model.lora={r: 4}", "train.steps=3", "eval.every=0"]
-    local, _ = make_config(tmp_path, "local", ppo)
-    spmd, _ = make_config(tmp_path, "spmd", [*ppo, "runtime.runtime=spmd", "runtime.nproc=2"])
-    train(local)
-    train(spmd)
-    for a, b in zip(train_rows(tmp_path / "spmd"), train_rows(tmp_path / "local"), strict=True):
-        for key in ("reward", "ref_kl", "policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    rows_local, rows_spmd = train_local_and_spmd(tmp_path, ppo)
+    assert_rows_close(rows_spmd, rows_local,
+                      ("reward", "ref_kl", "policy/loss", "policy/grad_norm", "critic/loss", "critic/grad_norm"))
 
 
 def test_a_lora_warm_start_becomes_the_base_and_the_kl_reference(tmp_path):
