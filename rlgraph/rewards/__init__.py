@@ -25,7 +25,7 @@ from rlgraph.rewards.combine import RewardPipeline, RewardTerm
 from rlgraph.rewards.formats import FormatRegex, Tags
 from rlgraph.rewards.math_answers import answers_equal, extract_answer, math_reward
 from rlgraph.rewards.reward_model import RewardModel
-from rlgraph.rewards.verifiable import REWARDS, RewardFn, exact_match, get_reward
+from rlgraph.rewards.verifiable import RewardFn, exact_match
 
 BUILTIN: dict[str, Callable[..., Any]] = {
     "exact_match": exact_match,
@@ -35,7 +35,6 @@ BUILTIN: dict[str, Callable[..., Any]] = {
     "code": CodeTests,
     "reward_model": RewardModel,
 }
-REWARDS.setdefault("math", math_reward)
 
 # Parameters a reward receives per call (from the rollouts), never as build options.
 _PER_CALL = {"completions", "answer", "text", "self"}
@@ -88,6 +87,5 @@ def _check_options(name: str, target: Callable[..., Any], options: dict[str, Any
                               fix=f"write e.g. {{name: {name}, options: {{{missing[0]}: ...}}}}")
 
 
-__all__ = ["BUILTIN", "CodeTests", "FormatRegex", "REWARDS", "RewardError", "RewardFn", "RewardModel",
-           "RewardPipeline", "RewardTerm", "Tags", "answers_equal", "build_reward", "exact_match", "extract_answer",
-           "get_reward", "math_reward"]
+__all__ = ["BUILTIN", "CodeTests", "FormatRegex", "RewardError", "RewardFn", "RewardModel", "RewardPipeline",
+           "RewardTerm", "Tags", "answers_equal", "build_reward", "exact_match", "extract_answer", "math_reward"]

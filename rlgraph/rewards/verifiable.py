@@ -22,15 +22,3 @@ def exact_match(completions: Sequence[str], answer: Sequence[Any], **_: Any) -> 
         raise ValueError(f"exact_match: {len(completions)} completions but {len(answer)} answers; "
                          "pass one answer per row")
     return [float(str(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
-
-
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match}
-
-
-def get_reward(name: str) -> RewardFn:
-    """The registered reward function called `name`."""
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}. "
-                         "Pass a function `fn(completions, **meta) -> list[float]` to use your own") from None

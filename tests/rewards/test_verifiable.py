@@ -1,6 +1,6 @@
 import pytest
 
-from rlgraph.rewards import REWARDS, exact_match, get_reward
+from rlgraph.rewards import BUILTIN, build_reward, exact_match
 
 
 def test_exact_match_strips_whitespace():
@@ -17,6 +17,6 @@ def test_exact_match_needs_one_answer_per_row():
 
 
 def test_registry():
-    assert get_reward("exact_match") is exact_match is REWARDS["exact_match"]
-    with pytest.raises(ValueError, match="unknown reward 'f1'; known rewards: exact_match"):
-        get_reward("f1")
+    assert build_reward("exact_match") is exact_match is BUILTIN["exact_match"]
+    with pytest.raises(ValueError, match="unknown reward 'f1'; built-in rewards: exact_match"):
+        build_reward("f1")
