@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from rlgraph.backends.local.executor import CheckpointMismatch, LocalExecutor
 from rlgraph.backends.protocols import ExecutorState, RoleState
+from rlgraph.ir.errors import ConfigError
 
 
 def _write_json_atomic(path: Path, payload: Any) -> None:
@@ -143,3 +144,35 @@ def load_checkpoint(path: str | Path, executor: Any) -> dict[str, Any]:
     state, step, extra = read_checkpoint(path)
     executor.import_state(state, where=f"checkpoint {path}")
     return {"step": step, **extra}
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: Path, *, strict: bool) -> None:
+    """Load `weights`, refusing names or shapes the model does not have (another model)."""
+    expected = model.state_dict()
+    unknown = sorted(set(weights) - set(expected))
+    missing = sorted(set(expected) - set(weights)) if strict else []
+    if strict:  # tied embeddings: the checkpoint holds both names, or the one the model keeps
+        missing = [name for name in missing if not name.endswith("lm_head.weight")]
+    bad = [name for name in weights if name in expected and tuple(weights[name].shape) != tuple(expected[name].shape)]
+    if unknown or missing or bad:
+        raise CheckpointMismatch(f"checkpoint {path} does not fit the run's model (unknown {unknown[:3]}, missing "
+                                 f"{missing[:3]}, other shapes {bad[:3]}): was the model directory changed?")
+    model.load_state_dict(weights, strict=False)
+
+
+def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
+    """The checkpoint `checkpoint` names: None (the latest), a step number, a step-* name of the run,
+    or a path; a ConfigError listing the run's checkpoints when there is no such one."""
+    if checkpoint is None:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise ConfigError(f"{run_dir} has no checkpoint", fix="train the run for at least one step first")
+        return path
+    text = str(checkpoint)
+    candidates = [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    have = sorted(p.name for p in run_dir.glob("step-*") if p.is_dir())
+    raise ConfigError(f"--checkpoint {text!r}: no such checkpoint in {run_dir}",
+                      fix=f"one of {', '.join(have)} (or its step number)" if have else "the run has no checkpoints yet")

@@ -25,11 +25,9 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
                  max_prompts: int | None = None, overrides: list[str] = (), console: Console | None = None
                  ) -> dict[str, Any]:
     """Score `checkpoint` (default: the latest) of `run_dir` on `data` (default: the run's eval split)."""
-    from rlgraph.backends.lora import is_lora
     from rlgraph.runtime.plan_runner import PlanRunner
-    from rlgraph.train.checkpoint import read_checkpoint
-    from rlgraph.train.export import load_weights, resolve_checkpoint
-    from rlgraph.train.run import _Session, build_roles, load_run_config, prepare
+    from rlgraph.train.checkpoint import resolve_checkpoint
+    from rlgraph.train.run import _Session, build_roles, checkpoint_policy, load_run_config, prepare
 
     console = console or Console()
     run_dir = Path(run_dir)
@@ -43,12 +41,8 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     if not setup.eval_rows:
         raise ConfigError(f"{run_dir}: the run has no held-out prompts (no data.eval, eval_fraction 0)",
                           fix="pass --data FILE with prompts to score")
-    state, step, _ = read_checkpoint(path)
-    if "policy" not in state.roles:
-        raise ConfigError(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
-    executor = build_roles(setup)
-    policy = executor.models["policy"].model
-    load_weights(policy, dict(state.roles["policy"].model), path, strict=not is_lora(policy))
+    policy, step = checkpoint_policy(config, setup.tokenizer, path)
+    executor = build_roles(setup, policy)
     session = _Session(setup, executor, console)
     session.eval_runner = PlanRunner(setup.eval, executor)
     metrics = session.evaluate()

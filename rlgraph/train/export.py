@@ -12,10 +12,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.ir.errors import ConfigError
-from rlgraph.train.checkpoint import latest_checkpoint, read_checkpoint
+from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
@@ -24,7 +23,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
-    from rlgraph.train.run import BASE_FILE, _tokenizer, build_policy, load_run_config
+    from rlgraph.train.run import BASE_FILE, _tokenizer, checkpoint_policy, load_run_config
 
     run_dir, out = Path(run_dir), Path(out)
     config = load_run_config(run_dir)
@@ -41,22 +40,14 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
         raise ConfigError(f"--adapter: the run's adapters apply to its warm-started base ({run_dir / BASE_FILE}), "
                           f"not to {config.model.path or 'the model it started from'}",
                           fix="export without --adapter (merged weights)")
-    state, step, _ = read_checkpoint(path)
-    if "policy" not in state.roles:
-        raise CheckpointMismatch(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
     tokenizer = _tokenizer(config)
-    model = build_policy(config, tokenizer)
-    weights = dict(state.roles["policy"].model)
-    if config.model.lora is not None:
+    model, step = checkpoint_policy(config, tokenizer, path)
+    if config.model.lora is not None and not adapter:  # a plain model: the adapters merged into the base
         from rlgraph.backends.lora import merged_state_dict
 
-        load_weights(model, weights, path, strict=False)
-        if not adapter:
-            merged = merged_state_dict(model)
-            model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
-            load_weights(model, merged, path, strict=True)
-    else:
-        load_weights(model, weights, path, strict=True)
+        merged = merged_state_dict(model)
+        model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
+        load_weights(model, merged, path, strict=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
@@ -71,35 +62,3 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def load_weights(model, weights: dict, path: Path, *, strict: bool) -> None:
-    """Load `weights`, refusing names or shapes the model does not have (another model)."""
-    expected = model.state_dict()
-    unknown = sorted(set(weights) - set(expected))
-    missing = sorted(set(expected) - set(weights)) if strict else []
-    if strict:  # tied embeddings: the checkpoint holds both names, or the one the model keeps
-        missing = [name for name in missing if not name.endswith("lm_head.weight")]
-    bad = [name for name in weights if name in expected and tuple(weights[name].shape) != tuple(expected[name].shape)]
-    if unknown or missing or bad:
-        raise CheckpointMismatch(f"checkpoint {path} does not fit the run's model (unknown {unknown[:3]}, missing "
-                                 f"{missing[:3]}, other shapes {bad[:3]}): was the model directory changed?")
-    model.load_state_dict(weights, strict=False)
-
-
-def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
-    """The checkpoint `checkpoint` names: None (the latest), a step number, a step-* name of the run,
-    or a path; a ConfigError listing the run's checkpoints when there is no such one."""
-    if checkpoint is None:
-        path = latest_checkpoint(run_dir)
-        if path is None:
-            raise ConfigError(f"{run_dir} has no checkpoint to export", fix="train the run for at least one step first")
-        return path
-    text = str(checkpoint)
-    candidates = [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
-    for path in candidates:
-        if path.is_dir():
-            return path
-    have = sorted(p.name for p in run_dir.glob("step-*") if p.is_dir())
-    raise ConfigError(f"--checkpoint {text!r}: no such checkpoint in {run_dir}",
-                      fix=f"one of {', '.join(have)} (or its step number)" if have else "the run has no checkpoints yet")

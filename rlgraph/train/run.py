@@ -210,10 +210,11 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
 
 
 # -- roles ----------------------------------------------------------------------------------------
-def build_roles(setup: Setup) -> LocalExecutor:
-    """The policy (+ LoRA adapters), and the reference and critic when the plan reads them."""
+def build_roles(setup: Setup, policy: torch.nn.Module | None = None) -> LocalExecutor:
+    """The executor over the policy (`build_policy`'s, or the module given) and the rewards;
+    `add_rl_roles` adds the reference and critic the plan reads."""
     config = setup.config
-    model = build_policy(config, setup.tokenizer).to(setup.device)
+    model = (policy if policy is not None else build_policy(config, setup.tokenizer)).to(setup.device)
     policy = LMWorker(model, _optimizer(config, model, config.optimizer.lr))
     executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
                              max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device)
@@ -237,12 +238,26 @@ def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
     if base.is_file():
         from safetensors.torch import load_file
 
-        from rlgraph.train.export import load_weights
+        from rlgraph.train.checkpoint import load_weights
 
         load_weights(model, load_file(str(base)), base, strict=True)
     lora = config.model.lora
     return apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)),
                       seed=config.train.seed)
+
+
+def checkpoint_policy(config: TrainConfig, tokenizer: Any, path: Path) -> tuple[torch.nn.Module, int]:
+    """(the policy as the run built it, with checkpoint `path`'s weights; the checkpoint's step).
+    A LoRA checkpoint holds the adapters only: the base comes from `build_policy`."""
+    from rlgraph.backends.lora import is_lora
+    from rlgraph.train.checkpoint import load_weights, read_checkpoint
+
+    state, step, _ = read_checkpoint(path)
+    if "policy" not in state.roles:
+        raise CheckpointMismatch(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
+    model = build_policy(config, tokenizer)
+    load_weights(model, dict(state.roles["policy"].model), path, strict=not is_lora(model))
+    return model, step
 
 
 def rebase_lora(setup: Setup, executor: LocalExecutor) -> None:
