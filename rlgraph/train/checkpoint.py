@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 from safetensors.torch import load_file, save_file
 

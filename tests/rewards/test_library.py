@@ -233,7 +233,7 @@ def test_pipeline_fail_policy_names_the_term_and_sample(fn, message, sample):
     pipeline = _pipeline(fn, timeout_s=0.2 if fn is sleeps else None)
     with pytest.raises(RewardError, match=message) as info:
         pipeline(["a", "b", "c"], text=["p0", "p1", "p2"])
-    assert f"reward 'bad' " in str(info.value) and f"sample {sample} of 3 (prompt 'p{sample}'" in str(info.value)
+    assert "reward 'bad' " in str(info.value) and f"sample {sample} of 3 (prompt 'p{sample}'" in str(info.value)
     assert "reward_on_error: zero" in str(info.value)
 
 
