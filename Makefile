@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-thorough bench plan clean
+.PHONY: demo test test-fast test-thorough bench plan clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-thorough: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/kernels.py
+
+# On a machine with one CUDA GPU and no registry: uses python3's own torch/triton/transformers, no venv
+# (docs/gpu.md). Output in gpu-check/.
+gpu-check:
+	bash tools/gpu_check.sh gpu-check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs

@@ -120,3 +120,45 @@ for _profile in (
                     link_efficiency=0.5, stage_overhead_s=0.5e-3),
 ):
     register_profile(_profile)
+
+
+# Name fragments of `torch.cuda.get_device_name()` -> profile, most specific first ("H200" before
+# "H100"; "H20" only as a whole word, or "H200" would match it).
+_GPU_NAMES: tuple[tuple[str, str], ...] = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"),
+                                           ("L40S", "l40s"), ("H20", "h20"))
+
+
+def profile_for_gpu(name: str, memory_bytes: int) -> str:
+    """The profile of a GPU that reports `name` and `memory_bytes` (torch's device properties).
+
+    A known kind whose memory differs from its table entry by more than 3% (an A100 40GB, an H100
+    NVL 94GB, an L40S, whose 48 GB are 44.4 GiB) gets a derived profile `<kind>_<GiB>g` with the memory it really has; an unknown
+    GPU is refused, naming how to register it, since costs and fits would otherwise be guesses."""
+    import re
+
+    gib = memory_bytes / 2**30
+    for fragment, kind in _GPU_NAMES:
+        if re.search(rf"\b{fragment}\b", name.upper()):
+            base = PROFILES[kind]
+            if abs(gib - base.memory_gib) <= 0.03 * base.memory_gib:
+                return kind
+            derived = f"{kind}_{round(gib)}g"
+            if derived not in PROFILES:
+                register_profile(attrs.evolve(base, name=derived, memory_gib=round(gib, 1),
+                                              source=f"{base.source}; memory as the device reports it ({gib:.1f} GiB)"))
+            return derived
+    raise ValueError(f"no hardware profile for the GPU {name!r} ({gib:.1f} GiB); known kinds: "
+                     f"{', '.join(kind for _, kind in _GPU_NAMES)}. Register one with "
+                     "rlgraph.plan.hardware.register_profile(HardwareProfile(...)) and name it in the mesh")
+
+
+def detect_device_kind(device: str) -> str:
+    """The mesh's device kind for a runtime device ("cpu", "cuda", "cuda:1"): "cpu", or the profile of
+    the GPU torch finds (`profile_for_gpu`), so a plan's costs and fits are for the hardware in hand."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    index = torch.device(device).index or 0
+    properties = torch.cuda.get_device_properties(index)
+    return profile_for_gpu(properties.name, properties.total_memory)

@@ -30,6 +30,7 @@ from rlgraph.data import arithmetic
 from rlgraph.rewards import exact_match
 from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.world import WorldSpec
+from rlgraph.plan.hardware import detect_device_kind
 from rlgraph.plan.mesh import Mesh, colocated
 from rlgraph.runtime.spmd import SpmdTransport, resolve_device
 from rlgraph.runtime.eager import Interpreter
@@ -182,7 +183,7 @@ def compile_rl(config: DemoConfig, device: str, ranks: int = 1) -> Any:
     of kind `device` ("cpu" or "cuda"), colocated, native generation engine."""
     hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams,
                "n": config.rl_samples, "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}
-    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, ranks)
+    mesh = Mesh(detect_device_kind(device), 1, ranks)
     placement = colocated(offload=False, checkpointing=False)
     return compile_algorithm(ALGORITHMS[config.algorithm], mesh=mesh, placement=placement,
                              engine="native",  # the engine the workers run (vLLM: issue 13)

@@ -3,6 +3,7 @@
 import pytest
 
 from rlgraph.plan import hardware as H
+from rlgraph.plan.hardware import detect_device_kind, profile, profile_for_gpu
 from rlgraph.plan.mesh import DEVICE_MEMORY_GIB, Mesh
 
 
@@ -30,3 +31,35 @@ def test_a_registered_profile_makes_a_mesh_of_it(monkeypatch):
 def test_an_unknown_device_names_the_known_ones():
     with pytest.raises(ValueError, match="register_profile"):
         H.profile("tpu")
+
+
+# ----------------------------------------------------------------------------- the GPU in hand
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize("name, memory, want", [
+    ("NVIDIA H100 80GB HBM3", 79.6 * GiB, "h100"),   # as the lent H100 reports itself (81,559 MiB)
+    ("NVIDIA H200", 139.8 * GiB, "h200"),
+    ("NVIDIA A100-SXM4-80GB", 79.2 * GiB, "a100"),
+    ("NVIDIA H20", 95.0 * GiB, "h20"),
+])
+def test_a_gpu_is_named_by_its_profile(name, memory, want):
+    assert profile_for_gpu(name, int(memory)) == want
+
+
+def test_a_known_gpu_with_other_memory_gets_a_profile_with_its_memory():
+    assert profile_for_gpu("NVIDIA L40S", int(44.4 * GiB)) == "l40s_44g"  # the table's 48 is GB, not GiB
+    kind = profile_for_gpu("NVIDIA A100-SXM4-40GB", int(39.4 * GiB))
+    assert kind == "a100_39g"
+    assert profile(kind).memory_gib == 39.4 and profile(kind).peak_flops == profile("a100").peak_flops
+    assert Mesh.parse(f"{kind}:8").device == kind  # a mesh of it plans with 39.4 GiB per device
+
+
+def test_an_unknown_gpu_is_refused_with_how_to_register_it():
+    with pytest.raises(ValueError, match=r"no hardware profile for the GPU 'Tesla T4'.*register_profile"):
+        profile_for_gpu("Tesla T4", 15 * GiB)
+
+
+def test_the_cpu_is_the_cpu_profile():
+    assert detect_device_kind("cpu") == "cpu"
