@@ -1,0 +1,203 @@
+"""The largest run this machine holds: GRPO with a KL reference on real-sized models, per-process memory.
+
+    .venv/bin/python benchmarks/scale.py --model qwen2.5-0.5b                 # full fine-tuning, AdamW
+    .venv/bin/python benchmarks/scale.py --model qwen2.5-1.5b --lora 16       # LoRA r=16 on q,k,v,o
+    .venv/bin/python benchmarks/scale.py --model tiny-qwen2 --steps 2         # the harness itself, seconds
+
+What it does:
+1. writes a random-init model of the preset's architecture (`rlgraph plan` presets) as a Hugging
+   Face directory, weights in bf16 safetensors as published checkpoints are, with the shipped
+   character tokenizer (its ids fit every vocabulary), unless `--model-dir` already holds one;
+2. runs `rlgraph train` on it (spmd, `--nproc` gloo ranks by default: the path a multi-GPU user
+   takes), a few GRPO steps with KL to the reference, no warm start, tiny batches;
+3. samples the resident memory (RSS) of the controller and of every worker process every
+   `--interval` seconds and reports each one's peak, beside one fp32 copy of the policy, and the
+   step and weight-sync times from the run's metrics.
+
+Peak RSS counts what a process really holds (allocator caching included), sampled: a peak
+shorter than the interval can be missed, so the figure is a lower bound on the true peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+GiB = 2**30
+
+
+def write_model(preset: str, out: Path, seed: int = 0) -> int:
+    """A random-init model of `preset` in `out` (config.json, bf16 safetensors, tokenizer); its parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlgraph.backends.local.models import load_tokenizer
+    from rlgraph.plan.presets import load_model_config
+
+    fields = dict(load_model_config(preset))
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    load_tokenizer(None).save_pretrained(str(out))
+    return params
+
+
+class RssSampler(threading.Thread):
+    """Peak RSS of a process and all its descendants, per pid, sampled every `interval` seconds."""
+
+    def __init__(self, pid: int, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.root, self.interval = psutil.Process(pid), interval
+        self.peaks: dict[int, int] = {}
+        self.names: dict[int, str] = {}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                processes = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for process in processes:
+                try:
+                    rss = process.memory_info().rss
+                    if process.pid not in self.names:
+                        self.names[process.pid] = " ".join(process.cmdline())[-90:]
+                except psutil.Error:
+                    continue
+                self.peaks[process.pid] = max(rss, self.peaks.get(process.pid, 0))
+            self.stopped.wait(self.interval)
+
+
+def run_config(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict:
+    lora = f"{{r: {args.lora}, alpha: {2 * args.lora}, target_modules: [q_proj, k_proj, v_proj, o_proj]}}"
+    return {
+        "name": "scale", "run_dir": str(run_dir),
+        "algorithm": {"name": "grpo", "hparams": {"kl": 0.01}},
+        "model": {"path": str(model_dir), **({"lora": lora} if args.lora else {})},
+        "data": {"train": str(ROOT / "examples/math_grpo/train.jsonl"), "prompt_field": "question",
+                 "answer_field": "answer", "chat_template": False, "max_prompt_tokens": 16},
+        "rewards": [{"name": "math"}],
+        "rollout": {"prompts_per_step": args.prompts, "n": args.n, "max_new_tokens": args.tokens},
+        "optimizer": {"name": "adamw", "lr": 1e-6},
+        "train": {"steps": args.steps, "seed": 0},
+        "runtime": {"runtime": args.runtime, "nproc": args.nproc, "device": "cpu", "threads": args.threads},
+        "eval": {"every": 0},
+        "checkpoint": {"every": 1000},  # none within the run: the figures are the steps
+        "logging": {"progress": False, "plots": False, "tensorboard": False},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-0.5b", help="a preset name (rlgraph plan --model)")
+    parser.add_argument("--model-dir", type=Path, help="where the model is written (default: runs/scale/<model>)")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    parser.add_argument("--runtime", default="spmd", choices=("local", "spmd", "ray"))
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--n", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4)
+    parser.add_argument("--interval", type=float, default=0.1)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+
+    import yaml
+
+    base = ROOT / "runs" / "scale"
+    model_dir = args.model_dir or base / args.model
+    start = time.perf_counter()
+    if not (model_dir / "config.json").is_file():
+        params = write_model(args.model, model_dir)
+        print(f"wrote {args.model} ({params / 1e6:.0f}M parameters) to {model_dir} in {time.perf_counter() - start:.0f} s")
+    config = json.loads((model_dir / "config.json").read_text())
+    params = _count_params(model_dir)
+    run_dir = base / f"run-{args.model}{'-lora' if args.lora else ''}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config_path = base / f"{run_dir.name}.yaml"
+    config_path.write_text(yaml.safe_dump(run_config(args, model_dir, run_dir), sort_keys=False))
+
+    command = [sys.executable, "-m", "rlgraph", "train", str(config_path)]
+    began = time.perf_counter()
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = RssSampler(process.pid, args.interval)
+    sampler.start()
+    output = process.communicate()[0]
+    sampler.stopped.set()
+    sampler.join()
+    wall = time.perf_counter() - began
+    peaks = {label: round(rss / GiB, 2) for label, rss in _labelled(sampler, process.pid).items()}
+    if process.returncode != 0:
+        print(output[-3000:])
+        print(f"rlgraph train failed (exit {process.returncode}) after {wall:.0f} s; peak RSS (GiB): {peaks}")
+        return 1
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward" in row]
+    fp32_policy = params * 4
+    report = {
+        "model": args.model, "params": params, "lora": args.lora, "runtime": args.runtime, "nproc": args.nproc,
+        "hidden": config.get("hidden_size"), "layers": config.get("num_hidden_layers"),
+        "wall_s": round(wall, 1), "fp32_policy_gib": round(fp32_policy / GiB, 2),
+        "peak_rss_gib": peaks,
+        "controller_peak_rss_gib": round(sampler.peaks.get(process.pid, 0) / GiB, 2),
+        "step_s": _median(steps, "time/step_s"), "sync_s": _median(steps, "time/sync_weights_s"),
+        "stage_s": {key: _median(steps, key) for key in sorted({k for row in steps for k in row if k.startswith("time/")})},
+    }
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _labelled(sampler: RssSampler, controller: int) -> dict[str, int]:
+    """Peaks by role: the controller, its worker processes (rank order = start order), other helpers."""
+    out, ranks = {}, 0
+    for pid, rss in sorted(sampler.peaks.items()):
+        name = sampler.names.get(pid, "?")
+        if pid == controller:
+            label = "controller"
+        elif "spawn_main" in name or "ray::" in name:
+            label, ranks = f"worker {ranks}", ranks + 1
+        else:
+            label = f"other ({name.split()[-1] if name.split() else '?'})"
+        out[label if label not in out else f"{label} #{pid}"] = rss
+    return out
+
+
+def _count_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                total += math.prod(handle.get_slice(name).get_shape())
+    return total
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [row[key] for row in rows if key in row]
+    return round(statistics.median(values), 3) if values else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
