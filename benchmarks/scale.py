@@ -14,8 +14,8 @@ What it does:
    `--interval` seconds and reports each one's peak, beside one fp32 copy of the policy, and the
    step and weight-sync times from the run's metrics.
 
-Peak RSS counts what a process really holds (allocator caching included), sampled: a peak
-shorter than the interval can be missed, so the figure is a lower bound on the true peak.
+Peak RSS and PSS (`RssSampler`) count what a process really holds (allocator caching included),
+sampled: a peak shorter than the interval can be missed, so the figures are lower bounds.
 """
 
 from __future__ import annotations
@@ -59,12 +59,18 @@ def write_model(preset: str, out: Path, seed: int = 0) -> int:
 
 
 class RssSampler(threading.Thread):
-    """Peak RSS of a process and all its descendants, per pid, sampled every `interval` seconds."""
+    """Peak RSS and PSS of a process and all its descendants, per pid, sampled every `interval` seconds.
+
+    RSS counts shared pages (tensors passed through shared memory, the interpreter's libraries) in
+    every process that maps them; PSS divides each shared page among its sharers, so the PSS of all
+    processes adds up to what the run takes from the machine."""
 
     def __init__(self, pid: int, interval: float) -> None:
         super().__init__(daemon=True)
         self.root, self.interval = psutil.Process(pid), interval
         self.peaks: dict[int, int] = {}
+        self.pss_peaks: dict[int, int] = {}
+        self.total_pss_peak = 0
         self.names: dict[int, str] = {}
         self.stopped = threading.Event()
 
@@ -74,14 +80,18 @@ class RssSampler(threading.Thread):
                 processes = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
+            total = 0
             for process in processes:
                 try:
-                    rss = process.memory_info().rss
+                    memory = process.memory_full_info()
                     if process.pid not in self.names:
                         self.names[process.pid] = " ".join(process.cmdline())[-90:]
                 except psutil.Error:
                     continue
-                self.peaks[process.pid] = max(rss, self.peaks.get(process.pid, 0))
+                self.peaks[process.pid] = max(memory.rss, self.peaks.get(process.pid, 0))
+                self.pss_peaks[process.pid] = max(memory.pss, self.pss_peaks.get(process.pid, 0))
+                total += memory.pss
+            self.total_pss_peak = max(self.total_pss_peak, total)
             self.stopped.wait(self.interval)
 
 
@@ -116,21 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4)
-    parser.add_argument("--interval", type=float, default=0.1)
+    parser.add_argument("--interval", type=float, default=0.25)
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
 
     import yaml
 
     base = ROOT / "runs" / "scale"
-    model_dir = args.model_dir or base / args.model
+    model_dir = args.model_dir or base / Path(args.model).name.removesuffix(".json")
     start = time.perf_counter()
     if not (model_dir / "config.json").is_file():
         params = write_model(args.model, model_dir)
         print(f"wrote {args.model} ({params / 1e6:.0f}M parameters) to {model_dir} in {time.perf_counter() - start:.0f} s")
     config = json.loads((model_dir / "config.json").read_text())
     params = _count_params(model_dir)
-    run_dir = base / f"run-{args.model}{'-lora' if args.lora else ''}"
+    label = Path(args.model).parent.name if args.model.endswith(".json") else args.model
+    run_dir = base / f"run-{label}{'-lora' if args.lora else ''}"
     shutil.rmtree(run_dir, ignore_errors=True)
     config_path = base / f"{run_dir.name}.yaml"
     config_path.write_text(yaml.safe_dump(run_config(args, model_dir, run_dir), sort_keys=False))
@@ -144,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     sampler.stopped.set()
     sampler.join()
     wall = time.perf_counter() - began
-    peaks = {label: round(rss / GiB, 2) for label, rss in _labelled(sampler, process.pid).items()}
+    peaks = {label: round(rss / GiB, 2) for label, rss in _labelled(sampler, process.pid, sampler.peaks).items()}
+    pss = {label: round(value / GiB, 2) for label, value in _labelled(sampler, process.pid, sampler.pss_peaks).items()}
     if process.returncode != 0:
         print(output[-3000:])
-        print(f"rlgraph train failed (exit {process.returncode}) after {wall:.0f} s; peak RSS (GiB): {peaks}")
+        print(f"rlgraph train failed (exit {process.returncode}) after {wall:.0f} s; peak RSS (GiB): {peaks}, PSS: {pss}")
         return 1
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -157,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "params": params, "lora": args.lora, "runtime": args.runtime, "nproc": args.nproc,
         "hidden": config.get("hidden_size"), "layers": config.get("num_hidden_layers"),
         "wall_s": round(wall, 1), "fp32_policy_gib": round(fp32_policy / GiB, 2),
-        "peak_rss_gib": peaks,
+        "peak_rss_gib": peaks, "peak_pss_gib": pss, "peak_total_pss_gib": round(sampler.total_pss_peak / GiB, 2),
         "controller_peak_rss_gib": round(sampler.peaks.get(process.pid, 0) / GiB, 2),
         "step_s": _median(steps, "time/step_s"), "sync_s": _median(steps, "time/sync_weights_s"),
         "stage_s": {key: _median(steps, key) for key in sorted({k for row in steps for k in row if k.startswith("time/")})},
@@ -168,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _labelled(sampler: RssSampler, controller: int) -> dict[str, int]:
+def _labelled(sampler: RssSampler, controller: int, peaks: dict[int, int]) -> dict[str, int]:
     """Peaks by role: the controller, its worker processes (rank order = start order), other helpers."""
     out, ranks = {}, 0
-    for pid, rss in sorted(sampler.peaks.items()):
+    for pid, rss in sorted(peaks.items()):
         name = sampler.names.get(pid, "?")
         if pid == controller:
             label = "controller"
