@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from rlgraph.kernels import advantages as A  # noqa: E402
 from rlgraph.kernels import logprob_head as head  # noqa: E402
 from rlgraph.kernels import policy_loss as P  # noqa: E402
+from rlgraph.kernels import sampling as S  # noqa: E402
 
 MiB = 1 << 20
 
@@ -210,6 +211,25 @@ def _kernel_cases(N: int, T: int, device: torch.device):
     ]
 
 
+def sampling_table(device: torch.device, N: int, V: int, repeats: int) -> list[str]:
+    """The fused sampler (one pass over the logits) against the torch reference ([N, V] int64 hash
+    words and float noise), with the peak memory each allocates beyond the logits."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(N, V, generator=gen) * 3).to(device=device, dtype=torch.bfloat16 if device.type == "cuda"
+                                                                  else torch.float32)  # [N, V]
+    keys = S.splitmix64(torch.tensor(7), torch.arange(N)).to(device)  # [N]
+    ceiling = copy_bandwidth(device, max(logits.numel(), 1 << 16), repeats)
+    peak = cuda_peak if device.type == "cuda" else (lambda fn, _device: cpu_tensor_peak(fn))
+    lines = [f"sampling, N={N} V={V} {logits.dtype}; copy bandwidth {ceiling / 1e9:.0f} GB/s",
+             "| sampler | ms | fraction of copy BW (logits read once) | peak MiB |", "| --- | --- | --- | --- |"]
+    for name, fn in (("fused (triton)", lambda: S.gumbel_sample_triton(logits, keys, 1.0)),
+                     ("reference (torch)", lambda: S.gumbel_sample_reference(logits, keys, 1.0))):
+        seconds = median_seconds(fn, repeats, device)
+        lines.append(f"| {name} | {seconds * 1e3:.3f} | {_bytes(logits) / seconds / ceiling:.2f} | "
+                     f"{peak(fn, device) / MiB:.0f} |")
+    return lines
+
+
 def _compiled(fn: Callable[[], object], enabled: bool) -> Callable[[], object] | None:
     if not enabled:
         return None
@@ -295,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(gpu_head_table(device, *((8192, 32000, 4096) if big else (32, 50, 16)), args.repeats, dtype)))
     print("\n".join(kernel_table(device, *((4096, 4096) if big else (12, 9)), args.repeats if big else 1,
                                  compile_=not args.no_compile)))
+    print("\n".join(sampling_table(device, *((512, 151936) if big else (4, 300)), args.repeats if big else 1)))
     return 0
 
 
