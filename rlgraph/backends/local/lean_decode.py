@@ -132,6 +132,19 @@ class LeanDecoder:
             x = self._layer(index, layer, x, attend, start=start)  # [N, 1, H]
         return self._logits(x)
 
+    def static_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`step` with every shape fixed and the position on the device: the step attends over the
+        whole [P+S] cache through a validity mask instead of a slice that grows by one each token,
+        writes its keys and values with a tensor index, and advances `self.position` in place, so
+        one traced graph (torch.compile, a CUDA graph) serves every token of the call."""
+        if not hasattr(self, "position"):
+            self.position = torch.tensor([self.filled], device=tokens.device)  # [1], the column this token fills
+            self.columns = torch.arange(self.key_mask.shape[1], device=tokens.device)  # [P+S]
+        logits = static_decode_step(self.decoder, self.lm_head, tokens, self.position, self.columns, self.key_mask,
+                                    self.cos, self.sin, self.cache)
+        self.filled += 1
+        return logits
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.decoder.norm(x))[:, -1]  # [N, V]
 
@@ -167,3 +180,32 @@ class LeanDecoder:
             out = out.transpose(1, 2).reshape(rows, length, -1)  # [N, L, Hq*D]
         x = x + attention.o_proj(out)  # [N, L, H]
         return x + layer.mlp(layer.post_attention_layernorm(x))  # [N, L, H]
+
+
+def static_decode_step(decoder: nn.Module, lm_head: nn.Module, tokens: torch.Tensor, position: torch.Tensor,
+                       columns: torch.Tensor, key_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One decode step with static shapes (`LeanDecoder.static_step`): tokens [N] at cache column
+    `position` [1]; writes that column of every layer's cache, advances `position` by one in place,
+    and returns the logits [N, V]. A free function of tensors and modules, so `torch.compile` keys
+    its graph on the model and the shapes, not on a decoder object made anew for every call."""
+    x = decoder.embed_tokens(tokens[:, None])  # [N, 1, H]
+    rows = x.shape[0]
+    attend = (key_mask & (columns <= position))[:, None, None]  # [N, 1, 1, P+S]
+    cos, sin = cos.index_select(2, position), sin.index_select(2, position)  # [N, 1, 1, D]
+    for layer, (keys, values) in zip(decoder.layers, cache):
+        attention = layer.self_attn
+        h = layer.input_layernorm(x)  # [N, 1, H]
+        shape = (rows, 1, -1, attention.head_dim)
+        q = _rotate(attention.q_proj(h).view(shape).transpose(1, 2), cos, sin)  # [N, Hq, 1, D]
+        k = _rotate(attention.k_proj(h).view(shape).transpose(1, 2), cos, sin)  # [N, Hkv, 1, D]
+        v = attention.v_proj(h).view(shape).transpose(1, 2)  # [N, Hkv, 1, D]
+        keys.index_copy_(2, position, k)
+        values.index_copy_(2, position, v)
+        groups = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q.reshape(rows, k.shape[1], groups, -1), keys, values,
+                                             attn_mask=attend, scale=attention.scaling)  # [N, Hkv, G, D]
+        x = x + attention.o_proj(out.reshape(rows, 1, -1))  # [N, 1, H]
+        x = x + layer.mlp(layer.post_attention_layernorm(x))  # [N, 1, H]
+    position.add_(1)
+    return lm_head(decoder.norm(x))[:, -1]  # [N, V]
