@@ -10,7 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.backends.fsdp.executor import _on_host
+from rlgraph.backends.fsdp.shards import on_host
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.runtime.spmd import free_port
 
@@ -27,7 +27,7 @@ def _policy_units(cpu_offload: bool) -> list[FSDPModule]:
                       sizes={"B": 2, "P": 8, "T": 4}, n=2, max_new_tokens=4).plan
     world = WorldSpec({"policy": RoleSpec(optimizer="adamw")}, max_new_tokens=4, fsdp_unit_params=0)
     executor = world.build(0, plan, torch.device("cpu"))
-    assert _on_host(executor.models["policy"])  # a CPU device: the shards are host memory either way
+    assert on_host(executor.models["policy"])  # a CPU device: the shards are host memory either way
     return [unit for unit in executor.models["policy"].model.modules() if isinstance(unit, FSDPModule)]
 
 
