@@ -1,8 +1,8 @@
 """Building one rank's FSDP2 executor from the plan (`WorldSpec.build` calls `build_fsdp_executor`).
 
 For each group of the plan that holds the rank: a role that trains or runs forward passes is
-sharded with FSDP2 over the group's ranks (`sharded_role`: a 1-D mesh, or a 2-D (replicate,
-shard) mesh for HSDP); a group that generates gets a generation engine (`generation_engine`). A
+sharded with FSDP2 over the group's ranks (`_sharded_role`: a 1-D mesh, or a 2-D (replicate,
+shard) mesh for HSDP); a group that generates gets a generation engine (`_generation_engine`). A
 LoRA role shards the peft model: the frozen base and the adapters share FSDP2 units (FSDP2 shards
 each parameter on its own, so a unit may mix frozen and trainable ones); only the adapters get
 gradients and optimizer state. A `RoleSpec(base_of=...)` role (the KL reference of a LoRA policy)
@@ -90,20 +90,20 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
         if rank not in group.ranks:
             continue
         if group.name not in GENERATOR_OF:
-            spec = role_spec(world, group.name)
+            spec = _role_spec(world, group.name)
             role_groups[group.name] = process_groups[tuple(group.ranks)]
             if spec.base_of is not None:
                 views.append(group.name)  # built once the role it views is
                 continue
             mesh, shard_groups[group.name] = _role_mesh(group, rank, process_groups, device)
-            models[group.name] = sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params)
+            models[group.name] = _sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params)
             if spec.lora is not None:
                 from rlgraph.backends.lora import adapter_deltas
 
                 adapters[group.name] = adapter_deltas(role_module(models[group.name]))
         if group.generate is not None:
             served = GENERATOR_OF.get(group.name, group.name)
-            engines[served] = generation_engine(world, served, group, rank, tokenizer, device)
+            engines[served] = _generation_engine(world, served, group, rank, tokenizer, device)
     for role in views:
         from rlgraph.backends.lora import base_view
 
@@ -132,10 +132,10 @@ def check_views(views: Mapping[str, str], plan: Any) -> None:
                              f"{sorted(groups[role].ranks)}: use a colocated placement, or give it {base!r}'s group")
 
 
-def generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device) -> Any:
+def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device) -> Any:
     """The engine a generating rank runs: a full copy of the model for the native generator, or
     a vLLM engine (GPU only; UNTESTED against a live vLLM, see rlgraph/backends/vllm/engine.py)."""
-    spec = role_spec(world, served)
+    spec = _role_spec(world, served)
     if group.generate.engine == "vllm":
         if device.type != "cuda":
             raise ValueError(f"group {group.name!r} generates with vLLM, which needs CUDA; compile with engine='native'")
@@ -150,15 +150,17 @@ def generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer:
     return spec.build_module(tokenizer, dtype, merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
 
 
-def role_spec(world: Any, role: str) -> Any:
+def _role_spec(world: Any, role: str) -> Any:
     if role not in world.roles:
         raise KeyError(f"the plan places role {role!r} but the run defines only {', '.join(world.roles)}; "
                        f"add RoleSpec for {role!r} to the WorldSpec")
     return world.roles[role]
 
 
-def sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, device: torch.device,
+def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, device: torch.device,
                   unit_params: int) -> LMWorker:
+    """The role's model `fully_shard`ed on `mesh` (its large decoder layers as units, `RoleForward`
+    as the root), with a `LocalShardOptimizer` when it trains."""
     layout = group.train
     module = spec.build_module(tokenizer).to(device)
     if layout is not None and layout.checkpointing:

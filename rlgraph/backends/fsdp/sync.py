@@ -24,8 +24,8 @@ from rlgraph.backends.vllm.engine import VLLMEngine
 
 
 class WeightSync:
-    """The `FSDPExecutor`'s weight-sync commands (a mixin: it reads the executor's `models`,
-    `engines`, `served`, `adapters`, `sync_groups` and `rank`)."""
+    """The `FSDPExecutor`'s weight-sync commands (a mixin: it uses the executor's `models`,
+    `engines`, `served`, `adapters`, `sync_groups`, `rank`, `_live` and `_comm_device`)."""
 
     def sync_weights(self, model: ModelRef | None, route: Any = None) -> ModelRef:
         """Fill the engines of `route.dst` with `route.role`'s FSDP2 weights, one bucket at a time."""
@@ -127,7 +127,6 @@ class WeightSync:
                 served = zip([name for name, _ in self._served_layout(role, params)], self._served_bucket(role, params))
                 report["engine_diff"] = max(float((engine[name].float() - full.float()).abs().max()) for name, full in served)
         return report
-
 
 
 def _merge_units(named: Iterator[tuple[str, Any]]) -> Iterator[list[tuple[str, Any]]]:
