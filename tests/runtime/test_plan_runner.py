@@ -68,3 +68,15 @@ def test_the_runtime_imports_no_compiler_pass():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_moved_names_are_still_importable_from_where_callers_import_them():
+    from rlgraph.passes.partition import CONTROLLER
+    from rlgraph.passes.pipeline import Compiled
+    from rlgraph.passes.reshard import collective_kind
+    from rlgraph.plan import compiled, layouts
+    from rlgraph.runtime import errors, plan_runner
+
+    assert (Compiled, CONTROLLER, collective_kind) == (compiled.Compiled, layouts.CONTROLLER, layouts.collective_kind)
+    assert (plan_runner.WorkerFailure, plan_runner.PlanStepError, plan_runner.PlanInputError) == (
+        errors.WorkerFailure, errors.PlanStepError, errors.PlanInputError)
