@@ -89,7 +89,10 @@ class ExecutorState:
 
 
 class Executor(Protocol):
-    """Runs the primitives for every role it holds."""
+    """Runs the primitives for every role it holds, on `device` (where the runtime puts the values
+    it hands over: a batch to train on, a rank's scattered pieces)."""
+
+    device: torch.device
 
     def current(self, role: str) -> ModelRef: ...
 

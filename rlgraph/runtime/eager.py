@@ -145,7 +145,7 @@ class Interpreter:
         if name == "update":
             model, batch, *captured = args
             # The loss runs where the executor trains: its captured values and batch go there too.
-            device = getattr(self.executor, "device", torch.device("cpu"))
+            device = self.executor.device
             batch, captured = to_device(batch, device), to_device(captured, device)
             config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"})
             loss_fn = make_loss_fn(node.meta["program"], batch, captured)

@@ -56,7 +56,7 @@ class Worker:
     # -- values ------------------------------------------------------------------------------
     def put(self, name: str, value: Any) -> None:
         """Keep a value from the controller, on this rank's device (worker-side values live there)."""
-        self.store[name] = to_device(value, _device_of(self.executor))
+        self.store[name] = to_device(value, self.executor.device)
 
     def get(self, name: str) -> Any:
         """A value for the controller, whose values live on the CPU."""
@@ -131,8 +131,4 @@ class _StoreView(dict):
 
     def __getitem__(self, node: fx.Node) -> Any:
         return self.store[node.name]
-
-
-def _device_of(executor: Any) -> torch.device:
-    return getattr(executor, "device", torch.device("cpu"))
 

@@ -20,6 +20,8 @@ from rlgraph.runtime.refill import RefillError
 class ScriptedExecutor:
     """generate: one row per (prompt, sample); score: the scripted rewards; update: records its batch."""
 
+    device = torch.device("cpu")
+
     def __init__(self):
         self.version = 0
         self.batches: list[Rollouts] = []
