@@ -45,8 +45,9 @@ __all__ = ["PlanRunner", "PlanInputError", "PlanStepError", "WorkerFailure"]
 class PlanRunner(Interpreter):
     """Runs `compiled` over `transport` (or over an executor, in this process).
 
-    `controller` runs the controller's primitives (`score` with a reward function); it defaults to
-    the local transport's executor.
+    A transport is a `Transport` subclass (every command declared, so none is probed for); any
+    other object is an executor, run through a `LocalTransport`. `controller` runs the controller's
+    primitives (`score` with a reward function); it defaults to the local transport's executor.
     """
 
     def __init__(self, compiled: Compiled, transport: Transport | Executor, controller: Executor | None = None):
