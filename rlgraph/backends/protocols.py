@@ -80,7 +80,8 @@ class ExecutorState:
     """Everything an executor's future depends on: its roles and its random streams.
 
     The same object comes from one process (`LocalExecutor.export_state`) or from N ranks
-    (`WorkerPool.checkpoint_state` merges their shards), so a checkpoint resumes on any runtime."""
+    (the backend that built the ranks merges their shards: `RankRecipe.merge_states`), so a checkpoint
+    resumes on any runtime."""
 
     roles: Mapping[str, RoleState]
     shuffle_rng: torch.Tensor
@@ -88,7 +89,10 @@ class ExecutorState:
 
 
 class Executor(Protocol):
-    """Runs the primitives for every role it holds."""
+    """Runs the primitives for every role it holds, on `device` (where the runtime puts the values
+    it hands over: a batch to train on, a rank's scattered pieces)."""
+
+    device: torch.device
 
     def current(self, role: str) -> ModelRef: ...
 
@@ -105,4 +109,28 @@ class Executor(Protocol):
 
     def sync_weights(self, model: ModelRef, route: Any = None) -> ModelRef:
         """Load `model`'s weights into the generation engine that serves it (`route`: where from and to)."""
+        ...
+
+
+class RankRecipe(Protocol):
+    """What a remote transport asks of the backend that builds its ranks (`rlgraph.backends.world.WorldSpec`).
+
+    The transport moves rank answers as opaque data; only the backend knows how a rank holds its
+    share of a role (FSDP2 shards, say), so only it turns the ranks' answers back into whole values.
+    """
+
+    def build(self, rank: int, plan: Any, device: torch.device) -> Executor:
+        """Rank `rank`'s executor for `plan` (inside the job's torch.distributed process group)."""
+        ...
+
+    def controller(self) -> Executor:
+        """The controller's executor: reward functions and the tokenizer, no models."""
+        ...
+
+    def merge_states(self, parts: Mapping[int, Any]) -> ExecutorState:
+        """The full checkpoint state from every rank's `export_state()` answer (rank -> part)."""
+        ...
+
+    def full_weights(self, role: str, parts: Mapping[int, Any]) -> dict[str, torch.Tensor]:
+        """`role`'s full weights from every rank's `full_state(role)` answer (rank -> part)."""
         ...

@@ -3,6 +3,7 @@
     world = WorldSpec(roles={"policy": RoleSpec(optimizer="adamw", lr=1e-4)}, rewards={"reward": exact_match})
     executor = world.build_local(device)           # every role in this process, on `device`
     executor = world.build(rank, plan, device)     # rank `rank` of a compiled plan: FSDP2 roles, engines
+    state = world.merge_states(parts)              # the ranks' checkpoint parts as one full state
 
 A worker process receives the `WorldSpec` (not live models) and builds only the roles the plan
 places on its rank; the controller keeps the reward functions (`world.controller()`). `weights`
@@ -191,9 +192,22 @@ class WorldSpec:
 
     def build(self, rank: int, plan: Any, device: torch.device) -> Any:
         """Rank `rank`'s executor for `plan` (inside a torch.distributed job): see `rlgraph.backends.fsdp`."""
-        from rlgraph.backends.fsdp.executor import build_fsdp_executor
+        from rlgraph.backends.fsdp.build import build_fsdp_executor
 
         return build_fsdp_executor(self, rank, plan, device)
+
+    # The ranks' answers as whole values: only the backend that built the ranks knows their shard format.
+    def merge_states(self, parts: Mapping[int, Any]) -> Any:
+        """The full `ExecutorState` from every rank's `export_state()` part (rank -> part)."""
+        from rlgraph.backends.fsdp.state import merge_rank_states
+
+        return merge_rank_states(parts)
+
+    def full_weights(self, role: str, parts: Mapping[int, Any]) -> dict[str, torch.Tensor]:
+        """`role`'s full weights from every rank's `full_state(role)` answer (rank -> part)."""
+        from rlgraph.backends.fsdp.state import full_weights
+
+        return full_weights(role, parts)
 
 
 def _lora_roles(models: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

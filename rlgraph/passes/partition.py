@@ -27,8 +27,8 @@ from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.trace import get_field
 from rlgraph.passes.options import CompileOptions
+from rlgraph.plan.layouts import CONTROLLER  # re-exported: the passes import it from here
 
-CONTROLLER = "controller"
 PHASES = {"generate": "generate", "logprobs": "infer", "values": "infer", "score": "reward", "update": "train",
           "filter_groups": "filter"}
 

@@ -3,7 +3,8 @@
     program --infer_specs--> --partition--> --place--> --reshard--> --fuse--> --loops--> --schedule--> Plan
 
 Each pass is a pure function `(Program, CompileOptions) -> Program` that ends by verifying its
-output; `schedule` lowers to the `Plan`. Nothing here runs a model.
+output; `schedule` lowers to the `Plan`, and `Compiled` (`rlgraph.plan.compiled`) holds both.
+Nothing here runs a model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rlgraph.passes.partition import partition
 from rlgraph.passes.place import place
 from rlgraph.passes.reshard import reshard
 from rlgraph.passes.schedule import schedule
-from rlgraph.plan.plan import Plan
+from rlgraph.plan.compiled import Compiled  # re-exported: `rlgraph.passes.pipeline.Compiled` keeps working
 
 PIPELINE: list[tuple[str, Callable[[Program, CompileOptions], Program]]] = [
     ("infer_specs", infer_specs),
@@ -31,33 +32,6 @@ PIPELINE: list[tuple[str, Callable[[Program, CompileOptions], Program]]] = [
     ("fuse", fuse),
     ("loops", loops),
 ]
-
-
-@attrs.frozen
-class Compiled:
-    """A traced algorithm lowered for one mesh and placement: inspect it, then run it."""
-
-    source: Program
-    program: Program  # after every pass: placed, resharded, fused
-    plan: Plan
-    options: CompileOptions
-    search: object = None  # `rlgraph.passes.search.SearchResult` when the placement was "auto"
-
-    def as_text(self) -> str:
-        return self.plan.as_text() + (f"\n{self.search.text()}" if self.search is not None else "")
-
-    def cost_analysis(self, hardware=None):
-        """Estimated seconds per step and phase (`rlgraph.plan.cost.CostAnalysis`)."""
-        return self.plan.cost_analysis(hardware)
-
-    def memory_analysis(self) -> dict[str, dict[str, dict[str, int]]]:
-        return self.plan.memory_analysis()
-
-    def to_dot(self) -> str:
-        return self.plan.to_dot()
-
-    def __str__(self) -> str:
-        return self.as_text()
 
 
 def compile_program(program: Program, options: CompileOptions, *, top_k: int = 3) -> Compiled:

@@ -27,6 +27,7 @@ from rlgraph.ir.trace import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER, value_bytes
 from rlgraph.passes.place import group_named
+from rlgraph.plan.layouts import collective_kind  # re-exported: the rule is the plan's, shared with the runtime
 from rlgraph.plan.mesh import Group
 
 
@@ -53,14 +54,6 @@ def layout_of(node: fx.Node, groups: dict[str, Group], value: fx.Node | None = N
     group = groups[role]
     split = group.generate.dp if node.meta.get("phase") == "generate" and group.generate else group.dp
     return (group.ranks, split if is_per_row((value or node).meta["spec"]) else 1)
-
-
-def collective_kind(src: tuple, dst: tuple, per_row: bool) -> str:
-    if src == (CONTROLLER,):
-        return "scatter" if per_row else "broadcast"
-    if dst == (CONTROLLER,):
-        return "gather"
-    return "all_to_all" if set(src[0]) == set(dst[0]) else "send_recv"
 
 
 def _movable(node: fx.Node) -> bool:

@@ -1,8 +1,8 @@
 """What each collective of a plan does to the data, simulated over per-rank shards in one process.
 
-The `reshard` pass gives every value a layout: `("controller",)`, or `(ranks, split)` where a
-per-row value is cut into `split` contiguous row shards (`torch.tensor_split` order) and a value
-that is not per-row is replicated (`split` 1). The `split` data-parallel replicas are consecutive
+The `reshard` pass gives every value a layout (`rlgraph.plan.layouts`): `("controller",)`, or
+`(ranks, split)` where a per-row value is cut into `split` contiguous row shards
+(`torch.tensor_split` order) and a value that is not per-row is replicated (`split` 1). The `split` data-parallel replicas are consecutive
 blocks of `len(ranks) // split` ranks; the ranks of a block (tensor-parallel peers) hold the same
 rows. This module is the reference a multi-process runtime must agree with:
 
@@ -24,10 +24,7 @@ import torch
 
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir.errors import RLGraphError
-from rlgraph.passes.reshard import collective_kind
-
-CONTROLLER = "controller"
-Layout = tuple
+from rlgraph.plan.layouts import CONTROLLER, Layout, collective_kind
 
 
 class CollectiveError(RLGraphError):
@@ -148,7 +145,7 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-# The one collective that moves a value from one layout to another: the reshard pass's own rule.
+# The one collective that moves a value from one layout to another: the plan's rule, which the reshard pass applies.
 expected_kind = collective_kind
 
 

@@ -20,7 +20,7 @@ from rlgraph.batches import Rollouts, to_device
 from rlgraph.functional.aggregate import active_loss_normalization, loss_normalization
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.primitives import RefillLoop, primitive_name
+from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
 
@@ -93,26 +93,24 @@ class Interpreter:
         require_prompt_source(loops, program, more_prompts)
         env: dict[fx.Node, Any] = dict(zip(program.inputs, self.bind_inputs(program, batch)))
         filters = {loop.filter: loop for loop in loops}
+        nodes = {node.name: node for node in program.graph.nodes}
         for node in program.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
             if node.name in filters:
-                rerun = functools.partial(self._rerun_region, program, filters[node.name], env)
-                env[node] = run_filter(node, env, rerun, more_prompts)
+                loop = filters[node.name]
+                region = functools.partial(self._run_region, [nodes[name] for name in loop.nodes])
+                env[node] = run_filter(node, env, nodes[loop.prompts], region, more_prompts)
             else:
                 env[node] = run_node(node, env, self._primitive)
         state, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
         self.remember(state)
         return state, flatten_metrics(metrics)
 
-    def _rerun_region(self, program: Program, loop: RefillLoop, env: dict[fx.Node, Any], prompts: Any) -> dict[fx.Node, Any]:
-        """`env` with the loop's region re-run on `prompts` (the first round's values stay in `env`)."""
-        nodes = {node.name: node for node in program.graph.nodes}
-        fresh = dict(env)
-        fresh[nodes[loop.prompts]] = prompts
-        for name in loop.nodes:
-            fresh[nodes[name]] = run_node(nodes[name], fresh, self._primitive)
-        return fresh
+    def _run_region(self, region: list[fx.Node], env: dict[fx.Node, Any]) -> None:
+        """One refill round: the region's nodes, in program order, in `env`."""
+        for node in region:
+            env[node] = run_node(node, env, self._primitive)
 
     def bind_inputs(self, program: Program, batch: Any) -> list[Any]:
         """The program's inputs: the live version of each model role, reward roles, carried
@@ -147,7 +145,7 @@ class Interpreter:
         if name == "update":
             model, batch, *captured = args
             # The loss runs where the executor trains: its captured values and batch go there too.
-            device = getattr(self.executor, "device", torch.device("cpu"))
+            device = self.executor.device
             batch, captured = to_device(batch, device), to_device(captured, device)
             config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"})
             loss_fn = make_loss_fn(node.meta["program"], batch, captured)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from typing import Any
 
 import torch.fx as fx
@@ -30,44 +30,33 @@ from rlgraph.backends.protocols import Executor, ModelRef
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import RLGraphError
 from rlgraph.ir.primitives import primitive_name
-from rlgraph.passes.partition import CONTROLLER
-from rlgraph.passes.pipeline import Compiled
+from rlgraph.plan.compiled import Compiled
+from rlgraph.plan.layouts import CONTROLLER
 from rlgraph.plan.plan import Loop, Offload, Stage, SyncWeights, Transfer
 from rlgraph.runtime.eager import Interpreter, flatten_metrics, run_node
+# The errors are re-exported here, where callers have always imported them from.
+from rlgraph.runtime.errors import PlanInputError, PlanStepError, WorkerFailure
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
 from rlgraph.runtime.transport import LocalTransport, SyncRoute, Transport
 
-
-class WorkerFailure(RLGraphError):
-    """A worker raised, died or did not answer in time; `rank` says which (None: several)."""
-
-    def __init__(self, message: str, rank: int | None = None, cause: str = "", step: Any = None):
-        super().__init__(message)
-        self.rank = rank
-        self.cause = cause
-        self.step = step  # the plan step whose command failed, when it was sent before the current one
-
-
-class PlanInputError(RLGraphError):
-    """A batch the plan cannot run (it cannot be split as the plan's layouts say)."""
-
-
-class PlanStepError(RLGraphError):
-    """A plan step failed on a worker: the message names the step, its stage, its role and the rank."""
+__all__ = ["PlanRunner", "PlanInputError", "PlanStepError", "WorkerFailure"]
 
 
 class PlanRunner(Interpreter):
     """Runs `compiled` over `transport` (or over an executor, in this process).
 
-    `controller` runs the controller's primitives (`score` with a reward function); it defaults to
-    the local transport's executor.
+    A transport is a `Transport` subclass (every command declared, so none is probed for); any
+    other object is an executor, run through a `LocalTransport`. `controller` runs the controller's
+    primitives (`score` with a reward function); it defaults to the local transport's executor.
     """
 
     def __init__(self, compiled: Compiled, transport: Transport | Executor, controller: Executor | None = None):
-        if not hasattr(transport, "scatter"):
+        if not isinstance(transport, Transport):
             transport = LocalTransport(transport)
-        controller = controller or getattr(transport, "executor", None)
-        assert controller is not None, "a remote transport needs a controller executor for score"
+        controller = controller or transport.executor
+        if controller is None:
+            raise RLGraphError("PlanRunner over remote workers needs the controller's executor (it scores with the "
+                               "reward functions); pass controller=world.controller()")
         super().__init__(controller)
         self.compiled = compiled
         self.transport = transport
@@ -88,10 +77,9 @@ class PlanRunner(Interpreter):
         require_prompt_source(lowered.annotations.get("loops", ()), lowered, more_prompts)
         env = self._bind(lowered, batch)
         loop_at = {loop.filter_step: loop for loop in plan.loops}
-        at_step = getattr(self.transport, "at_step", lambda step: None)
         for step in plan.steps:
             start = time.perf_counter()
-            at_step(step)
+            self.transport.at_step(step)
             with self._context(step):
                 if step.index in loop_at:
                     self._run_filter_step(step, loop_at[step.index], env, more_prompts)
@@ -100,7 +88,7 @@ class PlanRunner(Interpreter):
             self.step_seconds[step.index] = self.step_seconds.get(step.index, 0.0) + time.perf_counter() - start
         with self._context(plan.steps[-1]):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
-            getattr(self.transport, "flush", lambda: None)()  # every command of this iteration has finished
+            self.transport.flush()  # every command of this iteration has finished
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)
         return state, flatten_metrics(metrics)
@@ -108,7 +96,7 @@ class PlanRunner(Interpreter):
     def _check_divides(self, batch: Any) -> None:
         """Every data-parallel rank gets the same number of whole prompts (and so of groups and
         micro-batches: ranks that disagree on the number of FSDP2 collectives would wait forever)."""
-        rows = len(batch) if hasattr(batch, "__len__") else None
+        rows = len(batch) if isinstance(batch, Sized) else None
         for group in self.compiled.plan.groups:
             ways = max(group.dp, group.generate.dp if group.generate else 1)
             if rows is not None and ways > 1 and rows % ways:
@@ -119,12 +107,10 @@ class PlanRunner(Interpreter):
     # -- checkpoints ---------------------------------------------------------------------------
     def export_state(self) -> Any:
         """The roles' full weights and optimizer states and the random streams, wherever they live."""
-        export = getattr(self.transport, "checkpoint_state", None)
-        return export() if export is not None else self.transport.executor.export_state()
+        return self.transport.checkpoint_state()
 
     def import_state(self, state: Any, where: str = "the checkpoint") -> None:
-        restore = getattr(self.transport, "restore_state", None)
-        restore(state, where) if restore is not None else self.transport.executor.import_state(state, where)
+        self.transport.restore_state(state, where)
         self.versions.clear()  # asked again of the ranks
 
     # -- inputs and outputs --------------------------------------------------------------------
@@ -192,21 +178,18 @@ class PlanRunner(Interpreter):
 
     def _run_filter_step(self, step: Stage, loop: Loop, env: dict[fx.Node, Any], more_prompts: MorePrompts | None) -> None:
         """The filter's stage (on the controller): `filter_groups` with its refill loop, then the reads of its outputs."""
-        rerun = functools.partial(self._rerun_loop, loop, env)
+        rounds = functools.partial(self._run_steps, loop.steps)
         for name in step.nodes:
             node = self.nodes[name]
             if primitive_name(node) == "filter_groups":
-                env[node] = run_filter(node, env, rerun, more_prompts)
+                env[node] = run_filter(node, env, self.nodes[loop.prompts], rounds, more_prompts)
             else:
                 env[node] = run_node(node, env, self._primitive)
 
-    def _rerun_loop(self, loop: Loop, env: dict[fx.Node, Any], prompts: Any) -> dict[fx.Node, Any]:
-        """`env` with the loop's steps re-run on `prompts` (the first round's values stay in `env`)."""
-        fresh = dict(env)
-        fresh[self.nodes[loop.prompts]] = prompts
-        for index in loop.steps:
-            self._run_step(self.compiled.plan.steps[index], fresh)
-        return fresh
+    def _run_steps(self, indices: tuple[int, ...], env: dict[fx.Node, Any]) -> None:
+        """One refill round: the loop's plan steps, in order, with `env` as the controller's values."""
+        for index in indices:
+            self._run_step(self.compiled.plan.steps[index], env)
 
     # -- errors ----------------------------------------------------------------------------------
     def _context(self, step: Any) -> _StepContext:
@@ -230,12 +213,19 @@ class _StepContext:
         if not isinstance(error, WorkerFailure):
             return False
         step = error.step or self.step
-        role = getattr(step, "group", None) or getattr(step, "role", None) or getattr(step, "dst", "?")
+        role = _role_of(step)
         where = f"rank {error.rank}" if error.rank is not None else "its ranks"
         raise PlanStepError(
             f"plan step [{step.index}] failed on {where} (role {role!r}):\n  {step.text().splitlines()[0].strip()}\n"
             f"  {error}" + (f"\n  worker traceback (last lines):\n{_indent(error.cause)}" if error.cause else "")
         ) from error
+
+
+def _role_of(step: Any) -> str:
+    """The role a plan step runs for: a stage's or offload's group, a sync's role, a transfer's destination."""
+    if isinstance(step, (Stage, Offload)):
+        return step.group
+    return step.role if isinstance(step, SyncWeights) else step.dst
 
 
 def _indent(text: str) -> str:

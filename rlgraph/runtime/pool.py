@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
+from rlgraph.backends.protocols import ExecutorState, ModelRef, RankRecipe
 from rlgraph.ir.program import Program
 from rlgraph.runtime import collectives as C
-from rlgraph.runtime.plan_runner import WorkerFailure
-from rlgraph.runtime.transport import SyncRoute
+from rlgraph.runtime.errors import WorkerFailure
+from rlgraph.runtime.transport import SyncRoute, Transport
 
 DEFAULT_TIMEOUT_S = {"cpu": 60.0, "cuda": 600.0}
 START_TIMEOUT_S = 180.0  # starting workers (spawn, import torch, build models) is not a step: a loaded machine is slow
@@ -61,14 +62,22 @@ def start_worker(rank: int, world: int, master: tuple[str, int], plan: Any, spec
     return Worker(executor, rank)
 
 
-class WorkerPool:
-    """The transport protocol over `world` remote workers; subclasses say how to reach them."""
+class WorkerPool(Transport):
+    """The transport protocol over `world` remote workers; subclasses say how to reach them.
+
+    `recipe` built the workers' executors; the pool asks it to turn the ranks' shares of a role
+    back into whole values (checkpoints, weights), so the pool never reads a backend's shard format.
+    """
 
     world: int
     device: str
     timeout_s: float
+    recipe: RankRecipe
+    executor = None  # the executors live in the workers; the controller's is passed to the runner
+    _closed = True  # until `_init_pool`: a pool that failed to start has nothing to stop
 
-    def _init_pool(self) -> None:
+    def _init_pool(self, recipe: RankRecipe) -> None:
+        self.recipe = recipe
         self._closed = False
         self._step: Any = None
         self.outstanding: list[deque] = [deque() for _ in range(self.world)]  # (what, step, token) not yet answered
@@ -196,7 +205,7 @@ class WorkerPool:
     def fetch(self, name: str, rank: int) -> Any:
         return self._all([rank], "get", name)[rank]
 
-    def current(self, role: str, rank: int) -> Any:
+    def current(self, role: str, rank: int) -> ModelRef:
         return self._all([rank], "current", role)[rank]
 
     def weights_report(self, role: str) -> dict[int, dict[str, Any]]:
@@ -205,36 +214,23 @@ class WorkerPool:
 
     def pull_state(self, role: str) -> dict[str, torch.Tensor]:
         """The full (unsharded) weights of `role`, on the CPU, from the ranks that train or hold it."""
-        states = self._all(range(self.world), "full_state", role)
-        return next(state for state in states.values() if state is not None)
+        return self.recipe.full_weights(role, self._all(range(self.world), "full_state", role))
 
     def set_learning_rate(self, role: str, lr: float) -> None:
         """Every rank that trains `role` sets its optimizer's learning rate (a schedule, between steps)."""
         self._all(range(self.world), "set_learning_rate", role, lr)
 
-    def checkpoint_state(self) -> Any:
+    def checkpoint_state(self) -> ExecutorState:
         """The full `ExecutorState` of every rank's roles (weights gathered, optimizer shards merged)."""
-        from rlgraph.backends.fsdp.executor import merge_optimizer_states
-        from rlgraph.backends.protocols import ExecutorState, RoleState
+        return self.recipe.merge_states(self._all(range(self.world), "export_state"))
 
-        parts = self._all(range(self.world), "export_state")
-        roles = {}
-        for role in sorted({role for part in parts.values() for role in part["roles"]}):
-            held = {rank: part["roles"][role] for rank, part in parts.items() if role in part["roles"]}
-            first = held[min(held)]
-            shards = [held[rank]["optimizer"] for rank in first["group"]]
-            roles[role] = RoleState(next(h["model"] for h in held.values() if h["model"] is not None),
-                                    merge_optimizer_states(shards) if shards[0] is not None else None,
-                                    first["optimizer_kind"], first["version"])
-        return ExecutorState(roles, parts[0]["shuffle_rng"], parts[0]["sampling"])
-
-    def restore_state(self, state: Any, where: str = "the checkpoint") -> None:
+    def restore_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
         """Every rank loads its shards of `state` (each checks the whole state before touching anything)."""
         self._all(range(self.world), "import_state", state, where)
 
     def close(self) -> None:
         """Stop every worker (idempotent)."""
-        if getattr(self, "_closed", True):
+        if self._closed:
             return
         self._closed = True
         self._stop()

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from rlgraph.plan.plan import Plan
-from rlgraph.runtime.plan_runner import WorkerFailure
+from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, WorkerPool, resolve_device, start_worker
 
 
@@ -91,7 +91,8 @@ class RayTransport(WorkerPool):
         bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if self.device == "cuda" else {})}
         self._group = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK")
         self._remove_group = remove_placement_group
-        self._init_pool()
+        spec = attrs.evolve(world, rewards={})  # reward functions run on the driver, and need not pickle
+        self._init_pool(spec)
         self.actors, self.nodes = [], []
         try:
             start_timeout = max(self.timeout_s, START_TIMEOUT_S)
@@ -104,7 +105,6 @@ class RayTransport(WorkerPool):
                 self.actors.append(remote.options(scheduling_strategy=strategy, name=None).remote(rank, cpus_per_rank))
             addresses = ray.get([actor.rendezvous.remote() for actor in self.actors], timeout=start_timeout)
             self.nodes = [host for host, _ in addresses]
-            spec = attrs.evolve(world, rewards={})  # reward functions run on the driver, and need not pickle
             for rank, actor in enumerate(self.actors):
                 ref = actor.start.remote(self.world, addresses[0], plan, spec, self.device, self.timeout_s)
                 self.outstanding[rank].append(("start", None, ref))

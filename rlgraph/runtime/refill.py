@@ -1,8 +1,9 @@
 """The controller's rule for `rg.filter_groups`: keep groups, refill from fresh prompts.
 
-Both runtimes call `run_filter` when they reach a `filter_groups` node; they differ only in how
-they re-run the refill region on a fresh batch of prompts (the eager interpreter walks the
-region's nodes, the plan runner the plan's loop steps), which they pass in as `rerun`.
+This is the one refill loop: the eager interpreter and the plan runner (over every transport)
+call `run_filter` when they reach a `filter_groups` node. They differ only in what one round
+runs, which they pass in as `run_round`: the eager interpreter the region's nodes, the plan
+runner the plan's loop steps (on whatever transport it drives).
 
 Guarantees: the result has exactly B groups (B = the groups of the first round), ids 0..B-1,
 each group's rows contiguous and in the order the groups were produced; kept groups come first,
@@ -74,13 +75,21 @@ def _nothing_kept(rounds: int, drawn: int, where: SourceLocation | None) -> str:
     )
 
 
-def run_filter(node: fx.Node, env: dict[fx.Node, Any], rerun: Callable[[Prompts], dict[fx.Node, Any]],
+def run_filter(node: fx.Node, env: dict[fx.Node, Any], prompts: fx.Node, run_round: Callable[[dict[fx.Node, Any]], None],
                more_prompts: MorePrompts | None) -> tuple[Rollouts, torch.Tensor, dict[str, float]]:
     """Evaluate a `filter_groups` node whose inputs hold the first round's values in `env`.
 
-    `rerun(prompts)` re-runs the refill region on fresh prompts and returns the environment that
-    holds the node's inputs for that round. Returns (rollouts, rewards, statistics).
+    Each further round binds fresh prompts (`more_prompts()`) to the input node `prompts` in a copy
+    of `env` and calls `run_round(copy)`, which must evaluate the loop's region there; the first
+    round's values in `env` stay as they are. Returns (rollouts, rewards, statistics).
     """
+
+    def rerun(batch: Prompts) -> dict[fx.Node, Any]:
+        fresh = dict(env)
+        fresh[prompts] = batch
+        run_round(fresh)
+        return fresh
+
     where = node.meta.get("source")
     first = _groups(*(env[arg] for arg in node.args[:3]), where)
     target = len(first)
@@ -88,7 +97,7 @@ def run_filter(node: fx.Node, env: dict[fx.Node, Any], rerun: Callable[[Prompts]
     dropped = [group for group in first if not group[2]]
     rounds, cap = 1, node.kwargs["max_rounds"]
     while len(kept) < target and rounds < cap:
-        fresh = rerun(more_prompts())
+        fresh = rerun(more_prompts())  # the caller checked the source exists (require_prompt_source)
         for group in _groups(*(fresh[arg] for arg in node.args[:3]), where):
             (kept if group[2] else dropped).append(group)
         rounds += 1

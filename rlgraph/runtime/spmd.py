@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from rlgraph.plan.plan import Plan
-from rlgraph.runtime.plan_runner import WorkerFailure
+from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, WorkerPool, resolve_device, start_worker
 
 __all__ = ["SpmdTransport", "resolve_device", "free_port"]
@@ -61,7 +61,7 @@ class SpmdTransport(WorkerPool):
         master = ("127.0.0.1", free_port())
         self.connections: list[Connection] = []
         self.processes: list[mp.Process] = []
-        self._init_pool()
+        self._init_pool(world)
         for rank in range(self.world):
             ours, theirs = context.Pipe()
             process = context.Process(target=_worker_main, name=f"rlgraph-rank{rank}", daemon=True,

@@ -1,12 +1,15 @@
 """Transports: how the plan runner reaches the ranks of a worker group.
 
 The runner (`rlgraph.runtime.plan_runner`) walks the plan and decides everything: which nodes run
-where, which value moves from which layout to which. A transport only carries it out:
+where, which value moves from which layout to which. A transport only carries it out. `Transport`
+lists every command the runner and the run (`rlgraph.train`) send; each transport implements all
+of them (tests/runtime/test_transport.py checks the signatures):
 
 | call | meaning |
 | --- | --- |
 | `load(key, program)` | every worker keeps the lowered program's nodes |
 | `begin(bindings)` | a new iteration; `bindings[rank]` are that rank's inputs (model versions) |
+| `at_step(step)` | the plan step the next commands belong to (a later failure names it) |
 | `run(key, ranks, names)` | the ranks of a group evaluate nodes `names` on the pieces they hold |
 | `scatter(name, value, layout)` | controller -> ranks: each rank gets its piece of `value` under `layout` |
 | `gather(name, layout)` | ranks -> controller: the whole value from the pieces |
@@ -14,22 +17,31 @@ where, which value moves from which layout to which. A transport only carries it
 | `sync_weights(name, source, route)` | the generation engines of `route.dst` get the weights trained on `route.src` |
 | `offload(ranks, role, direction)` | optimizer state and gradients leave the device, or come back |
 | `fetch(name, rank)` | one rank's value (a model version, update statistics) |
+| `current(role, rank)` | the live version of `role` on `rank` |
+| `flush()` | wait until every command sent so far has finished (the end of an iteration) |
+| `set_learning_rate(role, lr)` | every rank training `role` sets its optimizer's learning rate |
+| `pull_state(role)` | `role`'s full weights, on the CPU |
+| `checkpoint_state()` / `restore_state(state, where)` | the full `ExecutorState`, out of or into the ranks |
+| `close()` | stop the workers (idempotent) |
 
 `LocalTransport` runs every rank in this process with one `Worker`: a layout's pieces are all the
 whole value, so moves are renames; values cross between the controller (CPU) and the executor's
 device at scatters, gathers and fetches, as they do between processes.
-`rlgraph.runtime.spmd.SpmdTransport` runs one worker process per rank;
-`rlgraph.runtime.collectives` is the reference both agree with.
+`rlgraph.runtime.pool.WorkerPool` implements the commands for remote workers (`SpmdTransport`:
+processes, `RayTransport`: Ray actors); `rlgraph.runtime.collectives` is the reference they agree with.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
+import torch
 
-from rlgraph.backends.protocols import Executor
+from rlgraph.backends.protocols import Executor, ExecutorState, ModelRef
+from rlgraph.ir.errors import RLGraphError
 from rlgraph.ir.program import Program
 from rlgraph.runtime.worker import Worker
 
@@ -50,33 +62,69 @@ class SyncRoute:
         return set(self.src) == set(self.dst)
 
 
-class Transport(Protocol):
-    world: int
+class Transport(abc.ABC):
+    """The commands of a transport (see the module's table). `world` is the number of ranks it
+    runs (None: any plan, its ranks collapsed onto this process); `executor` is the executor in
+    this process, which can run the controller's primitives (None for remote workers)."""
 
+    world: int | None
+    executor: Executor | None
+
+    # -- one iteration of a plan ---------------------------------------------------------------
+    @abc.abstractmethod
     def load(self, key: str, program: Program) -> None: ...
 
+    @abc.abstractmethod
     def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None: ...
 
+    @abc.abstractmethod
+    def at_step(self, step: Any) -> None: ...
+
+    @abc.abstractmethod
     def run(self, key: str, ranks: tuple[int, ...], names: tuple[str, ...]) -> None: ...
 
+    @abc.abstractmethod
     def scatter(self, name: str, value: Any, layout: tuple) -> None: ...
 
+    @abc.abstractmethod
     def gather(self, name: str, layout: tuple) -> Any: ...
 
+    @abc.abstractmethod
     def move(self, source: str, name: str, src: tuple, dst: tuple, kind: str, per_row: bool) -> None: ...
 
+    @abc.abstractmethod
     def sync_weights(self, name: str, source: str, route: SyncRoute) -> None: ...
 
+    @abc.abstractmethod
     def offload(self, ranks: tuple[int, ...], role: str, direction: str) -> None: ...
 
+    @abc.abstractmethod
     def fetch(self, name: str, rank: int) -> Any: ...
 
-    def current(self, role: str, rank: int) -> Any: ...
+    @abc.abstractmethod
+    def current(self, role: str, rank: int) -> ModelRef: ...
 
+    @abc.abstractmethod
+    def flush(self) -> None: ...
+
+    # -- the run's commands, between iterations ---------------------------------------------------
+    @abc.abstractmethod
+    def set_learning_rate(self, role: str, lr: float) -> None: ...
+
+    @abc.abstractmethod
+    def pull_state(self, role: str) -> dict[str, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def checkpoint_state(self) -> ExecutorState: ...
+
+    @abc.abstractmethod
+    def restore_state(self, state: ExecutorState, where: str = "the checkpoint") -> None: ...
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
-class LocalTransport:
+class LocalTransport(Transport):
     """Every rank of the plan played by one in-process worker holding whole values."""
 
     world = None  # any plan: its ranks all collapse onto this process
@@ -94,6 +142,9 @@ class LocalTransport:
             merged.update(values)
         self.worker.begin(merged)
 
+    def at_step(self, step: Any) -> None:
+        pass  # every command runs as it is sent: a failure is raised within its own step
+
     def run(self, key: str, ranks: tuple[int, ...], names: tuple[str, ...]) -> None:
         self.worker.run(key, names)
 
@@ -110,13 +161,34 @@ class LocalTransport:
         self.worker.sync_weights(name, source, route)
 
     def offload(self, ranks: tuple[int, ...], role: str, direction: str) -> None:
-        self.worker.offload(role, direction)
+        # One process: every role keeps its device for the whole iteration (the local executor has
+        # no second copy to make room for); offloading is the FSDP2 workers' (`FSDPExecutor.offload`).
+        pass
 
     def fetch(self, name: str, rank: int) -> Any:
         return self.worker.get(name)
 
-    def current(self, role: str, rank: int) -> Any:
+    def current(self, role: str, rank: int) -> ModelRef:
         return self.executor.current(role)
 
+    def flush(self) -> None:
+        pass  # nothing is pipelined in one process
+
+    def set_learning_rate(self, role: str, lr: float) -> None:
+        self.executor.set_learning_rate(role, lr)
+
+    def pull_state(self, role: str) -> dict[str, torch.Tensor]:
+        """A CPU copy of `role`'s weights (the live ones stay with the executor)."""
+        if role not in self.executor.models:
+            raise RLGraphError(f"pull_state: this executor holds no role {role!r}; it holds {', '.join(self.executor.models)}")
+        module = self.executor.models[role].model
+        return {name: value.detach().to("cpu", copy=True) for name, value in module.state_dict().items()}
+
+    def checkpoint_state(self) -> ExecutorState:
+        return self.executor.export_state()
+
+    def restore_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
+        self.executor.import_state(state, where)
+
     def close(self) -> None:
-        pass
+        pass  # the executor belongs to the caller

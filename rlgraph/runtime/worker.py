@@ -7,8 +7,8 @@ weights or to offload; the worker never decides what to run. Its values live in 
 program node name, each being the piece of the value this rank holds under the node's layout.
 
 The same class serves every transport: the local transport calls it directly in the controller's
-process (one worker playing every rank, so every piece is the whole value); the spmd transport
-runs one per process and calls it through a pipe.
+process (one worker playing every rank, so every piece is the whole value); the spmd and ray
+transports run one per rank and call it through a pipe or an actor call (`serve`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Worker:
     # -- values ------------------------------------------------------------------------------
     def put(self, name: str, value: Any) -> None:
         """Keep a value from the controller, on this rank's device (worker-side values live there)."""
-        self.store[name] = to_device(value, _device_of(self.executor))
+        self.store[name] = to_device(value, self.executor.device)
 
     def get(self, name: str) -> Any:
         """A value for the controller, whose values live on the CPU."""
@@ -86,9 +86,7 @@ class Worker:
             self.store[name] = piece
 
     def offload(self, role: str, direction: str) -> None:
-        offload = getattr(self.executor, "offload", None)
-        if offload is not None:
-            offload(role, direction)
+        self.executor.offload(role, direction)
 
     def full_state(self, role: str) -> dict[str, torch.Tensor] | None:
         return self.executor.full_state(role)
@@ -133,8 +131,4 @@ class _StoreView(dict):
 
     def __getitem__(self, node: fx.Node) -> Any:
         return self.store[node.name]
-
-
-def _device_of(executor: Any) -> torch.device:
-    return getattr(executor, "device", torch.device("cpu"))
 

@@ -3,23 +3,13 @@ tests/runtime/test_spmd.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.backends.fsdp.executor import _on_host
+from rlgraph.backends.fsdp.shards import on_host
 from rlgraph.backends.world import RoleSpec, WorldSpec
-from rlgraph.runtime.spmd import free_port
-
-
-@pytest.fixture
-def gloo():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _policy_units(cpu_offload: bool) -> list[FSDPModule]:
@@ -27,7 +17,7 @@ def _policy_units(cpu_offload: bool) -> list[FSDPModule]:
                       sizes={"B": 2, "P": 8, "T": 4}, n=2, max_new_tokens=4).plan
     world = WorldSpec({"policy": RoleSpec(optimizer="adamw")}, max_new_tokens=4, fsdp_unit_params=0)
     executor = world.build(0, plan, torch.device("cpu"))
-    assert _on_host(executor.models["policy"])  # a CPU device: the shards are host memory either way
+    assert on_host(executor.models["policy"])  # a CPU device: the shards are host memory either way
     return [unit for unit in executor.models["policy"].model.modules() if isinstance(unit, FSDPModule)]
 
 

@@ -1,4 +1,9 @@
-"""The plan runner against the eager interpreter: same numbers, refill loop included."""
+"""The plan runner against the eager interpreter: same numbers, refill loop included; what it imports."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +12,10 @@ import rlgraph as rg
 from rlgraph.algorithms import dapo
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
+from rlgraph.runtime.pool import WorkerPool
 from tests.helpers import make_executor, params_of, prompt_source, prompts
+
+ROOT = Path(rg.__file__).resolve().parent.parent  # the checkout this test imports rlgraph from
 
 
 def half_dead_reward(completions, text, **_):
@@ -42,3 +50,33 @@ def test_dapo_with_dynamic_sampling_runs_the_same_through_the_plan():
             assert plan[key] == pytest.approx(eager[key], rel=1e-5, abs=1e-7), key
     for a, b in zip(eager_params, plan_params):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_over_remote_workers_the_runner_asks_for_the_controllers_executor():
+    compiled = rg.compile(dapo, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
+                          sizes={"B": 4, "P": 8, "T": 4}, n=4, max_new_tokens=4)
+    with pytest.raises(rg.RLGraphError, match=r"pass controller=world.controller\(\)"):
+        PlanRunner(compiled, WorkerPool())  # a remote transport's commands, no workers started: nothing is sent
+
+
+def test_the_runtime_imports_no_compiler_pass():
+    """DESIGN.md's layers: `runtime` executes a plan and may import `plan` and `backends`, not `passes`."""
+    modules = ["rlgraph.runtime.plan_runner", "rlgraph.runtime.spmd", "rlgraph.runtime.ray_transport",
+               "rlgraph.runtime.collectives", "rlgraph.runtime.distributed"]
+    code = f"import sys\nfor name in {modules!r}:\n    __import__(name)\n" \
+           "print(sorted(m for m in sys.modules if m.startswith('rlgraph.passes')))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_moved_names_are_still_importable_from_where_callers_import_them():
+    from rlgraph.passes.partition import CONTROLLER
+    from rlgraph.passes.pipeline import Compiled
+    from rlgraph.passes.reshard import collective_kind
+    from rlgraph.plan import compiled, layouts
+    from rlgraph.runtime import errors, plan_runner
+
+    assert (Compiled, CONTROLLER, collective_kind) == (compiled.Compiled, layouts.CONTROLLER, layouts.collective_kind)
+    assert (plan_runner.WorkerFailure, plan_runner.PlanStepError, plan_runner.PlanInputError) == (
+        errors.WorkerFailure, errors.PlanStepError, errors.PlanInputError)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlgraph.runtime.plan_runner import WorkerFailure
+from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.pool import resolve_device
 
 

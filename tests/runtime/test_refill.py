@@ -13,11 +13,14 @@ from rlgraph.backends.protocols import ModelRef
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir.errors import TraceError
 from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.refill import RefillError
 
 
 class ScriptedExecutor:
     """generate: one row per (prompt, sample); score: the scripted rewards; update: records its batch."""
+
+    device = torch.device("cpu")
 
     def __init__(self):
         self.version = 0
@@ -44,6 +47,9 @@ class ScriptedExecutor:
         self.batches.append(batch)
         self.version += 1
         return ModelRef(model.role, self.version), {"loss": 0.0, "grad_norm": 0.0}
+
+    def sync_weights(self, model, route=None):  # one process: the generator already holds the weights
+        return model
 
 
 def scripted(name, groups, extra=0):
@@ -78,6 +84,15 @@ def run(program, first, more=None):
     return executor.batches[0], metrics
 
 
+def run_plan(algorithm, first, more, **hparams):
+    """`run`, through the compiled plan: the plan runner's refill loop re-runs plan steps."""
+    compiled = rg.compile(algorithm, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
+                          sizes={"B": len(first), "P": 3, "T": 4}, **hparams)
+    executor = ScriptedExecutor()
+    _, metrics = PlanRunner(compiled, executor).run(first, more_prompts=more)
+    return executor.batches[0], metrics
+
+
 DEAD, LIVE = [1.0, 1.0], [0.0, 1.0]
 
 
@@ -90,6 +105,17 @@ def test_dropped_groups_are_refilled_from_fresh_prompts():
     assert batch.mask.shape == (8, 4) and batch.mask.sum(-1).tolist() == [1, 2, 1, 2, 3, 4, 3, 4]  # padded to the longest T
     assert metrics["filter/rounds"] == 2 and metrics["filter/kept_groups"] == 0.5 and metrics["filter/filled_groups"] == 0
     assert metrics["reward"] == 0.5
+
+
+@pytest.mark.parametrize("max_rounds", [2, 3])
+def test_the_plan_runner_refills_exactly_as_the_interpreter(max_rounds):
+    """One refill loop (`run_filter`): the runtimes differ only in what a round re-runs."""
+    first = scripted("a", [DEAD, LIVE, [0.0, 0.0], [1.0, 0.0]])
+    later = [scripted("b", [DEAD, DEAD, DEAD, DEAD], extra=1), scripted("c", [LIVE, DEAD, LIVE, LIVE], extra=2)]
+    eager = run(keep_varied.trace(max_rounds=max_rounds), first, source(*later))
+    plan = run_plan(keep_varied, first, source(*later), max_rounds=max_rounds)
+    assert plan[0].meta["name"] == eager[0].meta["name"] and torch.equal(plan[0].mask, eager[0].mask)
+    assert plan[1] == eager[1] and plan[1]["filter/rounds"] == max_rounds
 
 
 def test_a_full_first_round_draws_no_prompts():

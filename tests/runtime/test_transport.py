@@ -1,9 +1,21 @@
-"""The local transport: values cross between the controller (CPU) and the executor's device."""
+"""The transport protocol (every transport implements every command the runner and the run send),
+and the local transport: values cross between the controller (CPU) and the executor's device."""
 
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
 import torch
 
-from rlgraph.runtime.transport import LocalTransport
+import rlgraph
+from rlgraph.runtime.ray_transport import RayTransport
+from rlgraph.runtime.spmd import SpmdTransport
+from rlgraph.runtime.transport import LocalTransport, Transport
 from tests.helpers import make_executor
+
+PACKAGE = Path(rlgraph.__file__).parent
+TRANSPORTS = (LocalTransport, SpmdTransport, RayTransport)
 
 
 def test_a_scatter_puts_the_value_on_the_executors_device():
@@ -20,3 +32,77 @@ def test_on_the_cpu_nothing_is_copied():
     value = torch.arange(4.0)
     transport.scatter("adv", value, ("policy",))
     assert transport.gather("adv", ("policy",)) is value and transport.fetch("adv", 0) is value
+
+
+# -- the protocol: every command, every transport ---------------------------------------------------
+
+def _calls_on_transports(paths) -> set[str]:
+    """The methods called on anything named `transport` (`transport.x(...)`, `self.transport.x(...)`)."""
+    called = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                receiver = node.func.value
+                name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+                if name == "transport":
+                    called.add(node.func.attr)
+    return called
+
+
+def test_the_protocol_lists_every_command_the_runner_and_the_run_send():
+    sources = [PACKAGE / "runtime" / "plan_runner.py", *sorted((PACKAGE / "train").glob("*.py"))]
+    called = _calls_on_transports(sources)
+    assert "scatter" in called and "close" in called  # the scan sees the runner's and the run's calls
+    assert called <= Transport.__abstractmethods__, called - Transport.__abstractmethods__
+    assert {"set_learning_rate", "pull_state", "checkpoint_state", "restore_state"} <= Transport.__abstractmethods__
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS, ids=lambda cls: cls.__name__)
+def test_each_transport_implements_every_command_with_the_protocols_signature(transport):
+    assert not transport.__abstractmethods__
+    for name in sorted(Transport.__abstractmethods__):
+        implementation = getattr(transport, name)
+        assert implementation is not getattr(Transport, name), f"{transport.__name__}.{name} is the abstract one"
+        assert inspect.signature(implementation) == inspect.signature(getattr(Transport, name)), name
+
+
+def test_neither_the_runtime_nor_the_run_probes_a_transport_for_a_command():
+    """`getattr(transport, "x", None)` or `hasattr(transport, ...)` would hide a transport that lacks a command."""
+    probes = []
+    for path in [*sorted((PACKAGE / "runtime").glob("*.py")), *sorted((PACKAGE / "train").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr") and node.args:
+                if "transport" in ast.unparse(node.args[0]):
+                    probes.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not probes, probes
+
+
+# -- the run's commands on the local transport --------------------------------------------------------
+
+
+def test_pull_state_is_a_cpu_copy_of_the_roles_weights():
+    executor = make_executor()
+    weights = LocalTransport(executor).pull_state("policy")
+    live = executor.models["policy"].model.state_dict()
+    assert weights.keys() == live.keys()
+    assert all(torch.equal(weights[name], live[name]) and weights[name].data_ptr() != live[name].data_ptr()
+               for name in live)
+
+
+def test_pull_state_of_a_role_the_executor_lacks_names_the_roles_it_has():
+    with pytest.raises(rlgraph.RLGraphError, match="no role 'critic'; it holds policy"):
+        LocalTransport(make_executor()).pull_state("critic")
+
+
+def test_set_learning_rate_reaches_the_roles_optimizer():
+    executor = make_executor(lr=1e-3)
+    LocalTransport(executor).set_learning_rate("policy", 0.5)
+    assert [group["lr"] for group in executor.models["policy"].optimizer.param_groups] == [0.5]
+
+
+def test_a_checkpoint_state_restores_the_weights_it_was_taken_with():
+    transport = LocalTransport(make_executor(seed=0))
+    state = transport.checkpoint_state()
+    other = LocalTransport(make_executor(seed=1))
+    other.restore_state(state, "a test")
+    assert all(torch.equal(a, b) for a, b in zip(other.pull_state("policy").values(), transport.pull_state("policy").values()))

@@ -1,0 +1,185 @@
+"""Building one rank's FSDP2 executor from the plan (`WorldSpec.build` calls `build_fsdp_executor`).
+
+For each group of the plan that holds the rank: a role that trains or runs forward passes is
+sharded with FSDP2 over the group's ranks (`_sharded_role`: a 1-D mesh, or a 2-D (replicate,
+shard) mesh for HSDP); a group that generates gets a generation engine (`_generation_engine`). A
+LoRA role shards the peft model: the frozen base and the adapters share FSDP2 units (FSDP2 shards
+each parameter on its own, so a unit may mix frozen and trainable ones); only the adapters get
+gradients and optimizer state. A `RoleSpec(base_of=...)` role (the KL reference of a LoRA policy)
+runs that role's FSDP2 root with the adapters off: no weights of its own, the same ranks
+(`check_views`). Every process creates every process group (torch requires it), in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, role_module
+from rlgraph.backends.fsdp.sync import sync_ranks
+from rlgraph.backends.local.executor import LMWorker, RewardWorker
+from rlgraph.backends.vllm.engine import VLLMEngine
+
+if TYPE_CHECKING:
+    from rlgraph.backends.fsdp.executor import FSDPExecutor
+
+GENERATOR_OF = {"rollout": "policy"}  # a split placement's generation group serves the policy
+
+
+def _rank_sets(plan: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Every group's ranks (and HSDP's rows and columns), and the broadcast ranks of every split
+    weight sync, from the plan's groups alone, in the same order on every process: a generating
+    group syncs from the group that trains the role it serves, when those ranks differ."""
+    groups = {group.name: group for group in plan.groups}
+    role_sets = {tuple(group.ranks) for group in plan.groups}
+    for group in plan.groups:  # HSDP: each shard group (a row) and each replicate group (a column)
+        if group.train is not None and group.train.dp > 1:
+            rows, columns = _hsdp_groups(group.ranks, group.train.fsdp)
+            role_sets.update(rows + columns)
+    role_sets = sorted(role_sets)
+    sync_sets = []
+    for group in plan.groups:
+        trainer = groups.get(GENERATOR_OF.get(group.name, group.name))
+        if group.generate is None or trainer is None or trainer.train is None:
+            continue
+        if set(trainer.ranks) != set(group.ranks) and sync_ranks(trainer.ranks, group.ranks) not in sync_sets:
+            sync_sets.append(sync_ranks(trainer.ranks, group.ranks))
+    return role_sets, sync_sets
+
+
+def _hsdp_groups(ranks: tuple[int, ...], fsdp: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The shard groups (consecutive blocks of `fsdp` ranks, one per replica) and the replicate
+    groups (the ranks holding the same shard in each replica) of an HSDP layout."""
+    rows = [tuple(ranks[start:start + fsdp]) for start in range(0, len(ranks), fsdp)]
+    return rows, [tuple(row[column] for row in rows) for column in range(fsdp)]
+
+
+def _role_mesh(group: Any, rank: int, process_groups: dict, device: torch.device) -> tuple[DeviceMesh, Any]:
+    """The role's DeviceMesh (1-D over the group, or 2-D (replicate, shard) for HSDP) and this rank's shard group."""
+    layout = group.train
+    if layout is None or layout.dp == 1:
+        whole = process_groups[tuple(group.ranks)]
+        return DeviceMesh.from_group(whole, device.type), whole
+    rows, columns = _hsdp_groups(group.ranks, layout.fsdp)
+    row = next(row for row in rows if rank in row)
+    column = next(column for column in columns if rank in column)
+    mesh = DeviceMesh.from_group([process_groups[column], process_groups[row]], device.type,
+                                 mesh=torch.tensor(group.ranks).view(layout.dp, layout.fsdp),
+                                 mesh_dim_names=("replicate", "shard"))
+    return mesh, process_groups[row]
+
+
+def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) -> FSDPExecutor:
+    """Rank `rank`'s roles: FSDP2-sharded models for the groups that train or infer on it, engines for
+    the groups that generate on it. Every process creates every process group (torch requires it)."""
+    from rlgraph.backends.fsdp.executor import FSDPExecutor  # here: executor.py re-exports this module's builders
+
+    check_views(world.views(), plan)
+    role_sets, sync_sets = _rank_sets(plan)
+    process_groups = {ranks: dist.new_group(list(ranks)) for ranks in role_sets}
+    sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
+    tokenizer = world.load_tokenizer()
+    models, engines, role_groups, shard_groups, adapters, views = {}, {}, {}, {}, {}, []
+    for group in plan.groups:
+        if rank not in group.ranks:
+            continue
+        if group.name not in GENERATOR_OF:
+            spec = _role_spec(world, group.name)
+            role_groups[group.name] = process_groups[tuple(group.ranks)]
+            if spec.base_of is not None:
+                views.append(group.name)  # built once the role it views is
+                continue
+            mesh, shard_groups[group.name] = _role_mesh(group, rank, process_groups, device)
+            models[group.name] = _sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params)
+            if spec.lora is not None:
+                from rlgraph.backends.lora import adapter_deltas
+
+                adapters[group.name] = adapter_deltas(role_module(models[group.name]))
+        if group.generate is not None:
+            served = GENERATOR_OF.get(group.name, group.name)
+            engines[served] = _generation_engine(world, served, group, rank, tokenizer, device)
+    for role in views:
+        from rlgraph.backends.lora import base_view
+
+        root = models[world.viewed(role)].model
+        models[role] = LMWorker(base_view(root.module, root))
+        shard_groups[role] = role_groups[role]
+    return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
+                        device=device, role_groups=role_groups, shard_groups=shard_groups, engines=engines,
+                        sync_groups=sync_groups, adapters=adapters,
+                        max_new_tokens=world.max_new_tokens, seed=world.seed)
+
+
+def check_views(views: Mapping[str, str], plan: Any) -> None:
+    """A view role (a LoRA policy's reference: `views[role]`'s module with its adapters off) runs the
+    viewed role's FSDP2 root, whose all-gathers span that role's ranks: the plan must place both on
+    the same ranks (a colocated placement does). Raises ValueError naming both placements otherwise.
+    `views` is `WorldSpec.views()`, or {"ref": "policy"} for a config with LoRA before any role exists."""
+    groups = {group.name: group for group in plan.groups}
+    for role, base in views.items():
+        if role not in groups:
+            continue
+        held = sorted(groups[base].ranks) if base in groups else []
+        if sorted(groups[role].ranks) != held:
+            raise ValueError(f"role {role!r} is role {base!r} with its LoRA adapters off (no weights of its own), so it "
+                             f"must run on the ranks of {base!r}, {held}, but the plan places it on ranks "
+                             f"{sorted(groups[role].ranks)}: use a colocated placement, or give it {base!r}'s group")
+
+
+def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device) -> Any:
+    """The engine a generating rank runs: a full copy of the model for the native generator, or
+    a vLLM engine (GPU only; UNTESTED against a live vLLM, see rlgraph/backends/vllm/engine.py)."""
+    spec = _role_spec(world, served)
+    if group.generate.engine == "vllm":
+        if device.type != "cuda":
+            raise ValueError(f"group {group.name!r} generates with vLLM, which needs CUDA; compile with engine='native'")
+        source = spec.source if isinstance(spec.source, (str, os.PathLike)) and os.path.isdir(spec.source) else None
+        if source is None:
+            raise ValueError(f"group {group.name!r} generates with vLLM, which loads a Hugging Face model directory: "
+                             f"set RoleSpec(source=<directory>) for {served!r} (it is {spec.source!r})")
+        return VLLMEngine.build(source, role=served, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, rank=rank, seed=world.seed, load_format="dummy",
+                                tensor_parallel_size=group.generate.tp)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return spec.build_module(tokenizer, dtype, merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
+
+
+def _role_spec(world: Any, role: str) -> Any:
+    if role not in world.roles:
+        raise KeyError(f"the plan places role {role!r} but the run defines only {', '.join(world.roles)}; "
+                       f"add RoleSpec for {role!r} to the WorldSpec")
+    return world.roles[role]
+
+
+def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, device: torch.device,
+                  unit_params: int) -> LMWorker:
+    """The role's model `fully_shard`ed on `mesh` (its large decoder layers as units, `RoleForward`
+    as the root), with a `LocalShardOptimizer` when it trains."""
+    layout = group.train
+    module = spec.build_module(tokenizer).to(device)
+    if layout is not None and layout.checkpointing:
+        lm = getattr(module, "backbone", module)
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if device.type == "cuda" else MixedPrecisionPolicy())
+    # cpu_offload: shards, gradients and optimizer state in host memory; pinned only with CUDA (pinning
+    # needs an accelerator), and on a CPU device FSDP2's copies to "the device" move nothing.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if layout is not None and layout.cpu_offload else OffloadPolicy()
+    root = RoleForward(module, spec.kind)
+    for layer in decoder_layers(module):
+        if sum(p.numel() for p in layer.parameters()) >= unit_params:
+            fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    fully_shard(root, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    for unit in root.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)  # sum the shards' gradients: the loss is globally normalised
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    optimizer = LocalShardOptimizer(root.parameters(), spec.build_optimizer) if spec.optimizer else None
+    return LMWorker(root, optimizer, kind=spec.kind)
+

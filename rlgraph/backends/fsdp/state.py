@@ -1,0 +1,130 @@
+"""Checkpoints of FSDP2-sharded roles: each rank's part, and the whole state from the parts.
+
+A checkpoint is runtime-independent: full weights and full optimizer states (`ExecutorState`).
+Each rank exports its part (`ShardedState.export_state`: the full weights from the group's first
+rank, its own optimizer shard); the controller merges the parts (`merge_rank_states`, reached
+through `WorldSpec.merge_states`, so the runtime never reads the part format); each rank imports
+the whole state and keeps its shards. A LoRA role's part holds the adapters only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rlgraph.backends.fsdp.shards import role_module, shard_rows
+from rlgraph.backends.local.executor import LMWorker, _optimizer_kind, check_role_state, checkpoint_weights
+from rlgraph.backends.local.generation import SamplingStream
+from rlgraph.backends.protocols import ExecutorState, RoleState
+from rlgraph.batches import to_device
+from rlgraph.ir.errors import RLGraphError
+
+
+class ShardedState:
+    """The `FSDPExecutor`'s checkpoint commands (a mixin: it reads the executor's `models`,
+    `role_groups`, `shard_groups`, `rank`, `generator` and `sampling`)."""
+
+    def full_state(self, role: str, names: set[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """`role`'s unsharded state dict (or its tensors `names`) on the CPU; every rank of its group
+        calls it, its first rank returns it."""
+        if role not in self.models:
+            return None
+        state = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+                 for name, value in role_module(self.models[role]).state_dict().items() if names is None or name in names}
+        first = min(dist.get_process_group_ranks(self.role_groups[role]))
+        return state if self.rank == first else None
+
+    def _checkpointed(self, role: str) -> set[str]:
+        """The tensors a checkpoint keeps of `role`, as the local executor keeps them: all of them, or a
+        LoRA role's adapters (its frozen base comes back from the model source), or none for a view."""
+        worker = self.models[role]
+        return set(checkpoint_weights(LMWorker(role_module(worker), worker.optimizer)))
+
+    # -- checkpoints: this rank's part ------------------------------------------------------------
+    def export_state(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint: per role, the full weights (from the group's first rank
+        only; gathering them is a collective every rank of the group joins), this rank's optimizer
+        shard state, its position in the group and the version; plus the random streams."""
+        roles = {}
+        for role, worker in self.models.items():
+            group_ranks = sorted(dist.get_process_group_ranks(self.shard_groups[role]))  # one replica's shards
+            roles[role] = {"model": self.full_state(role, self._checkpointed(role)), "group": group_ranks,
+                           "version": worker.version,
+                           "optimizer": to_device(worker.optimizer.state_dict(), torch.device("cpu"))
+                           if worker.optimizer is not None else None,  # the controller may have no GPU
+                           "optimizer_kind": _optimizer_kind(worker.optimizer)}
+        return {"roles": roles, "shuffle_rng": self.generator.get_state(), "sampling": attrs.asdict(self.sampling)}
+
+    def import_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
+        """Load this rank's shards of a full checkpoint state (all or nothing, checked first)."""
+        kept = {role: {name: value for name, value in role_module(worker).state_dict().items()
+                       if name in self._checkpointed(role)} for role, worker in self.models.items()}
+        for role, worker in self.models.items():
+            check_role_state(role, kept[role], _optimizer_kind(worker.optimizer), state, where)
+        for role, worker in self.models.items():
+            held, position, ways = state.roles[role], *self._position(role)
+            with torch.no_grad():
+                for name, param in kept[role].items():
+                    target = param.to_local() if isinstance(param, DTensor) else param
+                    source = shard_rows(held.model[name], position, ways) if isinstance(param, DTensor) else held.model[name]
+                    target.copy_(source.to(target.device, target.dtype))
+            if worker.optimizer is not None:
+                worker.optimizer.load_state_dict(_shard_optimizer_state(held.optimizer, worker.optimizer.params, position, ways))
+            worker.version = held.version
+        self.generator.set_state(state.shuffle_rng)
+        self.sampling = SamplingStream(**state.sampling)
+
+    def _position(self, role: str) -> tuple[int, int]:
+        ranks = sorted(dist.get_process_group_ranks(self.shard_groups[role]))
+        return ranks.index(self.rank), len(ranks)
+
+
+def _shard_optimizer_state(full: Mapping[str, Any], params: list[torch.Tensor], position: int, ways: int) -> dict:
+    """A full optimizer state dict cut to this rank's shards (tensors shaped like their parameter)."""
+    state = {}
+    for index, entries in full["state"].items():
+        shape = tuple(params[int(index)].shape)
+        state[index] = {key: shard_rows(value, position, ways) if isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+                        else value for key, value in entries.items()}
+    return {"state": state, "param_groups": full["param_groups"]}
+
+
+def merge_optimizer_states(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The full optimizer state dict from the ranks' shard states, in rank order (dim-0 shards
+    concatenate; scalars such as `step` are the same on every rank)."""
+    state = {}
+    for index, entries in parts[0]["state"].items():
+        state[index] = {key: torch.cat([part["state"][index][key] for part in parts])
+                        if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                        for key, value in entries.items()}
+    return {"state": state, "param_groups": parts[0]["param_groups"]}
+
+
+
+def merge_rank_states(parts: Mapping[int, Mapping[str, Any]]) -> ExecutorState:
+    """The full `ExecutorState` from every rank's `export_state()` part (rank -> part): each role's
+    weights from the rank that gathered them, its optimizer shards concatenated in the shard
+    group's rank order; the random streams are the same on every rank (rank 0's)."""
+    roles = {}
+    for role in sorted({role for part in parts.values() for role in part["roles"]}):
+        held = {rank: part["roles"][role] for rank, part in parts.items() if role in part["roles"]}
+        first = held[min(held)]
+        shards = [held[rank]["optimizer"] for rank in first["group"]]
+        roles[role] = RoleState(next(h["model"] for h in held.values() if h["model"] is not None),
+                                merge_optimizer_states(shards) if shards[0] is not None else None,
+                                first["optimizer_kind"], first["version"])
+    return ExecutorState(roles, parts[0]["shuffle_rng"], parts[0]["sampling"])
+
+
+def full_weights(role: str, parts: Mapping[int, Mapping[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+    """`role`'s full weights from every rank's `full_state(role)` answer: the one its group's first
+    rank gathered (the others answer None)."""
+    held = [state for _, state in sorted(parts.items()) if state is not None]
+    if not held:
+        raise RLGraphError(f"no rank holds role {role!r}: the plan places no model of that name")
+    return dict(held[0])

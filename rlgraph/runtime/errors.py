@@ -1,0 +1,29 @@
+"""The runtime's error types: what reaches the controller when a plan cannot run or a worker fails.
+
+Each names where it happened (the rank; the plan step, its stage and role once the runner adds
+them), so a failure far from the controller still reads as one message about the user's run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlgraph.ir.errors import RLGraphError
+
+
+class WorkerFailure(RLGraphError):
+    """A worker raised, died or did not answer in time; `rank` says which (None: several)."""
+
+    def __init__(self, message: str, rank: int | None = None, cause: str = "", step: Any = None):
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause
+        self.step = step  # the plan step whose command failed, when it was sent before the current one
+
+
+class PlanInputError(RLGraphError):
+    """A batch the plan cannot run (it cannot be split as the plan's layouts say)."""
+
+
+class PlanStepError(RLGraphError):
+    """A plan step failed on a worker: the message names the step, its stage, its role and the rank."""
