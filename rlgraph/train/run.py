@@ -220,7 +220,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
                                    engine="native", models=models,
                                    sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
-                                   max_new_tokens=eval_tokens)
+                                   max_new_tokens=eval_tokens, stop=tuple(rollout.stop))  # ended as the rollouts are
     return rl, evaluation
 
 
