@@ -4,9 +4,10 @@
     parse_assignment("train.steps=10", "-o") -> ("train.steps", 10)
     parse_assignments(["kl=0.04", "loss=gspo"], "-p") -> {"kl": 0.04, "loss": "gspo"}
 
-A value is read as a YAML scalar or flow collection (`true`, `null`, `[a, b]`, `{k: v}`), with two
-additions a Python user expects: a number in exponent form without a dot (`1e-3`) is a float, and
-`None` is null. `-p kl=1e-3` and `-o algorithm.hparams.kl=1e-3` therefore give the same float.
+A value is read as a YAML scalar or flow collection (`true`, `null`, `[a, b]`, `{k: v}`) with
+YAML 1.2's plain scalars, as a Python user expects: a number in exponent form without a dot
+(`1e-3`) is a float, `None` is null, and only true/false (any case) are booleans (YAML 1.1 would
+read `yes`, `no`, `on`, `off` as booleans: `estimator=on` would be True). `-p kl=1e-3` and `-o algorithm.hparams.kl=1e-3` therefore give the same float.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def parse_value(text: str, where: str) -> Any:
         raise ConfigError(f"{where}={text}: {text!r} is not a value ({problem})",
                           fix="write a number, true/false, null, a word, [a, b] or {key: value}; "
                               "quote text with special characters, e.g. 'a: b'") from None
-    if isinstance(value, str) and text.strip() == value:  # an unquoted word: maybe a number YAML 1.1 missed
+    plain = text.strip()
+    if isinstance(value, bool) and plain.lower() not in ("true", "false"):
+        return plain  # yes/no/on/off: a word
+    if isinstance(value, str) and plain == value:  # an unquoted word: maybe a number YAML 1.1 missed
         if _NUMBER.fullmatch(value):
             return float(value)
         if value == "None":
