@@ -285,3 +285,106 @@ def test_any_error_is_one_message_and_debug_shows_the_traceback(capsys, monkeypa
     for argv in (["--debug", "trace", "grpo"], ["trace", "grpo", "--debug"]):
         code, _, err = run(capsys, *argv)
         assert code == 1 and "Traceback" in err and "KeyError: 'deep inside'" in err
+
+
+USER_ALGORITHM = '''
+    import rlgraph as rg
+
+
+    @rg.algorithm
+    def my_pg(state: rg.State, prompts: rg.Prompts, *, n=4, scale=1.0):
+        ro = rg.generate(state.policy, prompts, n=n)
+        r = rg.score(state.reward, ro)
+        return state, {"reward": r.mean() * scale}
+
+
+    def not_an_algorithm(state, prompts):
+        return state, {}
+'''
+
+
+@pytest.fixture
+def user_algorithm(tmp_path, monkeypatch):
+    """`my_algos.py` with an @rg.algorithm `my_pg`, in a fresh working directory."""
+    (tmp_path / "my_algos.py").write_text(textwrap.dedent(USER_ALGORITHM))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_algos", raising=False)
+    yield tmp_path / "my_algos.py"
+    sys.modules.pop("my_algos", None)
+
+
+@pytest.mark.parametrize("spec", ["my_algos.py:my_pg", "my_algos:my_pg"])
+def test_trace_and_plan_take_the_users_algorithm(capsys, user_algorithm, spec):
+    code, out, err = run(capsys, "trace", spec, "-p", "scale=2e-1")
+    assert code == 0, err
+    assert "; n=4 scale=0.2 ." in out and "= generate[n=4 " in out  # -p 2e-1 is a float, as -o reads it
+    code, out, err = run(capsys, "plan", spec, "--mesh", "cpu:2", "-p", "n=2")
+    assert code == 0 and out.startswith("plan my_pg  on 1x2 cpu") and "(32 prompts x n=2)" in out, err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("my_algos.py:no_such", "algorithm 'my_algos.py:no_such': my_algos.py has no 'no_such'"),
+    ("missing.py:my_pg", "algorithm 'missing.py:my_pg': cannot import missing.py: no file 'missing.py'"),
+    ("my_algos.py:not_an_algorithm", "algorithm 'my_algos.py:not_an_algorithm' is a function, not an algorithm"),
+    ("my_algos.py:", "algorithm 'my_algos.py:' is not 'module:name' or 'file.py:name'"),
+    ("grpoo", "algorithm 'grpoo' is not an algorithm; did you mean 'grpo'?"),
+])
+def test_a_bad_algorithm_spec_is_one_message_naming_it(capsys, user_algorithm, spec, message):
+    for command in ("trace", "plan"):
+        code, out, err = run(capsys, command, spec)
+        assert code == 1 and out == "" and err.startswith(f"rlgraph {command}: {message}") and "fix: " in err, err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--config", "small", "--no-trl"], ["bench", "--", "--config", "small", "--no-trl"]])
+def test_bench_takes_its_flags_with_or_without_the_separator(monkeypatch, argv):
+    import rlgraph.bench
+
+    seen = []
+    monkeypatch.setattr(rlgraph.bench, "main", lambda args: seen.append(args) or 0)
+    assert main(argv) == 0 and seen == [["--config", "small", "--no-trl"]]
+
+
+def test_bench_help_is_the_benchmarks_own(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and "usage: rlgraph bench" in out and "--config {large,small}" in out
+
+
+def test_another_command_still_refuses_an_unknown_flag(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["trace", "grpo", "--config", "small"])
+    assert exit.value.code == 2 and "unrecognized arguments: --config small" in capsys.readouterr().err
+
+
+def test_train_runtime_flags_are_the_overrides_they_stand_for(tmp_path, capsys):
+    from tests.train.test_run import make_config
+
+    _, path = make_config(tmp_path, "flags")
+    code, out, err = run(capsys, "train", str(path), "--dry-run", "--runtime", "spmd", "--nproc", "2", "--device", "cpu")
+    assert code == 0 and "train: fsdp2 shard=2" in out, err
+    code, out, _ = run(capsys, "train", str(path), "--dry-run", "-o", "runtime.nproc=2", "--nproc", "2",
+                       "--runtime", "spmd")
+    assert code == 0 and "train: fsdp2 shard=2" in out  # the same value twice is no conflict
+    code, out, err = run(capsys, "train", str(path), "--dry-run", "-o", "runtime.nproc=3", "--nproc", "2")
+    assert code == 1 and out == "" and "rlgraph train: --nproc 2 and -o runtime.nproc=3 disagree" in err
+    assert "fix: give one of them: --nproc is short for -o runtime.nproc=..." in err
+    assert not (tmp_path / "flags").exists()
+
+
+@pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "two"], ["--runtime", "mpi"], ["--device", "gpu"]])
+def test_train_runtime_flags_refuse_bad_values_naming_the_flag(flags, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "config.yaml", *flags])
+    assert "error: argument " + flags[0] in capsys.readouterr().err
+
+
+def test_dry_run_never_wraps_plan_lines_when_not_on_a_terminal(tmp_path, capsys):
+    from tests.train.test_run import make_config
+    from rlgraph.train.run import prepare
+
+    config, path = make_config(tmp_path, "wide")
+    plan_lines = prepare(config).rl.as_text().splitlines()
+    assert max(map(len, plan_lines)) > 100  # else this test would not see a wrap
+    code, out, _ = run(capsys, "train", str(path), "--dry-run")
+    assert code == 0 and set(plan_lines) <= set(out.splitlines())
