@@ -162,22 +162,22 @@ def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
 
     An algorithm need not take them all (a user's may fix its own temperature): a key it does not
     take is left out, and refused only when the config sets it to something else than the default,
-    which the algorithm would silently ignore."""
+    which the algorithm would silently ignore. `max_new_tokens` is never refused: a generate without
+    it gets the executor's default, which is rollout.max_new_tokens."""
     import inspect
 
     fixed = sorted(set(ROLLOUT_HPARAMS) & set(config.algorithm.hparams))
     if fixed:
         raise ConfigError(f"algorithm.hparams sets {', '.join(fixed)}",
                           fix=f"set them in the rollout section: rollout.{fixed[0]}")
-    parameters = inspect.signature(algorithm.fn).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    parameters = inspect.signature(algorithm.fn).parameters  # hyper-parameters are named keywords (the tracer's rule)
     rollout, defaults = config.rollout, type(config.rollout).model_fields
     values = {}
     for key in ROLLOUT_HPARAMS:
         value = getattr(rollout, key)
-        if takes_any or key in parameters:
+        if key in parameters:
             values[key] = tuple(value) if isinstance(value, list) else value  # hashable, as a traced hparam must be
-        elif value != defaults[key].get_default(call_default_factory=True):
+        elif key != "max_new_tokens" and value != defaults[key].get_default(call_default_factory=True):
             raise ConfigError(f"rollout.{key}={value!r}, but the algorithm {config.algorithm.name!r} takes no {key!r} "
                               "keyword argument",
                               fix=f"add `{key}=...` to its keyword arguments and pass it to rg.generate, "
