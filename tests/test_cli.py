@@ -34,14 +34,19 @@ USER_MODULE = '''
 '''
 
 
+def fresh_module(tmp_path, monkeypatch, name: str, source: str):
+    """The module `name`.py holding `source`, in a fresh working directory, not imported yet."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    yield tmp_path / f"{name}.py"
+    sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    """A module `cli_user_module.py` in a fresh working directory, not imported yet."""
-    (tmp_path / "cli_user_module.py").write_text(textwrap.dedent(USER_MODULE))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "cli_user_module", raising=False)
-    yield tmp_path / "cli_user_module.py"
-    sys.modules.pop("cli_user_module", None)
+    """`cli_user_module.py`: an estimator and a loss."""
+    yield from fresh_module(tmp_path, monkeypatch, "cli_user_module", USER_MODULE)
 
 
 def run(capsys, *argv):
@@ -305,12 +310,8 @@ USER_ALGORITHM = '''
 
 @pytest.fixture
 def user_algorithm(tmp_path, monkeypatch):
-    """`my_algos.py` with an @rg.algorithm `my_pg`, in a fresh working directory."""
-    (tmp_path / "my_algos.py").write_text(textwrap.dedent(USER_ALGORITHM))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "my_algos", raising=False)
-    yield tmp_path / "my_algos.py"
-    sys.modules.pop("my_algos", None)
+    """`my_algos.py`: an @rg.algorithm `my_pg` and a plain function."""
+    yield from fresh_module(tmp_path, monkeypatch, "my_algos", USER_ALGORITHM)
 
 
 @pytest.mark.parametrize("spec", ["my_algos.py:my_pg", "my_algos:my_pg"])
