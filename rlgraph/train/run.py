@@ -24,7 +24,7 @@ import attrs
 import torch
 from rich.console import Console
 
-from rlgraph.algorithms import ALGORITHMS, evaluate, sft
+from rlgraph.algorithms import evaluate, sft
 from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.critic import build_critic
 from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
