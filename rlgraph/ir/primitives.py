@@ -118,8 +118,8 @@ def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens, sto
     check_number("rg.generate", "top_p", top_p, low=0, low_open=True, high=1)
     if temperature < 0 or not 0 < top_p <= 1:
         raise TraceError(f"rg.generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}", user_location())
-    if not isinstance(stop, tuple) or not all(isinstance(item, str) and item for item in stop):
-        raise TraceError(f"rg.generate: stop must be a tuple of non-empty strings, got {stop!r}", user_location(),
+    if not isinstance(stop, (tuple, list)) or not all(isinstance(item, str) and item for item in stop):
+        raise TraceError(f"rg.generate: stop must be a tuple (or list) of non-empty strings, got {stop!r}", user_location(),
                          fix="e.g. stop=('\\n\\n',); a response ends after the first of them")
     return rollouts_spec(S.B if n == 1 else S.N)
 

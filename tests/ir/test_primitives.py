@@ -55,8 +55,8 @@ def generating_with(stop):
     return algo
 
 
-@pytest.mark.parametrize("stop", ["\n", ("",), ["a"], ("a", 3)])
+@pytest.mark.parametrize("stop", ["\n", ("",), ["a", ""], ("a", 3), None])
 def test_generate_refuses_stop_that_is_not_a_tuple_of_strings(stop):
-    with pytest.raises(TraceError, match=r"rg.generate: stop must be a tuple of non-empty strings(.|\n)*fix: e.g. stop="):
+    with pytest.raises(TraceError, match=r"rg.generate: stop must be a tuple \(or list\) of non-empty strings(.|\n)*fix: e.g. stop="):
         generating_with(stop).trace()
     assert "stop=('\\n',)" in str(generating_with(("\n",)).trace())  # a good one is kept in the program
