@@ -86,3 +86,14 @@ def test_imports_and_objects_name_where_they_came_from(tmp_path, monkeypatch, al
     with pytest.raises(ConfigError, match="imports no_such_mod: No module named 'no_such_mod'"):
         import_modules(["no_such_mod"], "imports")
     assert load_object("run_algos:only_n", "rewards[0]").name == "only_n"  # found from the working directory
+
+
+@pytest.mark.slow
+def test_stop_strings_end_responses_alike_on_spmd_workers(tmp_path):
+    """The FSDP executor cuts at stop strings as the local one does: the same rows on 2 ranks."""
+    from tests.train.test_run import assert_rows_close, train_local_and_spmd
+
+    local, spmd = train_local_and_spmd(tmp_path, ["train.steps=2", "warm_start.steps=0", "checkpoint.every=2",
+                                                  "rollout.stop=['1']", "rollout.max_new_tokens=6"])
+    assert_rows_close(spmd, local)
+    assert all(row["response_length/mean"] < 6 for row in local)  # some responses ended early
