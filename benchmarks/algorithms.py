@@ -20,7 +20,7 @@ from datetime import date
 
 from rich.console import Console
 
-from rlgraph.cli import _hparams
+from rlgraph.ir.keyvalue import parse_assignment
 from rlgraph.train.demo import RL_ALGORITHMS, DemoConfig, DemoResult, run_demo
 
 
@@ -31,7 +31,8 @@ def _per_algorithm(pairs: list[str]) -> dict[str, dict]:
         name, sep, setting = pair.partition(":")
         if not sep or name not in RL_ALGORITHMS:
             raise SystemExit(f"algorithms.py: write hyper-parameters as <algorithm>:key=value, got {pair!r}")
-        out.setdefault(name, {}).update(_hparams([setting]))
+        key, value = parse_assignment(setting, f"-p {name}:", "ppo:lam=1.0")
+        out.setdefault(name, {})[key] = value
     return out
 
 

@@ -3,13 +3,16 @@
     rlgraph list [algorithms|estimators|losses]       what can be named, with one line of doc each
     rlgraph trace <algorithm> [-p key=value ...]       print the typed program
     rlgraph plan <algorithm> [--mesh ...] [-p ...]     compile and print the placement plan
+                                                       (<algorithm>: a name, or yours: my_algos.py:fn, module:fn)
     rlgraph demo [--algorithm grpo] [-p key=value ...] SFT then RL on the arithmetic task, on CPU
     rlgraph train CONFIG [-o key=value ...]            a run on your model, data and rewards (docs/training.md)
+    rlgraph train CONFIG --runtime spmd --nproc 2      the same, on 2 worker processes (= -o runtime.runtime=...)
     rlgraph train --resume RUN_DIR                     continue a run exactly where its last checkpoint left it
     rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
     rlgraph plot RUN_DIR                               PNG curves of a run's metrics
     rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side
 
+A value of -p or -o is read as YAML (1e-3 is a float, [a, b] a list, 'quoted' text a string).
 Hyper-parameters that name an estimator or a loss take any registered name, e.g.
 `rlgraph trace grpo -p estimator=rloo -p loss=gspo`. `--import my_module` (or a .py path; any
 command, repeatable) imports the user's module first, so its `@F.estimator`s and `F.register_loss`
@@ -19,31 +22,18 @@ calls register: `rlgraph plan grpo --import my_estimators -p estimator=loo_rank_
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
-import difflib
-import importlib
-import importlib.util
 import inspect
 import os
 import sys
 import traceback
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 
-def _hparams(pairs: list[str]) -> dict[str, Any]:
-    values = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"rlgraph: hyper-parameter {pair!r} must be written key=value")
-        try:
-            values[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            values[key] = raw
-    return values
+def _pairs(pairs: list[str], flag: str = "-p") -> dict[str, Any]:
+    """`-p key=value ...` as a dict, each value read as `-o` reads it (`rlgraph.ir.keyvalue`)."""
+    from rlgraph.ir.keyvalue import parse_assignments
+
+    return parse_assignments(pairs, flag, "kl=1e-3 or -p estimator=rloo")
 
 
 def _positive_int(text: str) -> int:
@@ -97,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. -o train.steps=10 -o optimizer.lr=1e-5")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
     train.add_argument("--dry-run", action="store_true", help="print the compiled plan and memory per rank, then exit")
+    # shorthands for -o runtime.<key>=...; None: the config's value
+    train.add_argument("--runtime", choices=("local", "spmd", "ray"), help="= -o runtime.runtime=...: local, spmd or ray")
+    train.add_argument("--nproc", type=_positive_int, help="= -o runtime.nproc=...: spmd/ray worker processes (mesh ranks)")
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), help="= -o runtime.device=...: where the models run")
 
     export = sub.add_parser("export", parents=[common], help="write a run's policy as a Hugging Face directory")
     export.add_argument("run_dir")
@@ -118,8 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="where the PNGs go (default: RUN_DIR/plots)")
 
-    bench = sub.add_parser("bench", parents=[common], help="rlgraph vs TRL GRPOTrainer on the same model, data, reward")
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (rlgraph bench -- --help)")
+    # every argument, --help too, goes to the benchmark's own parser (rlgraph.bench.main): see `main`
+    sub.add_parser("bench", parents=[common], add_help=False, help="rlgraph vs TRL GRPOTrainer on the same model, data, "
+                   "reward; rlgraph bench --config small|large (rlgraph bench --help for the rest)")
 
     check = sub.add_parser("check", parents=[common],
                            help="property-test a registered estimator or loss (rlgraph.testing); prints a counterexample")
@@ -128,13 +123,13 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--thorough", action="store_true", help="500 examples per property instead of 25")
 
     trace = sub.add_parser("trace", parents=[common], help="print an algorithm's typed program")
-    trace.add_argument("algorithm")
+    trace.add_argument("algorithm", help="a name (rlgraph list algorithms) or your @rg.algorithm: my_algos.py:fn, module:fn")
     trace.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. loss=gspo")
     trace.add_argument("--source", action="store_true", help="show the source line of every value")
 
     plan = sub.add_parser("plan", parents=[common],
                           help="compile an algorithm and print its placement plan (runs nothing)")
-    plan.add_argument("algorithm")
+    plan.add_argument("algorithm", help="a name (rlgraph list algorithms) or your @rg.algorithm: my_algos.py:fn, module:fn")
     plan.add_argument("--mesh", default="gpu:8", help="e.g. gpu:8, h200:8, 2x8:h100, cpu:2")
     plan.add_argument("--placement", default="colocated",
                       help="auto (the compiler searches) | colocated | colocated:fsdp=8,tp=2[,cpu_offload=True] | "
@@ -152,12 +147,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; any error is printed as one message and exits 1 (`--debug`: with its traceback)."""
     from rlgraph.ir.errors import RLGraphError
+    from rlgraph.train.user_code import import_modules
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":  # `rlgraph bench --config small` and `rlgraph bench -- --config small` alike
+        args.args = [arg for arg in rest if arg != "--"]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     commands = {"list": _list, "check": _check, "demo": _demo, "trace": _trace, "plan": _plan, "train": _train,
                 "export": _export, "eval": _eval, "plot": _plot, "bench": _bench}
     try:
-        import_modules(args.imports)
+        import_modules(args.imports)  # rlgraph.train.user_code: the same rules as a config's `imports`
         return commands[args.command](args)
     except Exception as exc:  # noqa: BLE001 - a command line answers every failure with a message, not a traceback
         if args.debug:
@@ -169,68 +170,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def import_modules(names: list[str]) -> None:
-    """Import each of `names`, a dotted module name or a path to a .py file, for its registrations.
-
-    Module names are also looked up in the working directory, as `python -m` would. A module that
-    cannot be found exits with a message; errors raised by the module itself propagate.
-    """
-    for name in names:
-        try:
-            if name.endswith(".py"):
-                _import_file(Path(name))
-            else:
-                with _working_directory_on_path():
-                    importlib.import_module(name)
-        except (ModuleNotFoundError, FileNotFoundError) as exc:
-            raise SystemExit(f"rlgraph: --import {name}: {exc}; run rlgraph from the directory that holds it, "
-                             "pass the path of the .py file, or add its directory to PYTHONPATH") from None
-
-
-@contextlib.contextmanager
-def _working_directory_on_path() -> Iterator[None]:
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added:
-            sys.path.remove(cwd)
-
-
-def _import_file(path: Path) -> None:
-    if not path.is_file():
-        raise FileNotFoundError(f"no file {str(path)!r}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # registered names point at the module's functions, as for a normal import
-    spec.loader.exec_module(module)
-
-
-def _check_algorithm(name: str) -> None:
-    from rlgraph.algorithms import ALGORITHMS
-
-    if name not in ALGORITHMS:
-        raise SystemExit(f"rlgraph: unknown algorithm {name!r}; known: {', '.join(sorted(ALGORITHMS))} (rlgraph list)")
-
-
 def _trace(args) -> int:
-    from rlgraph.algorithms import ALGORITHMS
+    from rlgraph.train.user_code import load_algorithm
 
-    _check_algorithm(args.algorithm)
-    print(ALGORITHMS[args.algorithm].trace(**_hparams(args.param)).pretty(source=args.source))
+    algorithm = load_algorithm(args.algorithm, "algorithm")
+    print(algorithm.trace(**_pairs(args.param)).pretty(source=args.source))
     return 0
 
 
 def _demo(args) -> int:
     from rlgraph.algorithms import ALGORITHMS
+    from rlgraph.ir.errors import ConfigError, did_you_mean
     from rlgraph.train.demo import RL_ALGORITHMS, DemoConfig, run_demo
 
     if args.algorithm not in RL_ALGORITHMS:
-        raise SystemExit(f"rlgraph: unknown RL algorithm {args.algorithm!r}; known: {', '.join(RL_ALGORITHMS)}")
-    hparams = _hparams(args.param)
+        raise ConfigError(f"--algorithm {args.algorithm!r} is not an RL algorithm of the demo"
+                          f"{did_you_mean(args.algorithm, RL_ALGORITHMS)}", fix=f"one of {', '.join(RL_ALGORITHMS)}")
+    hparams = _pairs(args.param)
     ALGORITHMS[args.algorithm].trace(**hparams)  # a wrong name or hyper-parameter fails now, not after SFT
     run_demo(DemoConfig(algorithm=args.algorithm, hparams=hparams, seed=args.seed, rl_seconds=args.rl_seconds,
                         rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir, runtime=args.runtime,
@@ -244,6 +200,7 @@ def _train(args) -> int:
     from rlgraph.train.config import load_config
     from rlgraph.train.run import dry_run, load_run_config, train
 
+    args.override = _with_runtime_flags(args)
     if args.resume:
         config = load_run_config(args.resume, args.override)
         if args.config is not None:
@@ -264,6 +221,29 @@ def _train(args) -> int:
              if result.eval_before is not None and result.eval_after is not None else "")
     print(f"run {result.run_dir}: {result.steps} steps in {result.seconds:.0f} s{shown}")
     return 0
+
+
+_RUNTIME_FLAGS = {"--runtime": ("runtime", "runtime.runtime"), "--nproc": ("nproc", "runtime.nproc"),
+                  "--device": ("device", "runtime.device")}
+
+
+def _with_runtime_flags(args) -> list[str]:
+    """`rlgraph train`'s -o list with --runtime/--nproc/--device added as the -o they stand for;
+    a flag and an -o of the same key with another value is an error naming both."""
+    from rlgraph.ir.errors import ConfigError
+    from rlgraph.ir.keyvalue import parse_assignment
+
+    given = dict(parse_assignment(item, "-o") for item in args.override)
+    added = []
+    for flag, (attribute, key) in _RUNTIME_FLAGS.items():
+        value = getattr(args, attribute)
+        if value is None:
+            continue
+        if key in given and given[key] != value:
+            raise ConfigError(f"{flag} {value} and -o {key}={given[key]} disagree",
+                              fix=f"give one of them: {flag} is short for -o {key}=...")
+        added.append(f"{key}={value}")
+    return [*args.override, *added]
 
 
 def _export(args) -> int:
@@ -299,7 +279,7 @@ def _plot(args) -> int:
 def _bench(args) -> int:
     from rlgraph.bench import main as bench_main
 
-    return bench_main([arg for arg in args.args if arg != "--"])
+    return bench_main(args.args)
 
 
 _PROPERTY_NAMES = {"assert_padding_invariant": "padding invariance", "assert_microbatch_invariant": "micro-batch invariance",
@@ -369,50 +349,19 @@ def _listings() -> dict[str, tuple[str, dict[str, str]]]:
     }
 
 
-def parse_placement(text: str):
-    """`colocated`, `colocated:fsdp=8,tp=2,offload=False,cpu_offload=True`, `split:policy=4,rollout=4,ref=policy,tp=2`
-    (`split:...,cpu_offload=True`)."""
-    from rlgraph.plan.mesh import colocated, split
-
-    kind, _, rest = text.partition(":")
-    if text == "auto":
-        return "auto"  # the compiler searches (rlgraph.passes.search)
-    fields = _hparams([item for item in rest.split(",") if item])
-    if kind == "colocated":
-        _check_colocated_options(text, fields)
-        return colocated(**fields)
-    if kind == "split":
-        options = {key: fields.pop(key) for key in ("tp", "checkpointing", "cpu_offload") if key in fields}
-        return split(fields, **options)  # every other key names a group
-    close = difflib.get_close_matches(kind, ["auto", "colocated", "split"], n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise SystemExit(f"rlgraph: unknown placement {text!r}{hint}; use auto, colocated[:fsdp=..,tp=..] or split:role=ranks,...")
-
-
-def _check_colocated_options(text: str, fields: dict[str, Any]) -> None:
-    """Exit naming the options `colocated` takes when `fields` has another (a typo, say)."""
-    from rlgraph.plan.mesh import colocated
-
-    known = list(inspect.signature(colocated).parameters)
-    for key in fields:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise SystemExit(f"rlgraph: --placement {text!r}: unknown option {key!r}{hint} (colocated takes {', '.join(known)})")
-
-
 def _plan(args) -> int:
     import rlgraph as rg
-    from rlgraph.algorithms import ALGORITHMS
     from rlgraph.plan.dot import render
+    from rlgraph.plan.mesh import parse_placement
+    from rlgraph.train.user_code import load_algorithm
 
-    _check_algorithm(args.algorithm)
+    algorithm = load_algorithm(args.algorithm, "algorithm")
     _check_output_dirs(args)
     sizes = _sizes(args.sizes)
-    hparams = _hparams(args.param)
+    hparams = _pairs(args.param)
     sizes.setdefault("n", hparams.get("n", 8))
     try:
-        compiled = rg.compile(ALGORITHMS[args.algorithm], mesh=args.mesh, placement=parse_placement(args.placement),
+        compiled = rg.compile(algorithm, mesh=args.mesh, placement=parse_placement(args.placement),
                               sizes=sizes, models={"policy": args.model}, engine=args.engine, **hparams)
     except ValueError as exc:  # placement and model-size mistakes; RLGraphError is handled by main
         print(f"rlgraph plan: {exc}", file=sys.stderr)
@@ -436,7 +385,7 @@ def _sizes(text: str) -> dict[str, int]:
     from rlgraph.ir.errors import ConfigError
 
     sizes = {}
-    for key, value in _hparams([item for item in text.split(",") if item]).items():
+    for key, value in _pairs([item for item in text.split(",") if item], "--sizes").items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"--sizes {text}: {key}={value!r} is not a whole number", fix="write e.g. --sizes B=32,P=64,T=256")
         sizes[key] = value

@@ -34,14 +34,19 @@ USER_MODULE = '''
 '''
 
 
+def fresh_module(tmp_path, monkeypatch, name: str, source: str):
+    """The module `name`.py holding `source`, in a fresh working directory, not imported yet."""
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    yield tmp_path / f"{name}.py"
+    sys.modules.pop(name, None)
+
+
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    """A module `cli_user_module.py` in a fresh working directory, not imported yet."""
-    (tmp_path / "cli_user_module.py").write_text(textwrap.dedent(USER_MODULE))
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "cli_user_module", raising=False)
-    yield tmp_path / "cli_user_module.py"
-    sys.modules.pop("cli_user_module", None)
+    """`cli_user_module.py`: an estimator and a loss."""
+    yield from fresh_module(tmp_path, monkeypatch, "cli_user_module", USER_MODULE)
 
 
 def run(capsys, *argv):
@@ -156,14 +161,16 @@ def test_plan_names_the_engines_there_are(capsys, engine, hint):
 
 
 @pytest.mark.parametrize(("placement", "message"), [
-    ("colocated:tpp=2", "rlgraph: --placement 'colocated:tpp=2': unknown option 'tpp'; did you mean 'tp'? "
+    ("colocated:tpp=2", "rlgraph plan: --placement 'colocated:tpp=2': unknown option 'tpp'; did you mean 'tp'? "
                         "(colocated takes fsdp, tp, offload, checkpointing, cpu_offload)"),
     ("colocated:offlaod=False", "unknown option 'offlaod'; did you mean 'offload'?"),
     ("colocated:engine=vllm", "unknown option 'engine' (colocated takes fsdp, tp, offload, checkpointing, cpu_offload)"),
+    ("colocated:tp=[1", "--placement colocated: tp=[1: '[1' is not a value"),
+    ("split:policy", "--placement split: 'policy' must be written key=value"),
 ])
-def test_plan_placement_with_an_unknown_option_says_which_there_are(placement, message):
-    with pytest.raises(SystemExit, match=re.escape(message)):
-        main(["plan", "grpo", "--mesh", "cpu:2", "--placement", placement])
+def test_plan_placement_with_an_unknown_option_says_which_there_are(capsys, placement, message):
+    code, _, err = run(capsys, "plan", "grpo", "--mesh", "cpu:2", "--placement", placement)
+    assert code == 1 and message in err and "fix:" in err and "Traceback" not in err, err
 
 
 def test_plan_placement_values_are_checked_by_the_compiler(capsys):
@@ -183,12 +190,13 @@ def test_import_registers_the_users_estimator_and_loss(capsys, user_module):
     assert code == 0 and "cli_best_of_group=cli_best_of_group" in out      # a path works too
 
 
-def test_an_import_that_is_not_found_says_how_to_fix_it(tmp_path, monkeypatch):
+def test_an_import_that_is_not_found_says_how_to_fix_it(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="--import no_such_module: No module named 'no_such_module'; run rlgraph from"):
-        main(["trace", "grpo", "--import", "no_such_module"])
-    with pytest.raises(SystemExit, match="no file 'missing.py'"):
-        main(["list", "--import", "missing.py"])
+    code, _, err = run(capsys, "trace", "grpo", "--import", "no_such_module")
+    assert code == 1 and "rlgraph trace: --import no_such_module: No module named 'no_such_module'" in err
+    assert "fix: run rlgraph from the directory that holds it" in err
+    code, _, err = run(capsys, "list", "--import", "missing.py")
+    assert code == 1 and "--import missing.py: no file 'missing.py'" in err
 
 
 def test_demo_passes_names_to_the_rl_algorithm_and_checks_them_before_training(capsys, user_module, monkeypatch):
@@ -241,8 +249,8 @@ def test_plan_placement_auto_prints_the_winner_the_runners_up_and_why(capsys):
                        "--sizes", "B=64,P=512,T=1024")
     assert code == 0 and "estimated step time on h100:" in out and "placement search:" in out
     assert "  #2 " in out and "why: " in out and "The runner-up" in out
-    with pytest.raises(SystemExit, match="unknown placement 'atuo'; did you mean 'auto'?"):
-        main(["plan", "ppo", "--placement", "atuo"])
+    code, _, err = run(capsys, "plan", "ppo", "--placement", "atuo")
+    assert code == 1 and "--placement 'atuo': unknown placement 'atuo'; did you mean 'auto'?" in err
 
 
 # (argv, what the one-line message must say): each was a raw error or a traceback before
@@ -282,3 +290,102 @@ def test_any_error_is_one_message_and_debug_shows_the_traceback(capsys, monkeypa
     for argv in (["--debug", "trace", "grpo"], ["trace", "grpo", "--debug"]):
         code, _, err = run(capsys, *argv)
         assert code == 1 and "Traceback" in err and "KeyError: 'deep inside'" in err
+
+
+USER_ALGORITHM = '''
+    import rlgraph as rg
+
+
+    @rg.algorithm
+    def my_pg(state: rg.State, prompts: rg.Prompts, *, n=4, scale=1.0):
+        ro = rg.generate(state.policy, prompts, n=n)
+        r = rg.score(state.reward, ro)
+        return state, {"reward": r.mean() * scale}
+
+
+    def not_an_algorithm(state, prompts):
+        return state, {}
+'''
+
+
+@pytest.fixture
+def user_algorithm(tmp_path, monkeypatch):
+    """`my_algos.py`: an @rg.algorithm `my_pg` and a plain function."""
+    yield from fresh_module(tmp_path, monkeypatch, "my_algos", USER_ALGORITHM)
+
+
+@pytest.mark.parametrize("spec", ["my_algos.py:my_pg", "my_algos:my_pg"])
+def test_trace_and_plan_take_the_users_algorithm(capsys, user_algorithm, spec):
+    code, out, err = run(capsys, "trace", spec, "-p", "scale=2e-1")
+    assert code == 0, err
+    assert "; n=4 scale=0.2 ." in out and "= generate[n=4 " in out  # -p 2e-1 is a float, as -o reads it
+    code, out, err = run(capsys, "plan", spec, "--mesh", "cpu:2", "-p", "n=2")
+    assert code == 0 and out.startswith("plan my_pg  on 1x2 cpu") and "(32 prompts x n=2)" in out, err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("my_algos.py:no_such", "algorithm 'my_algos.py:no_such': my_algos.py has no 'no_such'"),
+    ("missing.py:my_pg", "algorithm 'missing.py:my_pg': cannot import missing.py: no file 'missing.py'"),
+    ("my_algos.py:not_an_algorithm", "algorithm 'my_algos.py:not_an_algorithm' is a function, not an algorithm"),
+    ("my_algos.py:", "algorithm 'my_algos.py:' is not 'module:name' or 'file.py:name'"),
+    ("grpoo", "algorithm 'grpoo' is not an algorithm; did you mean 'grpo'?"),
+])
+def test_a_bad_algorithm_spec_is_one_message_naming_it(capsys, user_algorithm, spec, message):
+    for command in ("trace", "plan"):
+        code, out, err = run(capsys, command, spec)
+        assert code == 1 and out == "" and err.startswith(f"rlgraph {command}: {message}") and "fix: " in err, err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--config", "small", "--no-trl"], ["bench", "--", "--config", "small", "--no-trl"]])
+def test_bench_takes_its_flags_with_or_without_the_separator(monkeypatch, argv):
+    import rlgraph.bench
+
+    seen = []
+    monkeypatch.setattr(rlgraph.bench, "main", lambda args: seen.append(args) or 0)
+    assert main(argv) == 0 and seen == [["--config", "small", "--no-trl"]]
+
+
+def test_bench_help_is_the_benchmarks_own(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and "usage: rlgraph bench" in out and "--config {large,small}" in out
+
+
+def test_another_command_still_refuses_an_unknown_flag(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["trace", "grpo", "--config", "small"])
+    assert exit.value.code == 2 and "unrecognized arguments: --config small" in capsys.readouterr().err
+
+
+def test_train_runtime_flags_are_the_overrides_they_stand_for(tmp_path, capsys):
+    from tests.train.test_run import make_config
+
+    _, path = make_config(tmp_path, "flags")
+    code, out, err = run(capsys, "train", str(path), "--dry-run", "--runtime", "spmd", "--nproc", "2", "--device", "cpu")
+    assert code == 0 and "train: fsdp2 shard=2" in out, err
+    code, out, _ = run(capsys, "train", str(path), "--dry-run", "-o", "runtime.nproc=2", "--nproc", "2",
+                       "--runtime", "spmd")
+    assert code == 0 and "train: fsdp2 shard=2" in out  # the same value twice is no conflict
+    code, out, err = run(capsys, "train", str(path), "--dry-run", "-o", "runtime.nproc=3", "--nproc", "2")
+    assert code == 1 and out == "" and "rlgraph train: --nproc 2 and -o runtime.nproc=3 disagree" in err
+    assert "fix: give one of them: --nproc is short for -o runtime.nproc=..." in err
+    assert not (tmp_path / "flags").exists()
+
+
+@pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "two"], ["--runtime", "mpi"], ["--device", "gpu"]])
+def test_train_runtime_flags_refuse_bad_values_naming_the_flag(flags, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "config.yaml", *flags])
+    assert "error: argument " + flags[0] in capsys.readouterr().err
+
+
+def test_dry_run_never_wraps_plan_lines_when_not_on_a_terminal(tmp_path, capsys):
+    from tests.train.test_run import make_config
+    from rlgraph.train.run import prepare
+
+    config, path = make_config(tmp_path, "wide")
+    plan_lines = prepare(config).rl.as_text().splitlines()
+    assert max(map(len, plan_lines)) > 100  # else this test would not see a wrap
+    code, out, _ = run(capsys, "train", str(path), "--dry-run")
+    assert code == 0 and set(plan_lines) <= set(out.splitlines())

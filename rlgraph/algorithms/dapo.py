@@ -29,12 +29,13 @@ def overlong_penalty(mask: Tensor, *, max_length: int, buffer: int) -> Tensor:
 
 @rg.algorithm
 def dapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0.28, max_new_tokens=20,
-         overlong_buffer=4, overlong_coef=1.0, dynamic_sampling=True, max_rounds=4, temperature=1.0, epochs=1,
+         overlong_buffer=4, overlong_coef=1.0, dynamic_sampling=True, max_rounds=4, temperature=1.0, top_p=1.0, stop=(), epochs=1,
          micro_batch_size=None):
     check_hparams("dapo", group_estimator="group_normalize", n=n, clip_low=clip_low, clip_high=clip_high,
                   max_new_tokens=max_new_tokens, overlong_buffer=overlong_buffer, max_rounds=max_rounds, epochs=epochs,
                   micro_batch_size=micro_batch_size)
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     if dynamic_sampling:                                               # a hyper-parameter, not a traced value
         ro, r = rg.filter_groups(ro, r, F.group_has_variance(r, ro.group), max_rounds=max_rounds)  # [N]: B groups kept

@@ -14,11 +14,12 @@ from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
-def dr_grpo(state: rg.State, prompts: rg.Prompts, *, n=8, clip=0.2, clip_high=None, temperature=1.0,
+def dr_grpo(state: rg.State, prompts: rg.Prompts, *, n=8, clip=0.2, clip_high=None, temperature=1.0, top_p=1.0, stop=(),
             max_new_tokens=None, epochs=1, micro_batch_size=None):
     check_hparams("dr_grpo", group_estimator="group_normalize", n=n, clip=clip, clip_high=clip_high,
                   max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.group_normalize(r, ro.group, scale=False)[:, None]         # [N, 1]
 

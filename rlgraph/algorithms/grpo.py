@@ -26,12 +26,14 @@ from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 @rg.algorithm
 def grpo(state: rg.State, prompts: rg.Prompts, *, n=8, estimator="group_normalize", loss="ppo_clip", clip=0.2,
-         clip_high=None, kl=0.0, temperature=1.0, max_new_tokens=None, epochs=1, micro_batch_size=None, tis_cap=None):
+         clip_high=None, kl=0.0, temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None, epochs=1, micro_batch_size=None,
+         tis_cap=None):
     check_hparams("grpo", group_estimator=estimator, n=n, clip=clip, clip_high=clip_high, kl=kl,
                   max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
     estimate, policy_loss = F.get_estimator(estimator), F.get_loss(loss)  # names -> functions (`rlgraph list`)
     tis_cap = check_tis_cap(tis_cap, "grpo", loss)                     # None: no rollout correction
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     mask = ro.mask if estimate.takes_mask else None                    # read only by length-aware estimators
     adv = estimate(r, ro.group, n=n, mask=mask)[:, None]               # [N, 1]

@@ -16,11 +16,12 @@ from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
-def gspo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=3e-4, clip_high=4e-4, temperature=1.0,
+def gspo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=3e-4, clip_high=4e-4, temperature=1.0, top_p=1.0, stop=(),
          max_new_tokens=None, epochs=1, micro_batch_size=None):
     check_hparams("gspo", group_estimator="group_normalize", n=n, clip_low=clip_low, clip_high=clip_high,
                   max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.group_normalize(r, ro.group)[:, None]                      # [N, 1]
 

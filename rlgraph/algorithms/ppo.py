@@ -25,13 +25,14 @@ from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 @rg.algorithm
 def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, kl=0.0, kl_target=None,
-        kl_horizon=10000, gamma=1.0, lam=0.95, temperature=1.0, max_new_tokens=None, epochs=1, minibatches=1,
+        kl_horizon=10000, gamma=1.0, lam=0.95, temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None, epochs=1, minibatches=1,
         micro_batch_size=None, tis_cap=None):
     check_hparams("ppo", n=n, clip=clip, value_clip=value_clip, kl=kl, kl_target=kl_target, kl_horizon=kl_horizon,
                   gamma=gamma, lam=lam, max_new_tokens=max_new_tokens, epochs=epochs, minibatches=minibatches,
                   micro_batch_size=micro_batch_size)
     tis_cap = check_tis_cap(tis_cap, "ppo")                            # None: no rollout correction
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     metrics = {}                                                       # the KL's and the correction's
     correction = rollout_correction(state, ro, cap=tis_cap, temperature=temperature) if tis_cap is not None else None

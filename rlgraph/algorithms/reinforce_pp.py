@@ -21,11 +21,12 @@ from rlgraph.algorithms.shaping import kl_penalized_token_rewards
 
 
 @rg.algorithm
-def reinforce_pp(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, kl=0.0, gamma=1.0, temperature=1.0,
+def reinforce_pp(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, kl=0.0, gamma=1.0, temperature=1.0, top_p=1.0, stop=(),
                  max_new_tokens=None, epochs=1, micro_batch_size=None):
     check_hparams("reinforce_pp", n=n, clip=clip, kl=kl, gamma=gamma, max_new_tokens=max_new_tokens, epochs=epochs,
                   micro_batch_size=micro_batch_size)
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     token_rewards, kl_metrics = kl_penalized_token_rewards(state, ro, r, kl=kl, temperature=temperature)  # [N, T]
     adv = F.reinforce_pp(token_rewards, ro.mask, gamma=gamma)          # [N, T]
@@ -39,11 +40,12 @@ def reinforce_pp(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, kl=0.0,
 
 
 @rg.algorithm
-def reinforce_pp_baseline(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2, kl=0.0, temperature=1.0,
+def reinforce_pp_baseline(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2, kl=0.0, temperature=1.0, top_p=1.0, stop=(),
                           max_new_tokens=None, epochs=1, micro_batch_size=None):
     check_hparams("reinforce_pp_baseline", group_estimator="reinforce_pp_baseline", n=n, clip=clip, kl=kl,
                   max_new_tokens=max_new_tokens, epochs=epochs, micro_batch_size=micro_batch_size)
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.reinforce_pp_baseline(r, ro.group, ro.mask)[:, None]       # [N, 1]
     ref = rg.logprobs(state.ref, ro, temperature=temperature) if kl else None  # [N, T]

@@ -14,12 +14,14 @@ from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
-def remax(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, temperature=1.0, max_new_tokens=None,
-          epochs=1, micro_batch_size=None):
+def remax(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, temperature=1.0, top_p=1.0, stop=(),
+          max_new_tokens=None, epochs=1, micro_batch_size=None):
     check_hparams("remax", n=n, clip=clip, max_new_tokens=max_new_tokens, epochs=epochs,
                   micro_batch_size=micro_batch_size)
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
-    greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens)     # Rollouts[B, T']
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
+    greedy = rg.generate(state.policy, prompts, n=1, temperature=0.0, max_new_tokens=max_new_tokens,
+                         stop=stop)                                    # Rollouts[B, T'], ended as `ro` is
     r = rg.score(state.reward, ro)                                     # [N]
     greedy_r = rg.score(state.reward, greedy)                          # [B]
     adv = F.remax(r, greedy_r[ro.group])[:, None]                      # [N, 1]: each sample gets its prompt's baseline

@@ -13,11 +13,12 @@ from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
 
 
 @rg.algorithm
-def rloo(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2, temperature=1.0, max_new_tokens=None,
+def rloo(state: rg.State, prompts: rg.Prompts, *, n=4, clip=0.2, temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None,
          epochs=1, micro_batch_size=None):
     check_hparams("rloo", group_estimator="rloo", n=n, clip=clip, max_new_tokens=max_new_tokens, epochs=epochs,
                   micro_batch_size=micro_batch_size)
-    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens)  # Rollouts[N, T]
+    ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]
     adv = F.rloo(r, ro.group)[:, None]                                 # [N, 1]
 

@@ -7,7 +7,7 @@ read is a bug in the plan or the caller, never silently the wrong weights).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -97,7 +97,7 @@ class Executor(Protocol):
     def current(self, role: str) -> ModelRef: ...
 
     def generate(self, model: ModelRef, prompts: Prompts, *, n: int, temperature: float, top_p: float,
-                 max_new_tokens: int | None) -> Rollouts: ...
+                 max_new_tokens: int | None, stop: Sequence[str] = ()) -> Rollouts: ...
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool) -> Any: ...
 

@@ -107,7 +107,7 @@ def declare(spec_rule: Callable[..., S.Spec], *, returns: int | None = None):
 # -- spec rules ---------------------------------------------------------------------------------
 
 
-def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens) -> S.Spec:
+def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens, stop) -> S.Spec:
     _expect(model, S.ModelSpec, "a language-model version such as state.policy", "generate", "the model")
     _expect(prompts, S.RecordSpec, "Prompts[B,P]", "generate", "the prompts")
     if prompts.kind != "Prompts":
@@ -118,6 +118,9 @@ def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens) -> 
     check_number("rg.generate", "top_p", top_p, low=0, low_open=True, high=1)
     if temperature < 0 or not 0 < top_p <= 1:
         raise TraceError(f"rg.generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}", user_location())
+    if not isinstance(stop, (tuple, list)) or not all(isinstance(item, str) and item for item in stop):
+        raise TraceError(f"rg.generate: stop must be a tuple (or list) of non-empty strings, got {stop!r}", user_location(),
+                         fix="e.g. stop=('\\n\\n',); a response ends after the first of them")
     return rollouts_spec(S.B if n == 1 else S.N)
 
 
@@ -188,8 +191,9 @@ def _filter_groups_spec(rollouts, rewards, keep, *, max_rounds) -> S.Spec:
 
 
 @declare(_generate_spec)
-def generate(model, prompts, *, n=1, temperature=1.0, top_p=1.0, max_new_tokens=None):
-    """Sample `n` responses per prompt from `model`: Prompts[B,P] -> Rollouts[N=B*n, T]."""
+def generate(model, prompts, *, n=1, temperature=1.0, top_p=1.0, max_new_tokens=None, stop=()):
+    """Sample `n` responses per prompt from `model`: Prompts[B,P] -> Rollouts[N=B*n, T]; a response
+    ends at EOS, after `max_new_tokens`, or after the first of the `stop` strings (kept, tuple)."""
 
 
 @declare(_logprobs_spec)

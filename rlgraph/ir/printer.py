@@ -1,7 +1,7 @@
 """Print a Program the way JAX prints a jaxpr: one line per value with its spec.
 
     { lambda policy:policy@v reward:reward:reward prompts:Prompts[B,P] ; n=8 .
-      let a:Rollouts[N,T] = generate[n=8 temperature=1.0 top_p=1.0 max_new_tokens=None] policy prompts
+      let a:Rollouts[N,T] = generate[n=8 temperature=1.0 top_p=1.0 max_new_tokens=None stop=()] policy prompts
           b:f32[N] = score reward a
           ...
       in (state{policy=f}, metrics{reward=g}) }

@@ -73,8 +73,8 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
         samples = sizes["B"] * node.kwargs["n"]  # this generate's own n (a greedy baseline has n=1)
         per_replica = -(-samples // layout.dp)
         flops = shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * samples * (sizes["P"] + sizes["T"])
-        return (f"{samples} samples ({sizes['B']} prompts x n={node.kwargs['n']}), <= {sizes['T']} new tokens; "
-                f"{layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), flops
+        return (f"{samples} samples ({sizes['B']} prompts x n={node.kwargs['n']}), <= {sizes['T']} new tokens"
+                f"{_sampling_text(node.kwargs)}; {layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), flops
     if prim in ("logprobs", "values"):
         return f"forward only, {-(-batch // group.dp)} sequences/rank", shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
     kwargs = node.kwargs
@@ -86,6 +86,14 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     text = (f"loss {loss}: {kwargs['epochs']} epoch(s) x {kwargs['minibatches']} minibatch(es) x {count} micro-batch(es) "
             f"of {min(micro, per_mini)} rows/rank; grad clip {kwargs['grad_clip']}")
     return text, shape.flops_per_token(sizes["P"] + sizes["T"], training=True) * tokens * kwargs["epochs"]
+
+
+def _sampling_text(kwargs: dict) -> str:
+    """How a generate step samples, where it is not the plain default: ", top_p 0.9, stop after '\\n\\n'"."""
+    parts = [f"temperature {kwargs['temperature']}" if kwargs["temperature"] not in (0, 1) else "",
+             f"top_p {kwargs['top_p']}" if kwargs["top_p"] != 1 else "",
+             f"stop after {' or '.join(map(repr, kwargs['stop']))}" if kwargs.get("stop") else ""]
+    return "".join(f", {part}" for part in parts if part)
 
 
 def _kernels(node: fx.Node) -> list[str]:

@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 
 import attrs
 
 from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.ir.keyvalue import parse_assignments
 from rlgraph.plan.hardware import DEVICE_MEMORY_GIB, HOST_MEMORY_GIB  # one table: the hardware profiles
 
 GiB = 1 << 30
@@ -183,3 +185,31 @@ def split(groups: Mapping[str, int | Sequence[int] | str], *, tp: int = 1, check
 
 def explicit(*groups: Group) -> Explicit:
     return Explicit(tuple(groups))
+
+
+PLACEMENT_FORMS = "auto, colocated[:fsdp=8,tp=2,offload=False,cpu_offload=True] or split:policy=4,rollout=4[,ref=policy][,tp=2]"
+
+
+def parse_placement(text: str, where: str = "--placement") -> Placement | str:
+    """A placement from its text form; `where` (the flag or config key) names it in errors.
+
+        parse_placement("colocated:fsdp=8,tp=2")            -> colocated(fsdp=8, tp=2)
+        parse_placement("split:policy=4,rollout=4,tp=2")    -> split({"policy": 4, "rollout": 4}, tp=2)
+        parse_placement("auto")                             -> "auto" (the compiler searches)
+    """
+    if text == "auto":
+        return "auto"
+    kind, _, rest = text.partition(":")
+    fields = parse_assignments([item for item in rest.split(",") if item], f"{where} {kind}:", "tp=2")
+    if kind == "colocated":
+        known = list(inspect.signature(colocated).parameters)
+        for key in fields:
+            if key not in known:
+                raise ConfigError(f"{where} {text!r}: unknown option {key!r}{did_you_mean(key, known)} "
+                                  f"(colocated takes {', '.join(known)})", fix=f"use {PLACEMENT_FORMS}")
+        return colocated(**fields)
+    if kind == "split":
+        options = {key: fields.pop(key) for key in ("tp", "checkpointing", "cpu_offload") if key in fields}
+        return split(fields, **options)  # every other key names a group
+    raise ConfigError(f"{where} {text!r}: unknown placement {kind!r}{did_you_mean(kind, ['auto', 'colocated', 'split'])}",
+                      fix=f"use {PLACEMENT_FORMS}")

@@ -9,7 +9,7 @@
 
 The schema is a tree of pydantic models that forbid unknown keys: a misspelt key is refused with
 the closest valid key and, for a YAML file, the line it is on. `-o key.sub=value` overrides any
-field (the value is read as YAML: `-o train.steps=10`, `-o 'rewards=[{name: math}]'`).
+field (the value is read as YAML, `1e-3` a float too: `-o train.steps=10`, `-o 'rewards=[{name: math}]'`).
 A Python config file defines `config` (a `TrainConfig` or a plain dict).
 """
 
@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlgraph.ir.errors import ConfigError
+from rlgraph.ir.keyvalue import parse_assignment
 
 
 class Section(BaseModel):
@@ -76,6 +77,18 @@ class RolloutSection(Section):
     n: int = Field(8, ge=1)                           # samples per prompt
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)             # nucleus sampling (1.0: the whole vocabulary)
+    stop: list[str] = Field(default_factory=list)     # a response ends after the first of these strings (kept)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> Any:
+        if isinstance(stop, str):
+            stop = [stop]  # `stop: "\n\n"` means the one string
+        if isinstance(stop, list) and any(isinstance(item, str) and not item for item in stop):
+            raise ValueError("a stop string is empty, which every response would match at once; "
+                             "write the text to stop after, e.g. stop: ['\\n\\n']")
+        return stop
 
 
 class RuntimeSection(Section):
@@ -247,14 +260,7 @@ def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
-    key, sep, text = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} must be written key=value", fix="e.g. -o train.steps=10 -o optimizer.lr=1e-5")
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
-    return key.strip(), value
+    return parse_assignment(item, "-o", "train.steps=10 or -o optimizer.lr=1e-5")  # the same reading as -p
 
 
 def _set(raw: dict[str, Any], key: str, value: Any, item: str) -> None:

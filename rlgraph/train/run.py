@@ -24,7 +24,7 @@ import attrs
 import torch
 from rich.console import Console
 
-from rlgraph.algorithms import ALGORITHMS, evaluate, sft
+from rlgraph.algorithms import evaluate, sft
 from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.critic import build_critic
 from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
@@ -39,6 +39,7 @@ from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.checkpoint import latest_checkpoint
 from rlgraph.train.config import TrainConfig, load_config
 from rlgraph.train.loop import Trainer
+from rlgraph.train.user_code import import_modules, load_algorithm, load_object
 
 
 @attrs.define
@@ -68,9 +69,7 @@ class RunResult:
 # -- setup ----------------------------------------------------------------------------------------
 def prepare(config: TrainConfig) -> Setup:
     """Tokenizer, data, rewards and both plans; refuses a bad config before any model is built."""
-    from rlgraph.cli import import_modules  # the same --import rules as every command
-
-    import_modules(config.imports)
+    import_modules(config.imports, "imports")  # the same rules as every command's --import
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
     _check_model_path(config)
@@ -155,39 +154,55 @@ def _tokenizer(config: TrainConfig) -> Any:
     return load_tokenizer(source)
 
 
-def _algorithm(name: str) -> Any:
-    if name in ALGORITHMS:
-        return ALGORITHMS[name]
-    if ":" in name:  # a user's @rg.algorithm: "module:fn" or "file.py:fn"
-        return load_object(name, "algorithm.name")
-    from rlgraph.ir.errors import did_you_mean
+ROLLOUT_HPARAMS = ("n", "temperature", "top_p", "max_new_tokens", "stop")  # rollout keys an algorithm may take
 
-    raise ConfigError(f"algorithm.name {name!r} is not an algorithm{did_you_mean(name, ALGORITHMS)}",
-                      fix=f"one of {', '.join(sorted(ALGORITHMS))}, or 'my_module:my_algorithm'")
+
+def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
+    """The rollout section's values for the keyword arguments `algorithm` takes, by name.
+
+    An algorithm need not take them all (a user's may fix its own temperature): a key it does not
+    take is left out, and refused only when the config sets it to something else than the default,
+    which the algorithm would silently ignore. `max_new_tokens` is never refused: a generate without
+    it gets the executor's default, which is rollout.max_new_tokens."""
+    import inspect
+
+    fixed = sorted(set(ROLLOUT_HPARAMS) & set(config.algorithm.hparams))
+    if fixed:
+        raise ConfigError(f"algorithm.hparams sets {', '.join(fixed)}",
+                          fix=f"set them in the rollout section: rollout.{fixed[0]}")
+    parameters = inspect.signature(algorithm.fn).parameters  # hyper-parameters are named keywords (the tracer's rule)
+    rollout, defaults = config.rollout, type(config.rollout).model_fields
+    values = {}
+    for key in ROLLOUT_HPARAMS:
+        value = getattr(rollout, key)
+        if key in parameters:
+            values[key] = tuple(value) if isinstance(value, list) else value  # hashable, as a traced hparam must be
+        elif key != "max_new_tokens" and value != defaults[key].get_default(call_default_factory=True):
+            raise ConfigError(f"rollout.{key}={value!r}, but the algorithm {config.algorithm.name!r} takes no {key!r} "
+                              "keyword argument",
+                              fix=f"add `{key}=...` to its keyword arguments and pass it to rg.generate, "
+                                  f"or leave rollout.{key} at its default")
+    return values
 
 
 def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int) -> tuple[Any, Any]:
-    from rlgraph.cli import parse_placement
-    from rlgraph.plan.mesh import Mesh, colocated
+    from rlgraph.plan.mesh import Mesh, colocated, parse_placement
 
     rollout, runtime = config.rollout, config.runtime
-    fixed = sorted({"n", "temperature", "max_new_tokens"} & set(config.algorithm.hparams))
-    if fixed:
-        raise ConfigError(f"algorithm.hparams sets {', '.join(fixed)}", fix="set them in the rollout section")
-    hparams = {**config.algorithm.hparams, "n": rollout.n, "temperature": rollout.temperature,
-               "max_new_tokens": rollout.max_new_tokens}
+    algorithm = load_algorithm(config.algorithm.name, "algorithm.name")
+    hparams = {**config.algorithm.hparams, **rollout_hparams(config, algorithm)}
     ranks = runtime.nproc if runtime.runtime != "local" else 1
     mesh = Mesh("cpu" if device == "cpu" else "h100", 1, ranks)
     try:
-        placement = parse_placement(runtime.placement)
-    except (SystemExit, TypeError, ValueError) as error:
-        raise ConfigError(f"runtime.placement {runtime.placement!r}: {str(error).removeprefix('rlgraph: ')}",
+        placement = parse_placement(runtime.placement, "runtime.placement")
+    except TypeError as error:  # a value colocated()/split() cannot take, e.g. split:policy=1,tp
+        raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
                           fix="e.g. colocated:offload=False, colocated:fsdp=2, split:policy=1,rollout=1, or auto") from None
     models = {"policy": config.model.path} if config.model.path else {}
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
-    rl = compile_algorithm(_algorithm(config.algorithm.name), mesh=mesh, placement=placement, engine=runtime.engine,
+    rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
                            sizes=sizes, models=models, **extra, **hparams)
     if lora and runtime.runtime != "local":
         from rlgraph.backends.fsdp.executor import check_views
@@ -205,7 +220,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
                                    engine="native", models=models,
                                    sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
-                                   max_new_tokens=eval_tokens)
+                                   max_new_tokens=eval_tokens, stop=tuple(rollout.stop))  # ended as the rollouts are
     return rl, evaluation
 
 
@@ -334,10 +349,11 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
     """Print the data report, the compiled plan and its memory per rank; build and run nothing."""
     console = console or Console()
     setup = prepare(config)
+    # soft_wrap: a plan line is never broken, whatever the width (rich assumes 80 columns off a terminal)
     for report in setup.reports:
-        console.print(report.summary())
+        console.print(report.summary(), soft_wrap=True)
     console.print(f"train prompts {len(setup.train_rows)}, eval prompts {len(setup.eval_rows)}")
-    console.print(setup.rl.as_text(), markup=False, highlight=False)
+    console.print(setup.rl.as_text(), markup=False, highlight=False, soft_wrap=True)
     return setup
 
 
@@ -629,22 +645,3 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConf
         raise ConfigError(f"{run_dir} is not a run directory: it has no config.yaml", fix="pass the directory rlgraph train wrote")
     config = load_config(None, overrides, base=yaml.safe_load(path.read_text()))
     return config.model_copy(update={"run_dir": str(run_dir)})
-
-
-def load_object(spec: str, where: str) -> Any:
-    """`module:name` or `path/file.py:name` -> the object (a user's algorithm)."""
-    from rlgraph.cli import import_modules
-
-    module, _, name = spec.rpartition(":")
-    try:
-        import_modules([module])
-    except SystemExit as error:  # the CLI's message names --import; here the config key is what is wrong
-        reason = str(error).removeprefix("rlgraph: ").split(": ", 1)[-1]
-        raise ConfigError(f"{where} {spec!r}: cannot import {module}: {reason}") from None
-    import sys
-
-    key = Path(module).stem if module.endswith(".py") else module
-    found = getattr(sys.modules.get(key), name, None)
-    if found is None:
-        raise ConfigError(f"{where} {spec!r}: {module} has no {name!r}", fix="name a function the module defines")
-    return found

@@ -3,10 +3,12 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from rlgraph.backends.local.executor import decode_responses
 from rlgraph.backends.local.generation import (
-    NativeGenerator, PromptError, SamplingParams, SamplingStream, as_int64, nucleus_filter, sample_tokens, sampling_keys, splitmix64,
-    uniform_from_bits,
+    NativeGenerator, PromptError, SamplingParams, SamplingStream, as_int64, cut_at_stop, nucleus_filter, sample_tokens, sampling_keys,
+    splitmix64, uniform_from_bits,
 )
+from rlgraph.backends.protocols import RewardRef
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.testing import tiny_executor, tiny_prompts
@@ -299,3 +301,65 @@ def test_prompts_a_model_cannot_read_are_refused_naming_the_row(model, ids, mess
     with pytest.raises(PromptError, match=message):
         NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(_prompts(ids), 1, SamplingParams(max_new_tokens=2))
 
+
+
+# -- stop strings ---------------------------------------------------------------------------------
+def rollouts_of(rows: list[list[int]], lengths: list[int]) -> Rollouts:
+    """Rollouts with responses `rows` (all of one width), the first `lengths[i]` tokens of row i live."""
+    ids = torch.tensor(rows)  # [N, T]
+    mask = torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]  # [N, T]
+    logprobs = torch.full(ids.shape, -0.5).masked_fill(~mask, 0.0)  # [N, T]
+    count = len(rows)
+    return Rollouts(torch.ones(count, 1, dtype=torch.long), torch.ones(count, 1, dtype=torch.bool), ids, mask, logprobs,
+                    torch.arange(count), {})
+
+
+def test_a_stop_string_spanning_tokens_ends_the_response_after_the_token_completing_it():
+    vocab = {1: "ab", 2: "c\n", 3: "\nd", 4: "e", 5: "\n\n"}
+    decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731 - a toy multi-character tokenizer
+    ro = rollouts_of([[1, 2, 3, 4], [1, 4, 4, 4], [5, 1, 4, 4], [1, 4, 2, 3]], lengths=[4, 4, 4, 3])
+    cut = cut_at_stop(ro, ["\n\n", "zz"], decode, pad_id=0)
+    # row 0: "ab" "c\n" "\nd" -> the third token completes "\n\n"; row 1 has none; row 2 stops at once;
+    # row 3 would complete it with its 4th token, which is already masked (after an EOS)
+    assert cut.mask.sum(1).tolist() == [3, 4, 1, 3]
+    assert cut.response_ids.tolist() == [[1, 2, 3, 0], [1, 4, 4, 4], [5, 0, 0, 0], [1, 4, 2, 0]]
+    assert torch.equal(cut.logprobs, torch.full((4, 4), -0.5).masked_fill(~cut.mask, 0.0))
+    assert cut_at_stop(ro, [], decode, pad_id=0) is ro
+
+
+def test_stop_strings_cut_generated_completions_and_the_rewards_read_the_cut_text():
+    seen = []
+
+    def recorder(completions, **_):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    prompts = tiny_prompts(4)
+    full = tiny_executor(reward=recorder, max_new_tokens=8)
+    ro = full.generate(full.current("policy"), prompts, n=4, temperature=1.0)
+    texts = decode_responses(full.tokenizer, ro)
+    stop = next(text[2] for text in texts if len(text) > 3)  # a character some response has mid-way
+    cut_executor = tiny_executor(reward=recorder, max_new_tokens=8)  # same seed and call: the same samples
+    cut = cut_executor.generate(cut_executor.current("policy"), prompts, n=4, temperature=1.0, stop=(stop,))
+    cut_executor.score(RewardRef("reward"), cut)
+    expected = [text[: text.index(stop) + 1] if stop in text else text for text in texts]
+    assert seen == expected and any(len(a) < len(b) for a, b in zip(expected, texts))
+    # a character tokenizer: a cut row keeps one token per character of its cut text; the others are as they were
+    assert cut.mask.sum(1).tolist() == [len(cut_text) if stop in text else int(ro.mask[i].sum())
+                                        for i, (text, cut_text) in enumerate(zip(texts, expected))]
+    assert cut.response_ids.shape == ro.response_ids.shape  # static T
+    assert torch.equal(cut.logprobs, ro.logprobs.masked_fill(~cut.mask, 0.0))
+
+
+def test_top_p_one_samples_what_no_top_p_samples():
+    prompts = tiny_prompts(4)
+    plain, nucleus = tiny_executor(max_new_tokens=6), tiny_executor(max_new_tokens=6)
+    a = plain.generate(plain.current("policy"), prompts, n=2, temperature=1.0)
+    b = nucleus.generate(nucleus.current("policy"), prompts, n=2, temperature=1.0, top_p=1.0)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.parametrize("stop", [("",), ("a", ""), (3,)])
+def test_bad_stop_strings_are_refused(stop):
+    with pytest.raises(ValueError, match="SamplingParams.stop must hold non-empty strings"):
+        SamplingParams(stop=stop)

@@ -44,3 +44,19 @@ def test_generate_refuses_sampling_settings(config):
     name, value = next(iter(config.items()))
     with pytest.raises(TraceError, match=f"rg.generate: {name}={value!r} is not valid"):
         algo.trace()
+
+
+def generating_with(stop):
+    @rg.algorithm
+    def algo(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=4, stop=stop)
+        return state, {"len": ro.mask.sum()}
+
+    return algo
+
+
+@pytest.mark.parametrize("stop", ["\n", ("",), ["a", ""], ("a", 3), None])
+def test_generate_refuses_stop_that_is_not_a_tuple_of_strings(stop):
+    with pytest.raises(TraceError, match=r"rg.generate: stop must be a tuple \(or list\) of non-empty strings(.|\n)*fix: e.g. stop="):
+        generating_with(stop).trace()
+    assert "stop=('\\n',)" in str(generating_with(("\n",)).trace())  # a good one is kept in the program

@@ -3,8 +3,8 @@
 from rlgraph.algorithms import grpo, sft
 
 GRPO = """\
-{ lambda policy:policy@v reward:Reward prompts:Prompts[B,P] ; n=8 estimator='group_normalize' loss='ppo_clip' clip=0.2 clip_high=None kl=0.0 temperature=1.0 max_new_tokens=None epochs=1 micro_batch_size=None tis_cap=None .
-  let a:Rollouts[N,T] = generate[n=8 temperature=1.0 top_p=1.0 max_new_tokens=None] policy prompts
+{ lambda policy:policy@v reward:Reward prompts:Prompts[B,P] ; n=8 estimator='group_normalize' loss='ppo_clip' clip=0.2 clip_high=None kl=0.0 temperature=1.0 top_p=1.0 stop=() max_new_tokens=None epochs=1 micro_batch_size=None tis_cap=None .
+  let a:Rollouts[N,T] = generate[n=8 temperature=1.0 top_p=1.0 max_new_tokens=None stop=()] policy prompts
       b:f32[N] = score reward a
       c:i64[N] = a.group
       d:f32[N] = group_normalize b c

@@ -3,7 +3,7 @@
 import pytest
 
 from rlgraph.ir.errors import ConfigError
-from rlgraph.plan.mesh import GenerateLayout, Mesh, TrainLayout
+from rlgraph.plan.mesh import GenerateLayout, Mesh, TrainLayout, colocated, parse_placement, split
 
 
 def test_a_generate_layout_prints_its_engine_once_place_has_named_it():
@@ -45,3 +45,24 @@ def test_a_node_holds_the_host_memory_of_its_devices():
 def test_host_memory_must_be_a_positive_number_of_gib(host):
     with pytest.raises(ConfigError, match=f"host_memory_gib must be a number of GiB > 0 .*got {host!r}"):
         Mesh("h100", 1, 8, host_memory_gib=host)
+
+
+def test_parse_placement_reads_every_form():
+    assert parse_placement("auto") == "auto"
+    assert parse_placement("colocated") == colocated()
+    assert parse_placement("colocated:fsdp=8,tp=2,offload=False,cpu_offload=true") == colocated(
+        fsdp=8, tp=2, offload=False, cpu_offload=True)
+    assert parse_placement("split:policy=4,rollout=4,ref=policy,tp=2") == split(
+        {"policy": 4, "rollout": 4, "ref": "policy"}, tp=2)
+
+
+@pytest.mark.parametrize("text, where, message", [
+    ("colocatd", "runtime.placement", "runtime.placement 'colocatd': unknown placement 'colocatd'; did you mean 'colocated'?"),
+    ("colocated:tpp=2", "--placement", "--placement 'colocated:tpp=2': unknown option 'tpp'; did you mean 'tp'?"),
+    ("colocated:tp", "--placement", "--placement colocated: 'tp' must be written key=value"),
+    ("split:policy=[4", "runtime.placement", "runtime.placement split: policy=[4: '[4' is not a value"),
+])
+def test_parse_placement_names_the_flag_or_key_and_the_forms(text, where, message):
+    with pytest.raises(ConfigError, match="fix: ") as error:
+        parse_placement(text, where)
+    assert message in str(error.value)

@@ -29,7 +29,7 @@ class ScriptedExecutor:
     def current(self, role):
         return ModelRef(role, self.version)
 
-    def generate(self, model, prompts, *, n, temperature, top_p, max_new_tokens):
+    def generate(self, model, prompts, *, n, temperature, top_p, max_new_tokens, stop=()):
         rows = len(prompts) * n
         steps = 2 + max(prompts.meta["extra"])
         lengths = torch.tensor([j + 1 + extra for extra in prompts.meta["extra"] for j in range(n)])  # [N]

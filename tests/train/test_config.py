@@ -110,3 +110,30 @@ def test_config_is_frozen():
     config = TrainConfig(data={"train": "x"}, rewards=[{"name": "math"}], train={"steps": 1})
     with pytest.raises(Exception):
         config.train.steps = 5
+
+
+def test_an_exponent_without_a_dot_is_a_float_as_for_minus_p(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL), ["algorithm.hparams.kl=1e-3", "algorithm.hparams.tag='1e-3'",
+                                                    "algorithm.hparams.flag=yes"])
+    assert config.algorithm.hparams == {"kl": 0.001, "tag": "1e-3", "flag": "yes"}  # yes is a word, not YAML 1.1's True
+
+
+def test_rollout_takes_top_p_and_stop_strings(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL), ["rollout.top_p=0.9", 'rollout.stop=["\\n\\n", "###"]'])  # YAML escapes in "..."
+    assert config.rollout.top_p == 0.9 and config.rollout.stop == ["\n\n", "###"]
+    assert load_config(write(tmp_path, MINIMAL), ["rollout.stop=END"]).rollout.stop == ["END"]  # one string
+    assert load_config(write(tmp_path, MINIMAL)).rollout.stop == []  # default: none
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.top_p=0", r"rollout.top_p: Input should be greater than 0 \(got 0\) \(-o\)"),
+    ("rollout.top_p=1.5", r"rollout.top_p: Input should be less than or equal to 1 \(got 1.5\) \(-o\)"),
+    ("rollout.top_p=x", r"rollout.top_p: Input should be a valid number"),
+    ("rollout.stop=''", r"rollout.stop: a stop string is empty"),
+    ("rollout.stop=[a, '']", r"rollout.stop: a stop string is empty"),
+    ("rollout.stop=[1]", r"rollout.stop.0: Input should be a valid string"),
+    ("rollout.top_p=[0.5", r"-o rollout.top_p=\[0.5: '\[0.5' is not a value"),
+])
+def test_bad_rollout_values_name_the_key(tmp_path, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, MINIMAL), [override])

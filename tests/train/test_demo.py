@@ -23,9 +23,9 @@ def test_the_demo_runs_other_algorithms_through_the_plan(algorithm, tmp_path):
         assert "loop: steps" in plan and result.samples_per_second >= result.trained_per_second
 
 
-def test_the_demo_refuses_unknown_algorithms_and_fixed_hparams():
-    with pytest.raises(SystemExit, match="unknown RL algorithm 'grpoo'"):
-        main(["demo", "--algorithm", "grpoo"])
+def test_the_demo_refuses_unknown_algorithms_and_fixed_hparams(capsys):
+    assert main(["demo", "--algorithm", "grpoo"]) == 1
+    assert "rlgraph demo: --algorithm 'grpoo' is not an RL algorithm of the demo; did you mean 'grpo'?" in capsys.readouterr().err
     with pytest.raises(ValueError, match="rl_samples"):
         run_demo(DemoConfig(hparams={"n": 2}), Console(quiet=True))
 

@@ -18,6 +18,7 @@ the plan runner sends a stage to all of a group's ranks, so they do.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,13 +62,17 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, model: ModelRef, prompts: Any, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int | None = None) -> Rollouts:
+                 max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> Rollouts:
         engine = self.engines.get(model.role)
         if not isinstance(engine, VLLMEngine):
-            return super().generate(model, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+            return super().generate(model, prompts, n=n, temperature=temperature, top_p=top_p,
+                                    max_new_tokens=max_new_tokens, stop=stop)
         engine.wake_up()  # a plan without offload steps never put it to sleep; one with them woke it already
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
-        return engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance(temperature), model=model)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                stop=stop)
+        rollouts = engine.generate(prompts, n, params, seed=self.sampling.seed, call=self.sampling.advance(temperature),
+                                   model=model)
+        return self.cut_at_stop(rollouts, params.stop)  # the native engine's cut, so both engines end rows alike
 
     def _engine(self, model: ModelRef) -> torch.nn.Module:
         if model.role not in self.engines:

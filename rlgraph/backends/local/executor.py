@@ -19,7 +19,7 @@ against documented PyTorch APIs and is untested here: no GPU was available (test
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import math
@@ -27,7 +27,7 @@ import math
 import attrs
 import torch
 
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream
+from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream, cut_at_stop
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.protocols import ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
 from rlgraph.functional.aggregate import global_counts
@@ -138,18 +138,27 @@ class LocalExecutor:
 
     # -- primitives --------------------------------------------------------------------------
     def generate(self, model: ModelRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int | None = None) -> Rollouts:
+                 top_p: float = 1.0, max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> Rollouts:
         home = prompts.ids.device
         engine = NativeGenerator(self._engine(model), eos_token_id=self.tokenizer.eos_token_id,
                                  pad_token_id=self.tokenizer.pad_token_id)
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                                stop=stop)
         with self._autocast():
             rollouts = engine.generate(to_device(prompts, self.device), n, params, seed=self.sampling.seed,
                                        call=self.sampling.advance(temperature))
+        rollouts = self.cut_at_stop(rollouts, params.stop)
         # Static T: every rank's rollouts have the same shape, whatever its responses' lengths, so
         # shards concatenate and move between ranks without re-padding, and horizon-normalised
         # losses see the same T on one rank or many.
         return to_device(rollouts.pad_responses(params.max_new_tokens, pad_id=self.tokenizer.pad_token_id), home)
+
+    def cut_at_stop(self, rollouts: Rollouts, stop: Sequence[str]) -> Rollouts:
+        """Each response ended after its first stop string, read as the rewards read it (`decode_responses`)."""
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+        return cut_at_stop(rollouts, stop, decode, self.tokenizer.pad_token_id)
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False) -> Any:
         worker = self._live(model)

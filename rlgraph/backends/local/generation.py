@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -44,14 +44,21 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"SamplingParams.{attribute.name} must be >= 1, got {value}")
 
 
+def _stop_strings(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if not all(isinstance(item, str) and item for item in value):
+        raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {value!r}")
+
+
 @attrs.frozen
 class SamplingParams:
     """How to sample: `temperature` 0 is greedy; `top_p` < 1 keeps the smallest nucleus of
-    tokens whose probability adds up to at least `top_p`; at most `max_new_tokens` per response."""
+    tokens whose probability adds up to at least `top_p`; at most `max_new_tokens` per response;
+    a response ends after the token that completes the first of the `stop` strings (`cut_at_stop`)."""
 
     temperature: float = attrs.field(default=1.0, converter=float, validator=_non_negative)
     top_p: float = attrs.field(default=1.0, converter=float, validator=_probability)
     max_new_tokens: int = attrs.field(default=16, validator=[attrs.validators.instance_of(int), _positive])
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_stop_strings)
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +79,42 @@ def nucleus_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = mass_above >= top_p  # [N, V]
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [N, V]
     return logits.masked_fill(drop, float("-inf"))
+
+
+def cut_at_stop(rollouts: Rollouts, stop: Sequence[str], decode: Callable[[list[int]], str], pad_id: int) -> Rollouts:
+    """`rollouts` with each response ended after the token that completes its first stop string.
+
+    Stop strings are text, and a string may span tokens, so the check runs on decoded text, after
+    generation: the kept tokens are the shortest prefix whose text (`decode`, as the rewards
+    decode) holds one of `stop`; the tokens after it get mask False, `pad_id` and log-prob 0, as
+    after an EOS. The stop string itself is kept (it is what the policy produced). T is unchanged.
+    """
+    if not stop:
+        return rollouts
+    keep = rollouts.mask.clone()  # [N, T]
+    lengths = rollouts.mask.sum(dim=1).tolist()  # [N]; a mask is a prefix of its row
+    for row, length in enumerate(lengths):
+        end = _stop_end(rollouts.response_ids[row, :length].tolist(), stop, decode)
+        if end is not None:
+            keep[row, end:] = False
+    return attrs.evolve(rollouts, response_ids=rollouts.response_ids.masked_fill(~keep, pad_id), mask=keep,
+                        logprobs=rollouts.logprobs.masked_fill(~keep, 0.0))
+
+
+def _stop_end(tokens: list[int], stop: Sequence[str], decode: Callable[[list[int]], str]) -> int | None:
+    """The fewest leading `tokens` whose text holds a stop string, or None. A longer prefix's text
+    extends a shorter one's, so "holds a stop string" is monotone in the length: bisect it."""
+    def holds(count: int) -> bool:
+        text = decode(tokens[:count])
+        return any(item in text for item in stop)
+
+    if not holds(len(tokens)):
+        return None
+    low, high = 0, len(tokens)  # holds(high) is True; holds(low) is False (an empty text holds no non-empty string)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle, high)
+    return high
 
 
 # -- counter-based noise ---------------------------------------------------------------------------

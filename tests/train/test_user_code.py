@@ -1,0 +1,99 @@
+"""The user's code in a run (`rlgraph.train.user_code`, `run.rollout_hparams`): an algorithm named
+`file.py:fn` gets the rollout section's values for the keyword arguments it takes, and only those."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from rlgraph.ir.errors import ConfigError
+from rlgraph.train.run import prepare
+from rlgraph.train.user_code import import_modules, load_algorithm, load_object
+from tests.train.test_run import make_config
+
+ALGORITHMS = '''
+    import rlgraph as rg
+
+
+    @rg.algorithm
+    def only_n(state: rg.State, prompts: rg.Prompts, *, n=2):     # fixes its own sampling
+        ro = rg.generate(state.policy, prompts, n=n, temperature=0.5)
+        return state, {"reward": rg.score(state.reward, ro).mean()}
+
+
+    @rg.algorithm
+    def takes_all(state: rg.State, prompts: rg.Prompts, *, n=1, temperature=1.0, top_p=1.0, max_new_tokens=None, stop=()):
+        ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                         stop=stop)
+        return state, {"reward": rg.score(state.reward, ro).mean()}
+'''
+
+
+@pytest.fixture
+def algos(tmp_path, monkeypatch):
+    path = tmp_path / "run_algos.py"
+    path.write_text(textwrap.dedent(ALGORITHMS))
+    monkeypatch.delitem(sys.modules, "run_algos", raising=False)
+    yield path
+    sys.modules.pop("run_algos", None)
+
+
+def test_an_algorithm_gets_only_the_rollout_keys_it_takes(tmp_path, algos):
+    config, _ = make_config(tmp_path, "only_n", algorithm={"name": f"{algos}:only_n", "hparams": {}})
+    plan = prepare(config).rl.as_text()
+    assert "plan only_n" in plan and "16 samples (4 prompts x n=4), <= 4 new tokens, temperature 0.5;" in plan
+    config, _ = make_config(tmp_path, "all", algorithm={"name": f"{algos}:takes_all", "hparams": {}},
+                            rollout={"temperature": 0.7, "top_p": 0.9, "stop": ["\n", "##"]})
+    plan = prepare(config).rl.as_text()
+    assert "16 samples (4 prompts x n=4), <= 4 new tokens, temperature 0.7, top_p 0.9, stop after '\\n' or '##';" in plan
+
+
+@pytest.mark.parametrize("rollout, key", [({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"),
+                                          ({"stop": ["\n"]}, "stop")])
+def test_a_rollout_key_the_algorithm_would_ignore_is_refused_naming_it(tmp_path, algos, rollout, key):
+    config, _ = make_config(tmp_path, "ignored", algorithm={"name": f"{algos}:only_n", "hparams": {}}, rollout=rollout)
+    with pytest.raises(ConfigError, match=f"rollout.{key}=.*, but the algorithm '.*only_n' takes no '{key}' keyword"
+                                          f"(.|\n)*fix: add `{key}=...` to its keyword arguments"):
+        prepare(config)
+
+
+def test_the_builtin_algorithms_and_the_evaluation_take_top_p_and_stop(tmp_path):
+    config, _ = make_config(tmp_path, "grpo", rollout={"top_p": 0.9, "stop": ["="]})
+    setup = prepare(config)
+    assert "top_p 0.9, stop after '='" in setup.rl.as_text()
+    assert "stop after '='" in setup.eval.as_text()  # held-out answers end as the rollouts do
+    config, _ = make_config(tmp_path, "fixed", algorithm={"name": "grpo", "hparams": {"top_p": 0.5}})
+    with pytest.raises(ConfigError, match="algorithm.hparams sets top_p(.|\n)*fix: set them in the rollout section"):
+        prepare(config)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("grpoo", "algorithm.name 'grpoo' is not an algorithm; did you mean 'grpo'?"),
+    ("nowhere.py:f", "algorithm.name 'nowhere.py:f': cannot import nowhere.py: no file 'nowhere.py'"),
+    ("{algos}:missing", "has no 'missing'"),
+    ("{algos}:", "is not 'module:name' or 'file.py:name'"),
+])
+def test_a_bad_algorithm_name_is_a_config_error_naming_the_key(algos, name, message):
+    with pytest.raises(ConfigError, match="fix: ") as error:
+        load_algorithm(name.replace("{algos}", str(algos)), "algorithm.name")
+    assert message in str(error.value)
+
+
+def test_imports_and_objects_name_where_they_came_from(tmp_path, monkeypatch, algos):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="imports no_such_mod: No module named 'no_such_mod'"):
+        import_modules(["no_such_mod"], "imports")
+    assert load_object("run_algos:only_n", "rewards[0]").name == "only_n"  # found from the working directory
+
+
+@pytest.mark.slow
+def test_stop_strings_end_responses_alike_on_spmd_workers(tmp_path):
+    """The FSDP executor cuts at stop strings as the local one does: the same rows on 2 ranks."""
+    from tests.train.test_run import assert_rows_close, train_local_and_spmd
+
+    local, spmd = train_local_and_spmd(tmp_path, ["train.steps=2", "warm_start.steps=0", "checkpoint.every=2",
+                                                  "rollout.stop=['1']", "rollout.max_new_tokens=6"])
+    assert_rows_close(spmd, local)
+    assert all(row["response_length/mean"] < 6 for row in local)  # some responses ended early
