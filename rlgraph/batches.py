@@ -79,6 +79,8 @@ def _check_rollout_values(rollouts: Rollouts) -> None:
     if group.dtype.is_floating_point or group.dtype == torch.bool or group.dim() != 1:
         raise BatchError(f"Rollouts.group must be i64[N] (each rollout's prompt index), got {group.dtype} {tuple(group.shape)}",
                          fix="pass torch.arange(B).repeat_interleave(n) for n samples of each of B prompts")
+    if group.is_meta or rollouts.logprobs.is_meta:
+        return  # meta tensors (shapes without data) have no values to check
     if len(group) and bool((group < 0).any()):
         row = int((group < 0).nonzero()[0])
         raise BatchError(f"Rollouts.group holds a negative id {int(group[row])} at sample {row}; group ids are prompt indices >= 0",
