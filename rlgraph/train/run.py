@@ -38,6 +38,7 @@ from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.checkpoint import latest_checkpoint
 from rlgraph.train.config import TrainConfig, load_config
+from rlgraph.train.logging import report_reward_failures
 from rlgraph.train.loop import Trainer
 
 
@@ -116,7 +117,8 @@ def build_rewards(config: TrainConfig) -> RewardPipeline:
             raise ConfigError(f"{where} reads the per-row field(s) {', '.join(missing)}, which the data does not pass",
                               fix=f"add them to data.extra_fields, e.g. extra_fields: [{', '.join(missing)}]")
         terms.append(RewardTerm(reward.name, fn, reward.weight))
-    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s)
+    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s,
+                          samples=config.logging.samples)
 
 
 def _device(config: TrainConfig) -> str:
@@ -343,7 +345,7 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
 
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> RunResult:
     """Run `config` in `config.directory`; with `resume`, continue from its latest checkpoint."""
-    from rlgraph.train.logging import MetricLogger, make_sinks
+    from rlgraph.train.logging import SAMPLES_FILE, MetricLogger, SampleLog, make_sinks
 
     console = console or Console()
     run_dir = config.directory
@@ -385,8 +387,9 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     try:
         with MetricLogger(sinks) as logger:
             session.logger = logger
-            if checkpoint is None and setup.eval_rows:
-                logger.log(0, session.evaluate())
+            session.samples = SampleLog(run_dir / SAMPLES_FILE, resume_step=trainer.step if checkpoint else None)
+            if checkpoint is None and (setup.eval_rows or session.warm):
+                logger.log(0, session.first_row())
             seconds = session.loop(trainer)
     finally:
         session.close()
@@ -461,6 +464,9 @@ class _Session:
         self.eval_runner: PlanRunner | None = None
         self.transport: Any = None
         self.logger: Any = None
+        self.samples: Any = None  # the run's SampleLog (samples.jsonl)
+        self.step = 0  # the RL step whose samples an evaluation logs
+        self.warm: dict[str, float] = {}  # the warm start's metrics, logged in the first row
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
@@ -505,6 +511,8 @@ class _Session:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        if self.samples is not None:
+            self.samples.close()
 
     # -- warm start ---------------------------------------------------------------------------
     def warm_start(self) -> None:
@@ -527,6 +535,24 @@ class _Session:
                     break
         shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
         self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
+        self.warm = {"warm_start/steps": float(step), "warm_start/seconds": time.perf_counter() - start}
+
+    def first_row(self) -> dict[str, float]:
+        """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its
+        accuracy (`warm_start/accuracy`, also printed), and the warm start's own metrics."""
+        row = {**self.warm, **(self.evaluate() if self.setup.eval_rows else {})}
+        if self.warm and "eval/accuracy" in row:
+            row["warm_start/accuracy"] = row["eval/accuracy"]
+            self.console.print(f"warm start: held-out accuracy {row['eval/accuracy']:.1%} "
+                               f"({len(self.setup.eval_rows)} prompts)")
+        return row
+
+    def log_samples(self, kind: str) -> None:
+        """The reward pipeline's kept samples to samples.jsonl, and a loud warning for a reward term
+        that failed on every sample (called before its `pop_metrics`)."""
+        samples = self.setup.rewards.pop_samples()
+        if self.samples is not None and samples:
+            self.samples.log(self.step, kind, samples)
 
     def reset_optimizer(self) -> None:
         """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights."""
@@ -546,8 +572,10 @@ class _Session:
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""
-        metrics = dict(metrics)
+        metrics, self.step = dict(metrics), step
+        self.log_samples("train")
         terms = self.setup.rewards.pop_metrics()
+        report_reward_failures(step, "train", self.setup.rewards.last_failures, self.console)
         metrics.update(terms)
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
         if accuracy is not None:
@@ -586,7 +614,9 @@ class _Session:
         self.setup.rewards.pop_metrics()
         prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
         _, metrics = runner.run(prompts)
+        self.log_samples("eval")
         terms = self.setup.rewards.pop_metrics()
+        report_reward_failures(self.step, "eval", self.setup.rewards.last_failures, self.console)
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
         self.last_eval = accuracy
@@ -597,6 +627,7 @@ class _Session:
         from rlgraph.train.progress import RunProgress
 
         train, start = self.config.train, time.perf_counter()
+        self.step = trainer.step  # a resumed run's final evaluation belongs to its step
         remaining = None if train.steps is None else max(train.steps - trainer.step, 0)
         with RunProgress(total_steps=train.steps, seconds=train.seconds, console=self.console,
                          enabled=self.config.logging.progress, start_step=trainer.step) as progress:
