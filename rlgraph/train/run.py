@@ -535,7 +535,7 @@ class _Session:
                     break
         shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
         self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
-        self.warm = {"warm_start/steps": float(step), "warm_start/seconds": time.perf_counter() - start}
+        self.warm = {"warm_start/steps": float(step), "time/warm_start_s": time.perf_counter() - start}
 
     def first_row(self) -> dict[str, float]:
         """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its

@@ -456,3 +456,50 @@ def test_bad_sample_rows_are_refused(tmp_path, step, kind, message):
     with pytest.raises(MetricsError, match=message):
         log.log(step, kind, [{"completion": "x"}])
     log.close()
+
+
+# -- a run's samples, warm start and failing rewards, end to end (rlgraph train on the tiny model) -----
+def always_raises(completions, **_):
+    raise ValueError("the grader is down")
+
+
+def _train(tmp_path, name, **sections):
+    from rich.console import Console
+
+    from rlgraph.train.run import train
+    from tests.train.test_run import make_config
+
+    config, _ = make_config(tmp_path, name, **{"train": {"steps": 2, "seed": 0}, "eval": {"every": 1},
+                                               "logging": {"tensorboard": False, "progress": False, "plots": False,
+                                                           "samples": 3}, **sections})
+    console = Console(record=True, width=400)
+    train(config, console=console)
+    return tmp_path / name, console.export_text()
+
+
+def test_a_run_logs_samples_and_the_warm_start_accuracy(tmp_path):
+    from rlgraph.rewards import build_reward
+
+    run_dir, text = _train(tmp_path, "run")
+    rows = read_samples(run_dir)
+    # 3 per evaluation (steps 0, 1, 2: eval.every=1) and per training step (1, 2)
+    assert [(row["step"], row["kind"]) for row in rows] == [(0, "eval")] * 3 + [(1, "train")] * 3 + [(1, "eval")] * 3 + \
+        [(2, "train")] * 3 + [(2, "eval")] * 3
+    math_reward = build_reward("math")
+    for row in rows:  # each logged reward is the one reward term's score of that completion against that answer
+        assert row["reward"] == row["rewards"]["math"] == math_reward([row["completion"]], answer=[row["answer"]])[0]
+        assert row["prompt"].endswith("=") and isinstance(row["completion"], str)
+    first = read_metrics(run_dir)[0]
+    assert first["step"] == 0 and first["warm_start/steps"] == 3.0 and first["warm_start/accuracy"] == first["eval/accuracy"]
+    assert f"warm start: held-out accuracy {first['eval/accuracy']:.1%}" in text
+
+
+def test_a_reward_that_fails_on_every_sample_is_flagged_and_warned(tmp_path):
+    run_dir, text = _train(tmp_path, "broken", rewards=[{"name": f"{__file__}:always_raises"}], reward_on_error="zero",
+                           warm_start={"steps": 0}, train={"steps": 1, "seed": 0}, eval={"every": 0},
+                           data={"eval_fraction": 0.0})
+    term = f"{__file__}:always_raises"
+    row = read_metrics(run_dir)[-1]
+    assert row["step"] == 1 and row[f"reward/{term}/all_failed"] == 1.0 and row["reward"] == 0.0
+    assert f"train step 1: every call of reward term {term!r} failed" in text and "the grader is down" in text
+    assert all(sample["reward"] == 0.0 for sample in read_samples(run_dir))
