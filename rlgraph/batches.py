@@ -240,6 +240,18 @@ class Rollouts:
         )
 
 
+def check_batch(batch: Any, kind: str, program: str) -> None:
+    """Refuse running `program` on anything but the record (`kind`: "Prompts" or "Rollouts") its
+    algorithm's signature names, before a primitive fails on a missing field."""
+    if isinstance(batch, {"Prompts": Prompts, "Rollouts": Rollouts}[kind]):
+        return
+    fix = {"Prompts": "run it on Prompts (to_prompts(rows, tokenizer), or Prompts(ids, mask)); it generates its own "
+                      "rollouts. To train on given rollouts, use an algorithm whose batch is `ro: rg.Rollouts`",
+           "Rollouts": "run it on Rollouts (Rollouts.from_demonstrations(prompts, response_ids, mask) for SFT), or use "
+                       "an algorithm over `prompts: rg.Prompts` that generates them"}[kind]
+    raise BatchError(f"{program} takes {kind} as its batch, got {type(batch).__name__}", fix=fix)
+
+
 def to_device(value: Any, device: torch.device | str) -> Any:
     """`value` with its tensors on `device`: a tensor, a `Prompts` or `Rollouts`, or a tuple, list or
     dict of them; anything else is returned as is. A tensor already on `device` is not copied.

@@ -275,3 +275,17 @@ def test_a_garbage_latest_file_falls_back_to_the_newest_complete_checkpoint(tmp_
     (tmp_path / "latest").write_bytes(garbage)
     with pytest.warns(UserWarning, match="using the newest complete checkpoint step-000003 instead"):
         assert latest_checkpoint(tmp_path) == tmp_path / "step-000003"
+
+
+@pytest.mark.parametrize("batch", ["rollouts", None, "ids"])
+def test_running_a_program_on_the_wrong_batch_names_both(executor, batch):
+    from rlgraph.runtime.eager import Interpreter
+
+    prompts = tiny_prompts(2)
+    rollouts = executor.generate(ModelRef("policy", executor.models["policy"].version), prompts, n=2)
+    given = {"rollouts": rollouts, None: None, "ids": prompts.ids}[batch]
+    with pytest.raises(BatchError, match=f"grpo takes Prompts as its batch, got {type(given).__name__}") as exc:
+        Interpreter(executor).run(ALGORITHMS["grpo"].trace(n=2, max_new_tokens=2), given)
+    assert "rg.Rollouts" in str(exc.value).split("fix:")[1]
+    with pytest.raises(BatchError, match="sft takes Rollouts as its batch, got Prompts"):
+        Interpreter(executor).run(ALGORITHMS["sft"].trace(), prompts)
