@@ -289,3 +289,17 @@ def test_running_a_program_on_the_wrong_batch_names_both(executor, batch):
     assert "rg.Rollouts" in str(exc.value).split("fix:")[1]
     with pytest.raises(BatchError, match="sft takes Rollouts as its batch, got Prompts"):
         Interpreter(executor).run(ALGORITHMS["sft"].trace(), prompts)
+
+
+@pytest.mark.parametrize("mask", [[[True, False]], None, 1.0])
+def test_a_mask_that_is_not_a_tensor_is_refused(mask):
+    with pytest.raises(SpecError, match=f"F.token_mean: mask must be a bool tensor, got {type(mask).__name__}"):
+        rg.functional.token_mean(torch.ones(1, 2), mask)
+
+
+@pytest.mark.parametrize("value", [-1, 1001, "many"])
+def test_config_logging_samples_is_refused_by_key(value):
+    from rlgraph.train.config import load_config
+
+    with pytest.raises(ConfigError, match=r"logging\.samples"):
+        load_config(None, [f"logging.samples={value}"])
