@@ -547,12 +547,15 @@ class _Session:
                                f"({len(self.setup.eval_rows)} prompts)")
         return row
 
-    def log_samples(self, kind: str) -> None:
-        """The reward pipeline's kept samples to samples.jsonl, and a loud warning for a reward term
-        that failed on every sample (called before its `pop_metrics`)."""
+    def pop_rewards(self, kind: str) -> dict[str, float]:
+        """The reward terms' metrics since the last call; their kept samples go to samples.jsonl, and
+        a term that failed on every sample is warned about loudly."""
         samples = self.setup.rewards.pop_samples()
         if self.samples is not None and samples:
             self.samples.log(self.step, kind, samples)
+        terms = self.setup.rewards.pop_metrics()
+        report_reward_failures(self.step, kind, self.setup.rewards.last_failures, self.console)
+        return terms
 
     def reset_optimizer(self) -> None:
         """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights."""
@@ -573,9 +576,7 @@ class _Session:
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""
         metrics, self.step = dict(metrics), step
-        self.log_samples("train")
-        terms = self.setup.rewards.pop_metrics()
-        report_reward_failures(step, "train", self.setup.rewards.last_failures, self.console)
+        terms = self.pop_rewards("train")
         metrics.update(terms)
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
         if accuracy is not None:
@@ -614,9 +615,7 @@ class _Session:
         self.setup.rewards.pop_metrics()
         prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
         _, metrics = runner.run(prompts)
-        self.log_samples("eval")
-        terms = self.setup.rewards.pop_metrics()
-        report_reward_failures(self.step, "eval", self.setup.rewards.last_failures, self.console)
+        terms = self.pop_rewards("eval")
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
         self.last_eval = accuracy
