@@ -19,9 +19,10 @@ from rlgraph.algorithms.hparams import RULES
 from rlgraph.backends.local.executor import RewardWorker
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
 from rlgraph.backends.protocols import ModelRef, RewardRef
-from rlgraph.batches import Prompts
+from rlgraph.batches import BatchError, Prompts, Rollouts
 from rlgraph.cli import main
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.ir.errors import ConfigError, RLGraphError, SpecError, TraceError
+from rlgraph.train.checkpoint import latest_checkpoint, save_checkpoint
 from rlgraph.testing import tiny_executor, tiny_prompts
 
 # values a new user types by mistake: wrong sign, NaN/inf, huge, zero, text, None, bools, containers
@@ -115,9 +116,6 @@ def test_reward_outputs(executor, values):
 
 
 # -- issue 19: the Python API, tried as a new user would -------------------------------------------
-from rlgraph.batches import BatchError, Rollouts  # noqa: E402
-from rlgraph.ir.errors import ConfigError, SpecError, TraceError  # noqa: E402
-from rlgraph.train.checkpoint import latest_checkpoint, save_checkpoint  # noqa: E402
 
 
 def _traced(body):

@@ -1,4 +1,5 @@
-"""rlgraph.train.logging: metrics.jsonl (round trip, resume, torn lines), TensorBoard, W&B / MLflow, fan-out."""
+"""rlgraph.train.logging: metrics.jsonl (round trip, resume, torn lines), TensorBoard, W&B / MLflow, fan-out;
+samples.jsonl, reward terms that fail on every sample, the warm start's accuracy (end to end)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from rlgraph.ir.errors import ConfigError
+from rlgraph.rewards.combine import RewardPipeline, RewardTerm
 from rlgraph.train import logging as run_logging
-from rlgraph.train.logging import (JsonlSink, MetricLogger, MetricsError, MlflowSink, TensorBoardSink, WandbSink,
-                                   check_metrics, make_sinks, read_metrics)
+from rlgraph.train.logging import (SAMPLES_FILE, JsonlSink, MetricLogger, MetricsError, MlflowSink, SampleLog,
+                                   TensorBoardSink, WandbSink, check_metrics, make_sinks, read_metrics, read_samples,
+                                   report_reward_failures)
 
 
 def strict_loads(line: str):
@@ -366,8 +369,6 @@ def test_mlflow_store_that_refuses_is_a_config_error(tmp_path, monkeypatch):
 
 
 # -- samples.jsonl and reward failures ---------------------------------------------------------------
-from rlgraph.rewards.combine import RewardPipeline, RewardTerm  # noqa: E402
-from rlgraph.train.logging import SAMPLES_FILE, SampleLog, read_samples, report_reward_failures  # noqa: E402
 
 
 def _pipeline(samples, fn=None, on_error="fail"):
