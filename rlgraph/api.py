@@ -9,7 +9,7 @@ from typing import Any
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import ConfigError
 from rlgraph.ir.program import Program
-from rlgraph.ir.trace import DEFAULT_ROLES, trace_algorithm
+from rlgraph.ir.trace import DEFAULT_ROLES, check_algorithm_call, trace_algorithm
 
 
 class State:
@@ -37,7 +37,8 @@ class Algorithm:
         return program.verify(after="trace")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Calling the algorithm inside another traced algorithm inlines it.
+        # Calling the algorithm inside another traced algorithm inlines it; on data it is a mistake.
+        check_algorithm_call(self.fn, args)
         return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:

@@ -18,13 +18,20 @@ from typing import Any
 import attrs
 import torch
 
+from rlgraph.ir.errors import ConfigError
+
 Meta = Mapping[str, Sequence[Any]]
+
+
+class BatchError(ConfigError):
+    """A `Prompts` or `Rollouts` that breaks the conventions above; names the field and the sample.
+    A ValueError too (as ConfigError), as these checks raised before."""
 
 
 def _check_meta(meta: Meta, rows: int, where: str) -> None:
     for key, values in meta.items():
         if len(values) != rows:
-            raise ValueError(
+            raise BatchError(
                 f"{where}: metadata field {key!r} has {len(values)} entries, expected one per row ({rows})"
             )
 
@@ -53,6 +60,61 @@ def _positions(prompts: Prompts) -> torch.Tensor:
     return torch.arange(prompts.ids.shape[0] if prompts.ids.dim() else 0, device=prompts.ids.device)
 
 
+def _first_row(bad: torch.Tensor) -> int:
+    """The first row with a True in `bad` [R, ...]."""
+    return int(bad.reshape(bad.shape[0], -1).any(dim=1).nonzero()[0])
+
+
+def _check_rollout_values(rollouts: Rollouts) -> None:
+    """What every consumer of a Rollouts assumes: bool masks, group ids >= 0, and finite sampling
+    log-probs at real tokens (a NaN or inf there becomes an inf ratio exp(lp - old) and NaN weights).
+
+    Policy: refused, naming the sample; masked (padding) positions may hold anything.
+    """
+    for name in ("mask", "prompt_mask"):
+        if getattr(rollouts, name).dtype != torch.bool:
+            raise BatchError(f"Rollouts.{name} is {getattr(rollouts, name).dtype}; masks are bool (True = a real token)",
+                             fix=f"pass {name}.bool()")
+    group = rollouts.group
+    if group.dtype.is_floating_point or group.dtype == torch.bool or group.dim() != 1:
+        raise BatchError(f"Rollouts.group must be i64[N] (each rollout's prompt index), got {group.dtype} {tuple(group.shape)}",
+                         fix="pass torch.arange(B).repeat_interleave(n) for n samples of each of B prompts")
+    if group.is_meta or rollouts.logprobs.is_meta:
+        return  # meta tensors (shapes without data) have no values to check
+    if len(group) and bool((group < 0).any()):
+        row = int((group < 0).nonzero()[0])
+        raise BatchError(f"Rollouts.group holds a negative id {int(group[row])} at sample {row}; group ids are prompt indices >= 0",
+                         fix="number the prompts 0, 1, ... (rows of one prompt share its id)")
+    bad = rollouts.mask & ~torch.isfinite(rollouts.logprobs)  # [N, T]
+    if bool(bad.any()):
+        row = _first_row(bad)
+        token = int(bad[row].nonzero()[0])
+        raise BatchError(
+            f"Rollouts.logprobs is {float(rollouts.logprobs[row, token])} at sample {row}, token {token}, a real token "
+            "(mask True); the loss's ratio exp(lp - logprobs) would be inf or NaN there",
+            fix="give the sampling log-prob of every unmasked token (finite; 0 for demonstrations), or mask the token "
+            "out if it is padding",
+        )
+
+
+def check_token_ids(batch: Prompts | Rollouts, vocab_size: int, where: str) -> None:
+    """Refuse token ids outside 0..vocab_size-1 before they reach an embedding (a bare IndexError on
+    CPU, a device-side assert on GPU), naming the field and the sample."""
+    fields = ("ids",) if isinstance(batch, Prompts) else ("prompt_ids", "response_ids")
+    for name in fields:
+        ids = getattr(batch, name)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise BatchError(f"{where}: {type(batch).__name__}.{name} is {ids.dtype}, not token ids",
+                             fix="pass the tokenizer's integer ids (torch.long)")
+        outside = (ids < 0) | (ids >= vocab_size)  # like ids
+        if ids.numel() and bool(outside.any()):
+            row = _first_row(outside)
+            found = ids[row][outside[row]].tolist()
+            raise BatchError(f"{where}: {type(batch).__name__}.{name} of sample {row} holds token ids {found[:5]} outside "
+                             f"the model's vocabulary 0..{vocab_size - 1}",
+                             fix="tokenize with the model's own tokenizer, whose vocabulary matches the embedding")
+
+
 @attrs.frozen
 class Prompts:
     """A batch of B prompts: `ids` i64[B,P] left-padded, `mask` bool[B,P], per-prompt `meta`.
@@ -69,10 +131,10 @@ class Prompts:
 
     def __attrs_post_init__(self) -> None:
         if self.ids.shape != self.mask.shape or self.ids.dim() != 2:
-            raise ValueError(f"Prompts: ids {tuple(self.ids.shape)} and mask {tuple(self.mask.shape)} must both be [B, P]")
+            raise BatchError(f"Prompts: ids {tuple(self.ids.shape)} and mask {tuple(self.mask.shape)} must both be [B, P]")
         rows = self.ids.shape[0]
         if self.index.dtype != torch.long or tuple(self.index.shape) != (rows,):
-            raise ValueError(
+            raise BatchError(
                 f"Prompts: index must be i64[B] with B={rows} (each prompt's position in the controller's batch), "
                 f"got {self.index.dtype} {tuple(self.index.shape)}; leave it out for 0..B-1, or keep it with `select`"
             )
@@ -108,13 +170,14 @@ class Rollouts:
         for name in ("prompt_ids", "prompt_mask", "response_ids", "mask", "logprobs", "group"):
             value = getattr(self, name)
             if value.shape[0] != rows:
-                raise ValueError(f"Rollouts.{name} has {value.shape[0]} rows, expected N={rows}")
+                raise BatchError(f"Rollouts.{name} has {value.shape[0]} rows, expected N={rows}")
         if self.mask.shape != self.response_ids.shape or self.logprobs.shape != self.response_ids.shape:
-            raise ValueError(
+            raise BatchError(
                 "Rollouts: response_ids, mask and logprobs must share [N, T]; got "
                 f"{tuple(self.response_ids.shape)}, {tuple(self.mask.shape)}, {tuple(self.logprobs.shape)}"
             )
         _check_meta(self.meta, rows, "Rollouts")
+        _check_rollout_values(self)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -175,6 +238,18 @@ class Rollouts:
             prompts.ids, prompts.mask, response_ids, mask.bool(),
             torch.zeros(response_ids.shape, dtype=torch.float32), torch.arange(rows), dict(prompts.meta),
         )
+
+
+def check_batch(batch: Any, kind: str, program: str) -> None:
+    """Refuse running `program` on anything but the record (`kind`: "Prompts" or "Rollouts") its
+    algorithm's signature names, before a primitive fails on a missing field."""
+    if isinstance(batch, {"Prompts": Prompts, "Rollouts": Rollouts}[kind]):
+        return
+    fix = {"Prompts": "run it on Prompts (to_prompts(rows, tokenizer), or Prompts(ids, mask)); it generates its own "
+                      "rollouts. To train on given rollouts, use an algorithm whose batch is `ro: rg.Rollouts`",
+           "Rollouts": "run it on Rollouts (Rollouts.from_demonstrations(prompts, response_ids, mask) for SFT), or use "
+                       "an algorithm over `prompts: rg.Prompts` that generates them"}[kind]
+    raise BatchError(f"{program} takes {kind} as its batch, got {type(batch).__name__}", fix=fix)
 
 
 def to_device(value: Any, device: torch.device | str) -> Any:

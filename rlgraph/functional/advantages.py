@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlgraph.functional.aggregate import masked_whiten
+from rlgraph.functional.aggregate import as_mask, masked_whiten
 from rlgraph.functional.registry import register_estimator
 from rlgraph.ir.ops import traceable
 
@@ -91,7 +91,7 @@ def reinforce_pp_baseline(rewards: Tensor, group: Tensor, mask: Tensor | None = 
     centered, _ = _group_centered(rewards, group)  # [N]
     if mask is None:
         mask = torch.ones_like(rewards, dtype=torch.bool)[:, None]  # [N, 1]
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "reinforce_pp_baseline")
     tiled = centered[:, None].expand(mask.shape)  # [N, T]
     whitened = masked_whiten(tiled, mask, eps=eps)  # [N, T]: each row's value on its tokens, 0 where masked
     per_row = torch.where(mask, whitened, -torch.inf).amax(dim=-1)  # [N] the row's value (-inf: no tokens)
@@ -118,7 +118,7 @@ def opo(rewards: Tensor, group: Tensor, mask: Tensor) -> Tensor:
     r_i); a group whose rows are all fully masked falls back to the plain group mean.
     """
     centered, _ = _group_centered(rewards, group)  # [N]
-    length = mask.to(torch.bool).sum(dim=-1).to(rewards.dtype)  # [N]
+    length = as_mask(mask, "opo").sum(dim=-1).to(rewards.dtype)  # [N]
     length_total = _group_sum(length, group)  # [N]
     weighted = _group_sum(length * centered, group) / length_total.clamp(min=1)  # [N]
     return centered - torch.where(length_total > 0, weighted, 0.0)  # [N]
@@ -139,7 +139,7 @@ def rewards_at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:
 
     Fully masked rows are all 0.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "rewards_at_last_token")
     positions = torch.arange(mask.shape[-1], device=mask.device)  # [T]
     last = torch.where(mask, positions, -1).amax(dim=-1)  # [N], -1 for empty rows
     at_last = positions == last[:, None]  # [N, T]
@@ -154,7 +154,7 @@ def discounted_returns(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> 
     hold 0. verl's REINFORCE++ instead resets the return at a masked token; with trailing padding
     the two agree.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "discounted_returns")
     rewards = torch.where(mask, rewards, 0.0)  # [N, T]
     running = rewards.new_zeros(rewards.shape[0])  # [N]
     reversed_returns = []
@@ -185,7 +185,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
     positions. Source: arXiv 1506.02438; verl `compute_gae_advantage_return`, which also whitens
     the advantages: compose `masked_whiten(advantages, mask)` for that.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "gae")
     rewards = torch.where(mask, rewards, 0.0)  # [N, T]
     values = torch.where(mask, values, 0.0)  # [N, T]
     next_value = values.new_zeros(values.shape[0])  # [N]

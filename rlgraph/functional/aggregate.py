@@ -31,6 +31,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from rlgraph.ir.errors import SpecError, user_location
 from rlgraph.ir.ops import traceable
 
 Count = int | float | Tensor
@@ -81,6 +82,24 @@ def active_loss_normalization() -> LossNormalization | None:
     return _ACTIVE.get()
 
 
+def as_mask(mask: Tensor, owner: str, name: str = "mask") -> Tensor:
+    """`mask` as bool[...]. Integer masks (HF attention masks) read as `!= 0`; a float mask is refused:
+    it is either 0/1 (say so with `.bool()`) or weights, which `.to(bool)` would silently turn into 1s.
+
+    Raised as a SpecError at the user's line, eagerly and at trace time (where the op runs on witnesses).
+    """
+    if not isinstance(mask, Tensor):
+        raise SpecError(f"F.{owner}: {name} must be a bool tensor, got {type(mask).__name__}", user_location(),
+                        fix=f"pass the rollouts' mask: F.{owner}(..., ro.mask)")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() or mask.is_complex():
+        raise SpecError(f"F.{owner}: {name} is a {mask.dtype} tensor, but a mask must be bool (True = a real token)",
+                        user_location(), fix=f"pass a bool mask ({name}.bool() or {name} > 0); to weigh tokens, "
+                        f"multiply the per-token values by the weights and keep the bool mask: F.{owner}(x * w, mask)")
+    return mask != 0
+
+
 @traceable
 def global_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
     """(tokens, sequences) of `mask`: i64[] unmasked tokens and i64[] non-empty rows.
@@ -88,7 +107,7 @@ def global_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
     Counts are additive: the counts of a mini-batch are the sums of its micro-batches' counts
     (all-reduce them with SUM across data-parallel ranks).
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "global_counts")
     tokens = mask.sum()  # []
     sequences = mask.any(dim=-1).sum()  # []
     return tokens, sequences
@@ -110,14 +129,14 @@ def _sequence_count(mask: Tensor) -> Count:
 @traceable
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """sum(values[mask]); values at masked positions are ignored, even inf or NaN."""
-    kept = torch.where(mask.to(torch.bool), values, 0.0)  # like values
+    kept = torch.where(as_mask(mask, "masked_sum"), values, 0.0)  # like values
     return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
 @traceable
 def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """sum(values[mask]) / max(count(mask), 1): 0 where nothing is unmasked (verl: / (count + 1e-8))."""
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "masked_mean")
     count = mask.sum() if dim is None else mask.sum(dim=dim)
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
@@ -125,7 +144,7 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 @traceable
 def masked_max(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """max(values[mask]): 0 where nothing is unmasked (as `masked_mean`); masked values never win, even NaN."""
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "masked_max")
     kept = torch.where(mask, values, -torch.inf)  # like values
     if dim is None:
         kept, mask, dim = kept.reshape(-1), mask.reshape(-1), 0
@@ -140,7 +159,7 @@ def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor
 
     Edge cases (verl raises or divides by zero): n <= 1 gives 0.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "masked_var")
     count = mask.sum()  # []
     squares = masked_sum(_centered(values, mask).square(), mask)  # []
     return squares / ((count - 1) if unbiased else count).clamp(min=1)
@@ -167,7 +186,7 @@ def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps:
     `shift_mean=False` adds the mean back. Unlike verl, masked positions are set to 0.
     All-equal values (var 0) give 0.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "masked_whiten")
     values = torch.where(mask, values, 0.0)  # like values; keeps garbage out of the gradient
     whitened = _centered(values, mask) * torch.rsqrt(masked_var(values, mask) + eps)  # like values
     if not shift_mean:
@@ -181,6 +200,7 @@ def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps:
 @traceable
 def token_mean(loss: Tensor, mask: Tensor) -> Tensor:
     """sum(loss[mask]) / tokens: every unmasked token weighs the same (verl "token-mean", DAPO)."""
+    mask = as_mask(mask, "token_mean")
     return masked_sum(loss, mask) / _token_count(mask)
 
 
@@ -190,6 +210,7 @@ def seq_mean_token_sum(loss: Tensor, mask: Tensor) -> Tensor:
 
     `sequences` counts rows with at least one unmasked token; verl counts every row.
     """
+    mask = as_mask(mask, "seq_mean_token_sum")
     return masked_sum(loss, mask) / _sequence_count(mask)
 
 
@@ -199,7 +220,7 @@ def seq_mean_token_mean(loss: Tensor, mask: Tensor) -> Tensor:
 
     Fully masked rows contribute 0 and are not counted (old verl: NaN).
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "seq_mean_token_mean")
     per_row = masked_mean(loss, mask, dim=-1)  # [N]
     return per_row.sum() / _sequence_count(mask)
 
@@ -212,6 +233,7 @@ def seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, *, horizon: int | None =
     `loss_normalization` horizon, else T. Like TRL's "dr_grpo" it also divides by the sequence
     count; verl's "seq-mean-token-sum-norm" divides by the horizon only (so it grows with N).
     """
+    mask = as_mask(mask, "seq_mean_token_sum_norm")
     norm = _ACTIVE.get()
     if horizon is None:
         horizon = norm.horizon if norm is not None and norm.horizon is not None else loss.shape[-1]

@@ -22,6 +22,7 @@ import math
 import torch
 from torch import Tensor
 
+from rlgraph.functional.aggregate import as_mask
 from rlgraph.ir.ops import traceable
 
 LOG_RATIO_CLAMP = 20.0  # as verl: exp stays finite for any pair of log-probs
@@ -48,7 +49,7 @@ def truncated_is_weights(train_lp: Tensor, rollout_lp: Tensor, mask: Tensor, *, 
     `rollout_is` (token level, truncate), slime `--use-tis`.
     """
     cap = check_cap(cap)
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "truncated_is_weights")
     log_ratio = torch.where(mask, train_lp - rollout_lp, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N, T]
     weights = torch.exp(log_ratio).clamp(max=cap)  # [N, T]
     return torch.where(mask, weights, 0.0).detach()  # [N, T]

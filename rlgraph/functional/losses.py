@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlgraph.functional.aggregate import masked_mean, seq_mean_token_mean, token_mean
+from rlgraph.functional.aggregate import as_mask, masked_mean, seq_mean_token_mean, token_mean
 from rlgraph.functional.registry import register_loss
 from rlgraph.ir.ops import traceable
 
@@ -75,7 +75,7 @@ def ppo_clip(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, clip_low:
     always with c = 3, rlgraph only when asked. Source: arXiv 1707.06347; verl
     `compute_policy_loss_vanilla`. Returns (loss, clip_fraction, approx_kl).
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "ppo_clip")
     high = clip_low if clip_high is None else clip_high
     log_ratio = _log_ratio(lp, old_lp, mask)  # [N, T]
     adv = torch.where(mask, adv, 0.0)  # [N, T]
@@ -98,7 +98,7 @@ def gspo(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: flo
     its sequence-level aggregation. Source: arXiv 2507.18071; verl `compute_policy_loss_gspo`.
     Returns (loss, clip_fraction, approx_kl).
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "gspo")
     lp = torch.where(mask, lp, 0.0)  # [N, T]
     seq_log_ratio = masked_mean(lp - old_lp, mask, dim=-1)  # [N]
     log_ratio = (lp - lp.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10.0)  # [N, T]
@@ -117,7 +117,7 @@ def cispo(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: fl
     lp. The paper uses no lower bound (pass clip_low=1.0). Source: MiniMax-M1, arXiv 2506.13585;
     verl `compute_policy_loss_cispo`. Returns (loss, clip_fraction, approx_kl).
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "cispo")
     log_ratio = _log_ratio(lp, old_lp, mask)  # [N, T]
     ratio = torch.exp(log_ratio).detach()  # [N, T]
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
@@ -134,7 +134,7 @@ def gpg_loss(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *,
     `old_lp` only feeds the approx_kl metric. Source: arXiv 2504.02546; verl
     `compute_policy_loss_gpg`. Returns (loss, clip_fraction, approx_kl).
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "gpg_loss")
     per_token = -torch.where(mask, adv, 0.0) * torch.where(mask, lp, 0.0)  # [N, T]
     return (agg(per_token, mask), *_metrics(torch.zeros_like(mask), _log_ratio(lp, old_lp, mask), mask))
 
@@ -160,7 +160,7 @@ def clip_cov(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, clip_low:
     batch (as verl, per micro-batch). clip_fraction is the dropped fraction. Source: "The Entropy
     Mechanism of RL for Reasoning LMs", arXiv 2505.22617; verl `compute_policy_loss_clip_cov`.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "clip_cov")
     high = clip_low if clip_high is None else clip_high
     log_ratio = _log_ratio(lp, old_lp, mask)  # [N, T]
     adv = torch.where(mask, adv, 0.0)  # [N, T]
@@ -183,7 +183,7 @@ def kl_cov(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, kl_ratio: f
     fraction; approx_kl is k1 like every loss here (verl reports mean |log-ratio|). Source: arXiv
     2505.22617; verl `compute_policy_loss_kl_cov`.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "kl_cov")
     log_ratio = _log_ratio(lp, old_lp, mask)  # [N, T]
     adv = torch.where(mask, adv, 0.0)  # [N, T]
     penalised = _first_k(_covariance(adv, lp, mask), mask, _token_budget(kl_ratio, mask))  # [N, T]
@@ -200,7 +200,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     (verl's default cliprange_value is 0.5). Returns (loss, clip_fraction): the fraction of tokens
     where the clipped term is larger.
     """
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "value_loss")
     values = torch.where(mask, values, 0.0)  # [N, T]
     returns = torch.where(mask, returns, 0.0)  # [N, T]
     error = (values - returns).square()  # [N, T]
@@ -247,7 +247,7 @@ def policy_loss(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, *, ref_lp
                          "for another estimator add `kl_coef * agg(F.kl_abs(lp, ref), mask)` to ppo_clip's loss")
     from rlgraph.functional.kl import KL_ESTIMATORS
 
-    mask = mask.to(torch.bool)
+    mask = as_mask(mask, "policy_loss")
     value, clip_fraction, approx_kl = ppo_clip(lp, old_lp, adv, mask, clip_low=clip_low, clip_high=clip_high,
                                                dual_clip=dual_clip, agg=agg)
     zero = torch.zeros((), dtype=value.dtype, device=value.device)

@@ -111,9 +111,13 @@ def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens, sto
     _expect(model, S.ModelSpec, "a language-model version such as state.policy", "generate", "the model")
     _expect(prompts, S.RecordSpec, "Prompts[B,P]", "generate", "the prompts")
     if prompts.kind != "Prompts":
-        raise SpecError(f"rg.generate: the prompts must be Prompts[B,P], got {prompts}", user_location())
+        raise SpecError(f"rg.generate: the prompts must be Prompts[B,P], got {prompts}", user_location(),
+                        fix="generate from the algorithm's prompts; rollouts already hold responses: score or "
+                        "train on them directly (rg.score, rg.logprobs, rg.update)")
     if not isinstance(n, int) or n < 1:
         raise TraceError(f"rg.generate: n must be a positive int (samples per prompt), got {n!r}", user_location())
+    check_number("rg.generate", "max_new_tokens", max_new_tokens, low=1, integer=True, optional=True,
+                 why="the response length T; None uses the run's rollout.max_new_tokens")
     check_number("rg.generate", "temperature", temperature, low=0)  # "hot" from the CLI is refused here, named
     check_number("rg.generate", "top_p", top_p, low=0, low_open=True, high=1)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -134,10 +138,16 @@ def _scored_batch(prim: str, model: Any, batch: Any, model_kind: str) -> None:
     _expect(model, S.ModelSpec, "a model version (state.<role>)", prim, "the model")
     if model.kind != model_kind:
         raise SpecError(f"rg.{prim}: {model} is a {model.kind} model; rg.{prim} needs a {model_kind} model", user_location())
-    _expect(batch, S.RecordSpec, "Rollouts[N,T]", prim, "the batch")
+    expect_rollouts(prim, batch, "the batch")
+
+
+def expect_rollouts(prim: str, batch: Any, position: str) -> None:
+    """`batch` must be the spec of Rollouts: Prompts have no responses to score, read or train on."""
+    _expect(batch, S.RecordSpec, "Rollouts[N,T]", prim, position)
     if batch.kind != "Rollouts":
-        raise SpecError(f"rg.{prim}: expects Rollouts[N,T], got {batch}", user_location(),
-                        fix="generate rollouts first: ro = rg.generate(state.policy, prompts, n=...)")
+        raise SpecError(f"rg.{prim}: {position} must be Rollouts[N,T] (sampled responses), got {batch}",
+                        user_location(), fix=f"generate rollouts first and pass them: ro = rg.generate(state.policy, "
+                        f"prompts, n=...), then rg.{prim}(..., ro, ...)")
 
 
 def _logprobs_spec(model, rollouts, *, temperature, entropy) -> S.Spec:
@@ -153,13 +163,13 @@ def _values_spec(model, rollouts) -> S.Spec:
 
 def _score_spec(reward, rollouts) -> S.Spec:
     _expect(reward, S.RewardSpec, "a reward role such as state.reward", "score", "the reward")
-    _expect(rollouts, S.RecordSpec, "Rollouts[N,T]", "score", "the rollouts")
+    expect_rollouts("score", rollouts, "the rollouts")
     return S.f32(rollouts.rows)
 
 
 def _update_spec(model, batch, *captures, stats=(), **config) -> S.Spec:
     _expect(model, S.ModelSpec, "a trainable model version (state.policy or state.critic)", "update", "the model")
-    _expect(batch, S.RecordSpec, "Rollouts[N,T]", "update", "the batch")
+    expect_rollouts("update", batch, "the batch")
     return S.TupleSpec((model.next(), S.StatsSpec(tuple(stats))))
 
 
@@ -238,6 +248,7 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
         raise TraceError(f"rg.update(on_nonfinite={on_nonfinite!r}) is not a policy", user_location(),
                          fix=f"use one of {', '.join(map(repr, NONFINITE_POLICIES))}")
     _check_update_config(epochs, minibatches, micro_batch_size, grad_clip, temperature)
+    expect_rollouts("update", getattr(batch, "spec", type(batch).__name__), "the batch")  # before the loss closure is traced
     config = dict(epochs=epochs, minibatches=minibatches, micro_batch_size=micro_batch_size,
                   grad_clip=grad_clip, temperature=temperature, shuffle=shuffle, on_nonfinite=on_nonfinite)
     return trace_loss(_update_primitive, model, batch, loss, config)

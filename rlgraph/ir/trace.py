@@ -29,6 +29,7 @@ from rlgraph.ir import specs as S
 from rlgraph.ir.errors import SpecError, TraceError, user_location
 from rlgraph.ir.primitives import RefillLoop, ancestors, primitive_name, refill_loops
 from rlgraph.ir.program import Program, constant
+from rlgraph.ir.trace_checks import install_refusals, python_value_error, refuse_inplace_node
 
 
 class TracedValue(fx.Proxy):
@@ -64,13 +65,13 @@ class TracedValue(fx.Proxy):
     # Reading a traced value's Python value is refused before it is recorded: on meta witnesses it
     # would fail as a "mismatch" whose fix (broadcasting) misleads.
     def item(self) -> Any:
-        raise _python_value_error(".item()")
+        raise python_value_error(".item()")
 
     def tolist(self) -> Any:
-        raise _python_value_error(".tolist()")
+        raise python_value_error(".tolist()")
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
-        raise _python_value_error(".numpy()")
+        raise python_value_error(".numpy()")
 
     def __float__(self) -> float:
         raise _control_flow_error("float()")
@@ -81,8 +82,14 @@ class TracedValue(fx.Proxy):
     def __index__(self) -> int:
         raise _control_flow_error("use as an index")
 
+    def __complex__(self) -> complex:
+        raise _control_flow_error("complex()")
+
     def __repr__(self) -> str:
         return f"Traced<{self.node.name}: {self.node.meta.get('spec')}>"
+
+
+install_refusals(TracedValue)  # x += 1, x[0] = 1, np.asarray(x), torch.tensor(x): refused at the user's line
 
 
 def _control_flow_error(what: str) -> TraceError:
@@ -91,14 +98,6 @@ def _control_flow_error(what: str) -> TraceError:
         user_location(),
         fix="express the choice as tensor math (torch.where, masks, clamp) so it is part of the "
         "dataflow, or make it a Python hyper-parameter (a keyword argument of the algorithm)",
-    )
-
-
-def _python_value_error(what: str) -> TraceError:
-    return TraceError(
-        f"{what} asks for the Python value of a traced value, which does not exist while the algorithm is "
-        "traced (the program is built once and run on many batches)", user_location(),
-        fix="keep it a tensor: return x.mean() as a metric rather than x.mean().item(), and do the math in torch",
     )
 
 
@@ -129,6 +128,10 @@ class Handle:
 
     def __bool__(self) -> bool:
         raise _control_flow_error("bool()")
+
+    def __setattr__(self, name: str, value: Any) -> None:  # ro.mask = m would silently change nothing traced
+        raise TraceError(f"{self.spec} is immutable; cannot set {name!r}", user_location(),
+                         fix="compute a new tensor and use it directly (e.g. mask = ro.mask & keep[:, None])")
 
     def __repr__(self) -> str:
         return f"Traced<{self.node.name}: {self.spec}>"
@@ -301,6 +304,7 @@ class Tracer(fx.proxy.TracerBase):
         return self.lifted[node]
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:  # noqa: D401
+        refuse_inplace_node(kind, target, kwargs)
         node = self.graph.create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["source"] = user_location()
         if kind in ("call_function", "call_method"):
@@ -508,6 +512,31 @@ def _batch_spec(param: inspect.Parameter, fn: Callable[..., Any]) -> S.RecordSpe
         f"{fn.__name__}: parameter {param.name!r} needs a batch annotation, rg.Prompts or rg.Rollouts",
         _definition_site(fn), fix=f"def {fn.__name__}(state, {param.name}: rg.Prompts, *, ...)",
     )
+
+
+def check_algorithm_call(fn: Callable[..., Any], args: tuple) -> None:
+    """An algorithm called as a function: inside another algorithm's trace it is inlined, so its
+    batch must be the record its annotation names; outside a trace it was called on data."""
+    batch = args[1] if len(args) > 1 else None
+    given = getattr(batch, "spec", None) if isinstance(batch, Handle) else type(batch).__name__
+    if not ops.ACTIVE_TRACERS:
+        raise TraceError(
+            f"{fn.__name__} is an @rg.algorithm: it describes one iteration to trace and compile, and is not "
+            f"called on data (got {', '.join(type(a).__name__ for a in args) or 'no arguments'})", user_location(),
+            fix=f"compile it and run the plan on a batch: compiled = rg.compile({fn.__name__}, mesh=...); "
+            "PlanRunner(compiled, executor).run(prompts) (rlgraph.runtime; `rlgraph train` does this for a config)",
+        )
+    params = positional_params(fn)
+    if len(params) != 2 or len(args) != 2 or not isinstance(args[0], StateView):
+        return  # the traced call itself reports a wrong signature or state
+    expected = _batch_spec(params[1], fn)
+    if not isinstance(given, S.RecordSpec) or given.kind != expected.kind:
+        raise TraceError(
+            f"{fn.__name__} takes {expected.kind} as its batch ({params[1].name}), got {given}", user_location(),
+            fix="an algorithm over Prompts generates its own rollouts; to train on given rollouts write one whose "
+            "batch is `ro: rg.Rollouts` and call rg.score / rg.logprobs / rg.update on it"
+            if expected.kind == "Prompts" else "generate rollouts first: ro = rg.generate(state.policy, prompts, n=...)",
+        )
 
 
 def _definition_site(fn: Callable[..., Any]):

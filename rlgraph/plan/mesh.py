@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 
@@ -35,12 +36,25 @@ class Mesh:
     host_memory_gib: float | None = None
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.device, str):  # Mesh(8): a count where the device kind goes
+            raise ConfigError(f"Mesh: the first argument is the device kind, a string, got {self.device!r}",
+                              fix=f"write e.g. rg.Mesh('h100', nodes=1, per_node={self.device if _is_count(self.device) else 8}) "
+                                  "or mesh='gpu:8'")
+        for name in ("nodes", "per_node"):
+            value = getattr(self, name)
+            if not _is_count(value):
+                raise ConfigError(f"Mesh: {name} must be a whole number >= 1, got {value!r} ({type(value).__name__})",
+                                  fix="write e.g. rg.Mesh('h100', nodes=2, per_node=8), numbers not strings")
         if self.nodes < 1 or self.per_node < 1:
             raise ConfigError(f"Mesh: nodes and per_node must be >= 1, got {self.nodes}x{self.per_node}",
                               fix="write e.g. rg.Mesh('h100', nodes=1, per_node=8) or mesh='gpu:8'")
         if self.memory_gib is None and self.device not in DEVICE_MEMORY_GIB:
             raise ConfigError(f"Mesh: unknown device {self.device!r}{did_you_mean(self.device, DEVICE_MEMORY_GIB)}",
                               fix=f"give memory_gib or one of {sorted(DEVICE_MEMORY_GIB)}")
+        memory = self.memory_gib
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or not 0 < memory < float("inf")):
+            raise ConfigError(f"Mesh: memory_gib must be a number of GiB > 0 (memory per device), got {memory!r}",
+                              fix="e.g. rg.Mesh('h100', per_node=8, memory_gib=80), or leave it out for the device's own")
         host = self.host_memory_gib
         if host is not None and (isinstance(host, bool) or not isinstance(host, (int, float)) or not host > 0):
             raise ConfigError(f"Mesh: host_memory_gib must be a number of GiB > 0 (host memory per device), got {host!r}",
@@ -77,6 +91,11 @@ class Mesh:
 
     def __str__(self) -> str:
         return f"{self.nodes}x{self.per_node} {self.device}"
+
+
+def _is_count(value: object) -> bool:
+    """A whole number that is not a bool (True is an int to Python, never a meant device count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @attrs.frozen

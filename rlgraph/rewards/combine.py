@@ -14,6 +14,13 @@ completion, or returns NaN/inf for some completions. `on_error`:
     raised, timed out or returned a wrong shape; only the non-finite ones otherwise), count them
     in `reward/errors` (and `reward/<term>/errors`), and go on.
 
+Under "zero" a term that failed on *every* sample since the last `pop_metrics` is flagged
+(`reward/<term>/all_failed` = 1) and its first error kept in `last_failures`: a reward of 0.000
+that is really a broken reward must not look like a policy that learnt nothing.
+
+`samples=k` keeps k (prompt, completion, reward) rows per call period for logging (`pop_samples`),
+spread evenly over the first call's rows, so they show several prompts.
+
 A term that times out keeps running in a daemon thread (Python cannot stop a thread); a reward
 that can hang for good belongs in a subprocess, as `CodeTests` does.
 """
@@ -51,7 +58,7 @@ class RewardPipeline:
     """Callable `(completions, **meta) -> list[float]`: the weighted sum of its terms."""
 
     def __init__(self, terms: Sequence[RewardTerm], *, on_error: Literal["fail", "zero"] = "fail",
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, samples: int = 0):
         if not terms:
             raise ConfigError("a reward pipeline needs at least one reward term")
         names = [term.name for term in terms]
@@ -61,15 +68,21 @@ class RewardPipeline:
             raise ConfigError(f"reward_on_error={on_error!r} is not one of 'fail', 'zero'")
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"reward_timeout_s={timeout_s!r} must be > 0 (or null for no limit)")
-        self.terms, self.on_error, self.timeout_s = list(terms), on_error, timeout_s
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ConfigError(f"logging.samples={samples!r} must be a whole number >= 0 (0: log no samples)")
+        self.terms, self.on_error, self.timeout_s, self.samples = list(terms), on_error, timeout_s, samples
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._errors: dict[str, int] = {}
+        self._first_error: dict[str, str] = {}
+        self._samples: list[dict[str, Any]] = []
+        self.last_failures: dict[str, str] = {}  # term -> first error, for terms that failed on every sample
 
     def __call__(self, completions: Sequence[str], **meta: Any) -> list[float]:
         total = [0.0] * len(completions)
+        per_term = {}
         for term in self.terms:
-            scores = self._score(term, completions, meta)
+            scores = per_term[term.name] = self._score(term, completions, meta)
             for row, score in enumerate(scores):
                 total[row] += term.weight * score
             self._sums[term.name] = self._sums.get(term.name, 0.0) + sum(scores)
@@ -81,14 +94,34 @@ class RewardPipeline:
                 raise RewardError(self._describe(RewardTerm("sum", None), failure, completions, meta))
             self._errors["sum"] = self._errors.get("sum", 0) + len(overflow)
             total = [0.0 if row in set(overflow) else value for row, value in enumerate(total)]
+        self._keep_samples(completions, meta, total, per_term)
         return total
+
+    def _keep_samples(self, completions: Sequence[str], meta: dict[str, Any], total: list[float],
+                      per_term: dict[str, list[float]]) -> None:
+        wanted = min(self.samples - len(self._samples), len(completions))
+        if wanted <= 0:
+            return
+        texts, answers = meta.get("text"), meta.get("answer")
+        for row in sorted({index * len(completions) // wanted for index in range(wanted)}):  # evenly spread rows
+            self._samples.append({"prompt": texts[row] if texts is not None else None, "completion": completions[row],
+                                  "reward": total[row], "rewards": {name: scores[row] for name, scores in per_term.items()},
+                                  "answer": answers[row] if answers is not None else None})
+
+    def pop_samples(self) -> list[dict[str, Any]]:
+        """The samples kept since the last call (call it before `pop_metrics`, which drops them)."""
+        samples, self._samples = self._samples, []
+        return samples
 
     def pop_metrics(self) -> dict[str, float]:
         """Each term's mean score, and the failed samples, since the last call."""
         out = {f"reward/{name}": self._sums[name] / count for name, count in self._counts.items() if count}
         out["reward/errors"] = float(sum(self._errors.values()))
         out.update({f"reward/{name}/errors": float(count) for name, count in self._errors.items()})
-        self._sums, self._counts, self._errors = {}, {}, {}
+        everyone = [name for name, count in self._errors.items() if count and count == self._counts.get(name)]
+        out.update({f"reward/{name}/all_failed": 1.0 for name in everyone})
+        self.last_failures = {name: self._first_error[name] for name in everyone}
+        self._sums, self._counts, self._errors, self._first_error, self._samples = {}, {}, {}, {}, []
         return out
 
     # -- one term -------------------------------------------------------------------------------
@@ -100,6 +133,7 @@ class RewardPipeline:
             if self.on_error == "fail":
                 raise RewardError(self._describe(term, failure, completions, meta)) from None
             self._errors[term.name] = self._errors.get(term.name, 0) + len(failure.rows)
+            self._first_error.setdefault(term.name, self._describe(term, failure, completions, meta).splitlines()[0])
             return failure.partial if failure.partial is not None else [0.0] * n
 
     def _call(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> Any:

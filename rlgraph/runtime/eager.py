@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from rlgraph.backends.protocols import Executor, LossCounts, LossFn, RewardRef, UpdateConfig
-from rlgraph.batches import Rollouts, to_device
+from rlgraph.batches import Rollouts, check_batch, to_device
 from rlgraph.functional.aggregate import active_loss_normalization, loss_normalization
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
@@ -125,6 +125,7 @@ class Interpreter:
             elif "carry" in node.meta:
                 inputs.append(self.carried.get(node.target, torch.tensor(node.meta["carry"]["init"])))
             else:
+                check_batch(batch, spec.kind, program.name)
                 inputs.append(batch)
         return inputs
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +89,40 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    pointer = Path(run_dir) / "latest"
+    """The checkpoint `run_dir/latest` points at; None when the run has none.
+
+    A `latest` that cannot be read, or names no step-* directory of the run, is not trusted: it is
+    written only after its checkpoint is complete, so the newest complete `step-*` directory (one
+    with meta.json) is what it meant. That one is used, with a warning naming the file; with no such
+    directory the run cannot be resumed and a ConfigError says how to start it again.
+    """
+    run_dir = Path(run_dir)
+    pointer = run_dir / "latest"
     if not pointer.exists():
         return None
-    return Path(run_dir) / json.loads(pointer.read_text())["path"]
+    problem = _pointer_problem(pointer, run_dir)
+    if problem is None:
+        return run_dir / json.loads(pointer.read_text())["path"]
+    complete = sorted(path for path in run_dir.glob("step-*") if (path / "meta.json").is_file())
+    if not complete:
+        raise ConfigError(f"{pointer} {problem}, and {run_dir} holds no complete step-* checkpoint to fall back on",
+                          fix=f"delete {pointer} (and any step-* leftovers) to start the run afresh, or choose another run_dir")
+    warnings.warn(f"{pointer} {problem}; using the newest complete checkpoint {complete[-1].name} instead", stacklevel=2)
+    return complete[-1]
+
+
+def _pointer_problem(pointer: Path, run_dir: Path) -> str | None:
+    """What is wrong with a `latest` file (unreadable, not our JSON, or naming no step-* of the run), or None."""
+    try:
+        payload = json.loads(pointer.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"cannot be read as JSON ({type(error).__name__})"
+    name = payload.get("path") if isinstance(payload, dict) else None
+    if not isinstance(name, str) or Path(name).name != name or not name.startswith("step-"):
+        return f"does not name a step-* checkpoint of the run (it holds {str(payload)[:60]!r})"
+    if not (run_dir / name).is_dir():
+        return f"names {name}, which does not exist"
+    return None
 
 
 def _read(path: Path, load: Any, what: str) -> Any:

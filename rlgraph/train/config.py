@@ -142,6 +142,7 @@ class LoggingSection(Section):
     mlflow: dict[str, Any] | None = None              # e.g. {tracking_uri: ..., experiment: ...}; needs rlgraph[mlflow]
     progress: bool = True
     plots: bool = True                                # PNG curves in RUN_DIR/plots at the end
+    samples: int = Field(4, ge=0, le=1000)            # completions per step and per evaluation in RUN_DIR/samples.jsonl (0: none)
 
 
 class CheckpointSection(Section):

@@ -27,7 +27,7 @@ import numbers
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -131,10 +131,10 @@ class JsonlSink:
         self._file.close()
 
 
-def _truncate(path: Path, resume_step: int) -> list[dict]:
+def _truncate(path: Path, resume_step: int, parse_row: Callable[[str], dict] | None = None) -> list[dict]:
     """Rewrite `path` keeping the lines of steps <= `resume_step`; returns the rows kept."""
     text = path.read_text(encoding="utf-8")
-    kept = [(line, row) for line, row in _parse(text, path) if row["step"] <= resume_step]
+    kept = [(line, row) for line, row in _parse(text, path, parse_row) if row["step"] <= resume_step]
     handle = tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name + ".", suffix=".tmp",
                                          delete=False, encoding="utf-8")
     try:
@@ -149,14 +149,15 @@ def _truncate(path: Path, resume_step: int) -> list[dict]:
     return [row for _, row in kept]
 
 
-def _parse(text: str, path: Path) -> list[tuple[str, dict]]:
-    """(line, row) for each line of a metrics.jsonl; an unreadable last line is a torn write and is
-    dropped, an unreadable line before it is refused with its line number."""
+def _parse(text: str, path: Path, parse_row: Callable[[str], dict] | None = None) -> list[tuple[str, dict]]:
+    """(line, row) for each line of a metrics.jsonl (or samples.jsonl, with its `parse_row`); an
+    unreadable last line is a torn write and is dropped, an unreadable line before it is refused
+    with its line number."""
     numbered = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
     out = []
     for position, (number, line) in enumerate(numbered):
         try:
-            row = _parse_row(line)
+            row = (parse_row or _parse_row)(line)
         except ValueError as error:
             if position == len(numbered) - 1:
                 break  # the run was killed while writing this line
@@ -166,7 +167,8 @@ def _parse(text: str, path: Path) -> list[tuple[str, dict]]:
     return out
 
 
-def _parse_row(line: str) -> dict:
+def _parse_object(line: str) -> dict:
+    """A JSON object with a non-negative int `step`: what every line of our .jsonl files is."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
@@ -176,6 +178,11 @@ def _parse_row(line: str) -> dict:
     step = row.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"'step' must be a non-negative int, got {step!r}")
+    return row
+
+
+def _parse_row(line: str) -> dict:
+    row = _parse_object(line)
     for key, value in row.items():
         if key != "step" and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"metric {key!r} is not a number: {value!r}")
@@ -203,6 +210,60 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         raise MetricsError(f"{path}: no readable line (its only line is not a JSON object with a 'step')",
                            fix="delete the file and rerun, or point at another run directory")
     return rows
+
+
+# -- samples.jsonl and reward failures --------------------------------------------------------------
+SAMPLES_FILE = "samples.jsonl"
+SAMPLE_KINDS = ("train", "eval")
+
+
+class SampleLog:
+    """`samples.jsonl`: a few completions per training step and per evaluation, to read what the
+    policy writes (as TRL's and verl's completion tables), one JSON object per line:
+
+        {"step": 3, "kind": "train", "prompt": "2+3=", "completion": "5", "reward": 1.0,
+         "rewards": {"math": 1.0}, "answer": "5"}
+
+    Resumed like metrics.jsonl: the lines of steps after `resume_step` are cut atomically first.
+    """
+
+    def __init__(self, path: str | Path, resume_step: int | None = None):
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ConfigError(f"samples file {self.path} is a directory", fix=f"pass a file path such as {SAMPLES_FILE}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            _truncate(self.path, check_step(resume_step, "resume_step"), _parse_object)
+        self._file = open(self.path, "a" if resume_step is not None else "w", encoding="utf-8")
+
+    def log(self, step: int, kind: str, samples: Sequence[Mapping[str, Any]]) -> None:
+        step = check_step(step)
+        if kind not in SAMPLE_KINDS:
+            raise MetricsError(f"sample kind {kind!r} is not one of {SAMPLE_KINDS}", fix="log 'train' or 'eval' samples")
+        # default=str: an answer may be any object the data set holds; one write per line, as metrics.jsonl
+        text = "".join(json.dumps({"step": step, "kind": kind, **sample}, default=str) + "\n" for sample in samples)
+        self._file.write(text)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_samples(run_dir: str | Path) -> list[dict]:
+    """The rows of `run_dir/samples.jsonl` (a torn last line is skipped); [] when there is none."""
+    path = Path(run_dir) / SAMPLES_FILE
+    return [row for _, row in _parse(path.read_text(encoding="utf-8"), path, _parse_object)] if path.is_file() else []
+
+
+def report_reward_failures(step: int, kind: str, failures: Mapping[str, str], console: Any) -> None:
+    """Say loudly that a reward term failed on every sample (`reward_on_error: zero` scored them all
+    0), naming the term and its first error: the step's reward of 0 measures nothing."""
+    from rich.markup import escape  # the error may hold brackets rich would read as markup
+
+    for term, error in failures.items():
+        text = (f"{kind} step {step}: every call of reward term {term!r} failed, so its rewards are all 0 "
+                f"(reward_on_error: zero); first error: {error}")
+        console.print(f"[bold red]warning:[/] {escape(text)}", highlight=False)
 
 
 # -- TensorBoard ---------------------------------------------------------------------------------

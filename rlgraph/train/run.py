@@ -38,6 +38,7 @@ from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.checkpoint import latest_checkpoint
 from rlgraph.train.config import TrainConfig, load_config
+from rlgraph.train.logging import report_reward_failures
 from rlgraph.train.loop import Trainer
 from rlgraph.train.user_code import import_modules, load_algorithm, load_object
 
@@ -115,7 +116,8 @@ def build_rewards(config: TrainConfig) -> RewardPipeline:
             raise ConfigError(f"{where} reads the per-row field(s) {', '.join(missing)}, which the data does not pass",
                               fix=f"add them to data.extra_fields, e.g. extra_fields: [{', '.join(missing)}]")
         terms.append(RewardTerm(reward.name, fn, reward.weight))
-    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s)
+    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s,
+                          samples=config.logging.samples)
 
 
 def _device(config: TrainConfig) -> str:
@@ -359,7 +361,7 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
 
 def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> RunResult:
     """Run `config` in `config.directory`; with `resume`, continue from its latest checkpoint."""
-    from rlgraph.train.logging import MetricLogger, make_sinks
+    from rlgraph.train.logging import SAMPLES_FILE, MetricLogger, SampleLog, make_sinks
 
     console = console or Console()
     run_dir = config.directory
@@ -401,8 +403,9 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     try:
         with MetricLogger(sinks) as logger:
             session.logger = logger
-            if checkpoint is None and setup.eval_rows:
-                logger.log(0, session.evaluate())
+            session.samples = SampleLog(run_dir / SAMPLES_FILE, resume_step=trainer.step if checkpoint else None)
+            if checkpoint is None and (setup.eval_rows or session.warm):
+                logger.log(0, session.first_row())
             seconds = session.loop(trainer)
     finally:
         session.close()
@@ -477,6 +480,9 @@ class _Session:
         self.eval_runner: PlanRunner | None = None
         self.transport: Any = None
         self.logger: Any = None
+        self.samples: Any = None  # the run's SampleLog (samples.jsonl)
+        self.step = 0  # the RL step whose samples an evaluation logs
+        self.warm: dict[str, float] = {}  # the warm start's metrics, logged in the first row
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
@@ -521,6 +527,8 @@ class _Session:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        if self.samples is not None:
+            self.samples.close()
 
     # -- warm start ---------------------------------------------------------------------------
     def warm_start(self) -> None:
@@ -543,6 +551,27 @@ class _Session:
                     break
         shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
         self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
+        self.warm = {"warm_start/steps": float(step), "time/warm_start_s": time.perf_counter() - start}
+
+    def first_row(self) -> dict[str, float]:
+        """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its
+        accuracy (`warm_start/accuracy`, also printed), and the warm start's own metrics."""
+        row = {**self.warm, **(self.evaluate() if self.setup.eval_rows else {})}
+        if self.warm and "eval/accuracy" in row:
+            row["warm_start/accuracy"] = row["eval/accuracy"]
+            self.console.print(f"warm start: held-out accuracy {row['eval/accuracy']:.1%} "
+                               f"({len(self.setup.eval_rows)} prompts)")
+        return row
+
+    def pop_rewards(self, kind: str) -> dict[str, float]:
+        """The reward terms' metrics since the last call; their kept samples go to samples.jsonl, and
+        a term that failed on every sample is warned about loudly."""
+        samples = self.setup.rewards.pop_samples()
+        if self.samples is not None and samples:
+            self.samples.log(self.step, kind, samples)
+        terms = self.setup.rewards.pop_metrics()
+        report_reward_failures(self.step, kind, self.setup.rewards.last_failures, self.console)
+        return terms
 
     def reset_optimizer(self) -> None:
         """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights."""
@@ -562,8 +591,8 @@ class _Session:
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""
-        metrics = dict(metrics)
-        terms = self.setup.rewards.pop_metrics()
+        metrics, self.step = dict(metrics), step
+        terms = self.pop_rewards("train")
         metrics.update(terms)
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
         if accuracy is not None:
@@ -602,7 +631,7 @@ class _Session:
         self.setup.rewards.pop_metrics()
         prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
         _, metrics = runner.run(prompts)
-        terms = self.setup.rewards.pop_metrics()
+        terms = self.pop_rewards("eval")
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
         self.last_eval = accuracy
@@ -613,6 +642,7 @@ class _Session:
         from rlgraph.train.progress import RunProgress
 
         train, start = self.config.train, time.perf_counter()
+        self.step = trainer.step  # a resumed run's final evaluation belongs to its step
         remaining = None if train.steps is None else max(train.steps - trainer.step, 0)
         with RunProgress(total_steps=train.steps, seconds=train.seconds, console=self.console,
                          enabled=self.config.logging.progress, start_step=trainer.step) as progress:

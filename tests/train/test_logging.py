@@ -1,4 +1,5 @@
-"""rlgraph.train.logging: metrics.jsonl (round trip, resume, torn lines), TensorBoard, W&B / MLflow, fan-out."""
+"""rlgraph.train.logging: metrics.jsonl (round trip, resume, torn lines), TensorBoard, W&B / MLflow, fan-out;
+samples.jsonl, reward terms that fail on every sample, the warm start's accuracy (end to end)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from rlgraph.ir.errors import ConfigError
+from rlgraph.rewards.combine import RewardPipeline, RewardTerm
 from rlgraph.train import logging as run_logging
-from rlgraph.train.logging import (JsonlSink, MetricLogger, MetricsError, MlflowSink, TensorBoardSink, WandbSink,
-                                   check_metrics, make_sinks, read_metrics)
+from rlgraph.train.logging import (SAMPLES_FILE, JsonlSink, MetricLogger, MetricsError, MlflowSink, SampleLog,
+                                   TensorBoardSink, WandbSink, check_metrics, make_sinks, read_metrics, read_samples,
+                                   report_reward_failures)
 
 
 def strict_loads(line: str):
@@ -363,3 +366,141 @@ def test_mlflow_store_that_refuses_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")
     with pytest.raises(ConfigError, match=r"logging.mlflow: MLflow could not start a run at tracking_uri file:"):
         MlflowSink({"tracking_uri": (tmp_path / "mlruns").as_uri(), "experiment": "e"})
+
+
+# -- samples.jsonl and reward failures ---------------------------------------------------------------
+
+
+def _pipeline(samples, fn=None, on_error="fail"):
+    exact = lambda completions, answer, **_: [float(c == a) for c, a in zip(completions, answer)]  # noqa: E731
+    return RewardPipeline([RewardTerm("math", fn or exact, 1.0), RewardTerm("len", lambda c, **_: [len(x) / 10 for x in c], 0.5)],
+                          on_error=on_error, samples=samples)
+
+
+def test_the_pipeline_keeps_samples_spread_over_prompts_with_their_rewards():
+    pipeline = _pipeline(2)
+    completions, answers = ["5", "4", "7", "7"], ["5", "5", "7", "7"]
+    texts = ["2+3=", "2+3=", "3+4=", "3+4="]
+    pipeline(completions, answer=answers, text=texts)
+    pipeline(["1"] * 4, answer=answers, text=texts)  # the first call's rows fill the 2 places
+    samples = pipeline.pop_samples()
+    # rows 0 and 2 (evenly spread: 0 * 4 // 2, 1 * 4 // 2): both prompts; reward = 1.0 * exact + 0.5 * len/10
+    assert samples == [
+        {"prompt": "2+3=", "completion": "5", "reward": 1.05, "rewards": {"math": 1.0, "len": 0.1}, "answer": "5"},
+        {"prompt": "3+4=", "completion": "7", "reward": 1.05, "rewards": {"math": 1.0, "len": 0.1}, "answer": "7"},
+    ]
+    assert pipeline.pop_samples() == []
+    assert _pipeline(0)(completions, answer=answers, text=texts) and _pipeline(0).pop_samples() == []
+
+
+@pytest.mark.parametrize("samples", [-1, 2.5, "4", True])
+def test_a_bad_samples_count_is_refused(samples):
+    with pytest.raises(ConfigError, match="logging.samples"):
+        _pipeline(samples)
+
+
+def test_a_term_that_fails_on_every_sample_is_flagged_with_its_first_error():
+    def broken(completions, **_):
+        raise KeyError("answer_key")
+
+    pipeline = _pipeline(0, fn=broken, on_error="zero")
+    assert pipeline(["1", "2"], answer=["1", "2"], text=["a", "b"]) == [0.05, 0.05]  # only the len term scores
+    metrics = pipeline.pop_metrics()
+    assert metrics["reward/math/all_failed"] == 1.0 and metrics["reward/math/errors"] == 2.0
+    assert "reward/len/all_failed" not in metrics
+    assert list(pipeline.last_failures) == ["math"] and "KeyError: 'answer_key'" in pipeline.last_failures["math"]
+    # a term that failed on some samples only is counted, not flagged
+    partial = _pipeline(0, fn=lambda c, **_: [1.0, float("nan")], on_error="zero")
+    partial(["1", "2"], answer=["1", "2"])
+    assert "reward/math/all_failed" not in partial.pop_metrics() and partial.last_failures == {}
+
+
+def test_report_reward_failures_names_the_term_and_error():
+    from rich.console import Console
+
+    console = Console(record=True, width=400)
+    report_reward_failures(7, "train", {"math": "reward 'math' raised KeyError: [answer] (at r.py:3 in f)"}, console)
+    text = console.export_text()
+    assert "warning: train step 7: every call of reward term 'math' failed" in text
+    assert "KeyError: [answer]" in text  # brackets kept, not read as rich markup
+    report_reward_failures(7, "train", {}, console)
+    assert console.export_text() == ""  # nothing to say when nothing failed everywhere
+
+
+def _write_samples(path, steps, resume_step=None):
+    log = SampleLog(path, resume_step)
+    for step in steps:
+        log.log(step, "train", [{"prompt": "1+1=", "completion": str(step), "reward": 0.0, "answer": 2}])
+        log.log(step, "eval", [{"prompt": "1+2=", "completion": str(step), "reward": 1.0, "answer": 3}])
+    log.close()
+
+
+def test_samples_jsonl_round_trip_and_resume_cut_back(tmp_path):
+    _write_samples(tmp_path / SAMPLES_FILE, [0, 1, 2, 3])
+    before = (tmp_path / SAMPLES_FILE).read_text().splitlines()
+    assert read_samples(tmp_path)[1] == {"step": 0, "kind": "eval", "prompt": "1+2=", "completion": "0", "reward": 1.0,
+                                         "answer": 3}
+    with open(tmp_path / SAMPLES_FILE, "a") as handle:
+        handle.write('{"step": 4, "kind": "tr')  # a kill mid-line
+    _write_samples(tmp_path / SAMPLES_FILE, [2, 3], resume_step=1)  # resumed from the checkpoint of step 1
+    after = (tmp_path / SAMPLES_FILE).read_text().splitlines()
+    assert after[:4] == before[:4] and [(r["step"], r["kind"]) for r in read_samples(tmp_path)] == [
+        (0, "train"), (0, "eval"), (1, "train"), (1, "eval"), (2, "train"), (2, "eval"), (3, "train"), (3, "eval")]
+    _write_samples(tmp_path / SAMPLES_FILE, [0])  # a fresh run starts a new file
+    assert len(read_samples(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("step, kind, message", [(-1, "train", "non-negative"), ("3", "train", "non-negative"),
+                                                 (1, "test", "sample kind 'test'")])
+def test_bad_sample_rows_are_refused(tmp_path, step, kind, message):
+    log = SampleLog(tmp_path / SAMPLES_FILE)
+    with pytest.raises(MetricsError, match=message):
+        log.log(step, kind, [{"completion": "x"}])
+    log.close()
+
+
+# -- a run's samples, warm start and failing rewards, end to end (rlgraph train on the tiny model) -----
+def always_raises(completions, **_):
+    raise ValueError("the grader is down")
+
+
+def _train(tmp_path, name, **sections):
+    from rich.console import Console
+
+    from rlgraph.train.run import train
+    from tests.train.test_run import make_config
+
+    config, _ = make_config(tmp_path, name, **{"train": {"steps": 2, "seed": 0}, "eval": {"every": 1},
+                                               "logging": {"tensorboard": False, "progress": False, "plots": False,
+                                                           "samples": 3}, **sections})
+    console = Console(record=True, width=400)
+    train(config, console=console)
+    return tmp_path / name, console.export_text()
+
+
+def test_a_run_logs_samples_and_the_warm_start_accuracy(tmp_path):
+    from rlgraph.rewards import build_reward
+
+    run_dir, text = _train(tmp_path, "run")
+    rows = read_samples(run_dir)
+    # 3 per evaluation (steps 0, 1, 2: eval.every=1) and per training step (1, 2)
+    assert [(row["step"], row["kind"]) for row in rows] == [(0, "eval")] * 3 + [(1, "train")] * 3 + [(1, "eval")] * 3 + \
+        [(2, "train")] * 3 + [(2, "eval")] * 3
+    math_reward = build_reward("math")
+    for row in rows:  # each logged reward is the one reward term's score of that completion against that answer
+        assert row["reward"] == row["rewards"]["math"] == math_reward([row["completion"]], answer=[row["answer"]])[0]
+        assert row["prompt"].endswith("=") and isinstance(row["completion"], str)
+    first = read_metrics(run_dir)[0]
+    assert first["step"] == 0 and first["warm_start/steps"] == 3.0 and first["warm_start/accuracy"] == first["eval/accuracy"]
+    assert f"warm start: held-out accuracy {first['eval/accuracy']:.1%}" in text
+
+
+def test_a_reward_that_fails_on_every_sample_is_flagged_and_warned(tmp_path):
+    run_dir, text = _train(tmp_path, "broken", rewards=[{"name": f"{__file__}:always_raises"}], reward_on_error="zero",
+                           warm_start={"steps": 0}, train={"steps": 1, "seed": 0}, eval={"every": 0},
+                           data={"eval_fraction": 0.0})
+    term = f"{__file__}:always_raises"
+    row = read_metrics(run_dir)[-1]
+    assert row["step"] == 1 and row[f"reward/{term}/all_failed"] == 1.0 and row["reward"] == 0.0
+    assert f"train step 1: every call of reward term {term!r} failed" in text and "the grader is down" in text
+    assert all(sample["reward"] == 0.0 for sample in read_samples(run_dir))

@@ -32,11 +32,20 @@ from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.protocols import ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
 from rlgraph.functional.aggregate import global_counts
 from rlgraph.ir.errors import RewardError, RLGraphError
-from rlgraph.batches import Prompts, Rollouts, to_device
+from rlgraph.batches import Prompts, Rollouts, check_token_ids, to_device
 
 
 class StaleVersionError(RuntimeError):
     """A primitive asked for a model version that is not the live one."""
+
+
+def _check_ids(worker: Any, rollouts: Rollouts, where: str) -> None:
+    """Out-of-vocabulary ids given to the runtime are refused by sample, not left to the embedding's IndexError."""
+    for module in (worker.model, getattr(worker.model, "backbone", None)):  # a critic wraps its backbone
+        embeddings = getattr(module, "get_input_embeddings", None)
+        if embeddings is not None:
+            check_token_ids(rollouts, embeddings().num_embeddings, where)
+            return
 
 
 @attrs.define
@@ -162,6 +171,7 @@ class LocalExecutor:
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False) -> Any:
         worker = self._live(model)
+        _check_ids(worker, rollouts, f"rg.logprobs({model.role})")
         output, ent = self._inference(worker, rollouts, temperature=temperature, with_entropy=entropy)
         return (output, ent) if entropy else output  # on the rollouts' device (`_inference`)
 
@@ -169,6 +179,7 @@ class LocalExecutor:
         worker = self._live(model)
         if worker.kind != "critic":
             raise ValueError(f"role {model.role!r} is a {worker.kind} model; values need a critic (LMWorker(kind='critic'))")
+        _check_ids(worker, rollouts, f"rg.values({model.role})")
         return self._inference(worker, rollouts, temperature=1.0, with_entropy=False)[0]
 
     def _inference(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool):
@@ -202,6 +213,7 @@ class LocalExecutor:
         worker = self._live(model)
         if worker.optimizer is None:
             raise ValueError(f"role {model.role!r} is frozen (no optimizer); only trainable roles can be updated")
+        _check_ids(worker, batch, f"rg.update({model.role})")
         # `loss_fn` must hold its captured values on this device too (the interpreter moves them).
         stats = self._train_epochs(worker, to_device(batch, self.device), loss_fn, config)
         worker.version += 1
