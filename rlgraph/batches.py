@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 Meta = Mapping[str, Sequence[Any]]
 
