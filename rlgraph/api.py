@@ -9,7 +9,7 @@ from typing import Any
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import ConfigError
 from rlgraph.ir.program import Program
-from rlgraph.ir.trace import DEFAULT_ROLES, check_algorithm_call, trace_algorithm
+from rlgraph.ir.tracing import DEFAULT_ROLES, check_algorithm_call, trace_algorithm
 
 
 class State:

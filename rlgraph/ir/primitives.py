@@ -239,7 +239,7 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
     stops the run naming the update, the mini-batch and the rows; `"skip"` drops that mini-batch's
     step and counts it (`<role>/skipped_steps`).
     """
-    from rlgraph.ir.trace import trace_loss  # the loss is traced by a child tracer
+    from rlgraph.ir.tracing import trace_loss  # the loss is traced by a child tracer
 
     if not ops.ACTIVE_TRACERS:
         raise TraceError("rg.update was called outside an algorithm", user_location(),

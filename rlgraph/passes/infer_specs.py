@@ -9,7 +9,7 @@ from __future__ import annotations
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import VerifyError
 from rlgraph.ir.program import Program, copy_program
-from rlgraph.ir.trace import infer
+from rlgraph.ir.infer import infer
 
 
 def infer_specs(program: Program, options=None) -> Program:

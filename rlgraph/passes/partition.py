@@ -25,7 +25,7 @@ from rlgraph.ir import ops
 from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
-from rlgraph.ir.trace import get_field
+from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.plan.layouts import CONTROLLER  # re-exported: the passes import it from here
 

@@ -24,7 +24,7 @@ import attrs
 
 from rlgraph.ir.errors import did_you_mean
 from rlgraph.ir.program import Program, copy_program
-from rlgraph.ir.trace import DEFAULT_ROLES
+from rlgraph.ir.tracing import DEFAULT_ROLES
 from rlgraph.passes.options import CompileOptions, PlacementConfigError, check_engine
 from rlgraph.passes.partition import CONTROLLER
 from rlgraph.plan.mesh import Colocated, Explicit, GenerateLayout, Group, Placement, Split, TrainLayout

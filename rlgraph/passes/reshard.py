@@ -23,7 +23,7 @@ import torch.fx as fx
 from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
-from rlgraph.ir.trace import get_field
+from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER, value_bytes
 from rlgraph.passes.place import group_named

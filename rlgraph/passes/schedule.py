@@ -29,7 +29,7 @@ from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.printer import op_name
 from rlgraph.ir.program import Program
-from rlgraph.ir.trace import get_field
+from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER
 from rlgraph.plan.memory import PARKED

@@ -10,7 +10,7 @@ import rlgraph.testing as rgt
 from rlgraph.algorithms import ALGORITHMS, grpo, ppo
 from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import primitive_name
-from rlgraph.ir.trace import get_field
+from rlgraph.ir.infer import get_field
 from rlgraph.plan.plan import Offload, Stage
 
 SIZES = {"B": 32, "P": 8, "T": 5, "n": 8}
