@@ -363,3 +363,39 @@ def test_top_p_one_samples_what_no_top_p_samples():
 def test_bad_stop_strings_are_refused(stop):
     with pytest.raises(ValueError, match="SamplingParams.stop must hold non-empty strings"):
         SamplingParams(stop=stop)
+
+
+# ----------------------------------------------------------------------------- the fused sampler and the host syncs
+
+
+def test_the_fused_sampling_kernel_draws_what_the_torch_sampler_draws(monkeypatch, model, tokenizer):
+    """On a GPU temperature sampling runs `rlgraph.kernels.sampling`'s Triton kernel; here it runs under
+    the Triton interpreter (tests/conftest.py) by letting the engine use it on the CPU. The tokens are
+    the same draws; the log-probs differ only in how the softmax's sum is ordered (float32 rounding
+    of a sum over V terms: (V + 4) * 2**-24 per side, see tests/kernels/test_sampling.py)."""
+    from rlgraph.backends.local import generation
+
+    prompts = prompts_of(tokenizer, TEXTS)
+    params = SamplingParams(temperature=0.9, max_new_tokens=6)
+    want = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(prompts, 3, params, seed=5, call=2)
+    monkeypatch.setattr(generation, "FUSED_SAMPLING_DEVICES", ("cpu",))
+    got = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(prompts, 3, params, seed=5, call=2)
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.mask, want.mask)
+    vocab = model.get_input_embeddings().num_embeddings
+    assert (got.logprobs - want.logprobs).abs().max() <= 2 * (vocab + 4) * 2.0**-24
+
+
+def test_checking_for_finished_rows_every_k_steps_gives_the_same_rollouts(monkeypatch, model, tokenizer):
+    """A GPU checks "all rows finished?" every FINISHED_CHECK_EVERY steps (a host sync each): the extra
+    steps only append masked columns, which are trimmed, so the rollouts are the same."""
+    from rlgraph.backends.local import generation
+
+    model = with_eos_bias(model, 4.0)  # rows end early, at different steps
+    prompts, params = prompts_of(tokenizer, TEXTS), SamplingParams(temperature=1.0, max_new_tokens=12)
+    want = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(prompts, 2, params, seed=1)
+    assert want.response_ids.shape[1] < 12, "the case needs rows that all finish before max_new_tokens"
+    assert want.response_ids.shape[1] % 5, "and past a check, so the later check decodes extra (trimmed) steps"
+    monkeypatch.setattr(generation, "finished_check_every", lambda device: 5)
+    got = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD).generate(prompts, 2, params, seed=1)
+    for field in ("response_ids", "mask", "logprobs", "group"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field

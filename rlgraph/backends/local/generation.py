@@ -24,6 +24,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rlgraph.backends.local.lean_decode import LeanDecoder, lean_unsupported
+from rlgraph.kernels import sampling as fused
+from rlgraph.kernels.sampling import gumbel_noise, splitmix64, uniform_from_bits  # noqa: F401 - re-exported
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir.errors import RLGraphError
 
@@ -118,16 +120,8 @@ def _stop_end(tokens: list[int], stop: Sequence[str], decode: Callable[[list[int
 
 
 # -- counter-based noise ---------------------------------------------------------------------------
-# splitmix64 on int64 tensors: int64 multiply and add wrap like uint64, and the bits are the same;
-# torch's `>>` on int64 is arithmetic, so a logical shift masks off the copied sign bits.
-_GAMMA = 0x9E3779B97F4A7C15 - 2**64  # the golden-ratio increment, as a signed int64
-_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-_MIX2 = 0x94D049BB133111EB - 2**64
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical (unsigned) right shift of int64 `z`."""
-    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+# The hash (splitmix64), its uniforms and the Gumbel noise are the fused sampling kernel's torch
+# reference (`rlgraph.kernels.sampling`); they are re-exported here, where the engine uses them.
 
 
 def as_int64(value: int) -> int:
@@ -136,44 +130,12 @@ def as_int64(value: int) -> int:
     return value - 2**64 if value >= 2**63 else value
 
 
-def splitmix64(key: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
-    """The `counter`-th output of the splitmix64 stream seeded with `key`, elementwise (broadcast):
-
-        z = key + (counter + 1) * 0x9E3779B97F4A7C15
-        z = (z ^ z >>> 30) * 0xBF58476D1CE4E5B9;  z = (z ^ z >>> 27) * 0x94D049BB133111EB;  z ^ z >>> 31
-
-    all mod 2**64 (`>>>` unsigned). For a fixed key distinct counters give distinct words, and
-    the finaliser spreads each input bit over all output bits, so chaining it
-    (`splitmix64(splitmix64(seed, a), b)`) hashes a tuple of counters to 64 well-mixed bits.
-    """
-    z = key + (torch.as_tensor(counter, dtype=torch.long, device=key.device) + 1) * _GAMMA
-    # in place from here: on [N, V] a large vocabulary makes every int64 temporary count
-    z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX1)
-    z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX2)
-    return z.bitwise_xor_(_shift_right(z, 31))
-
-
-def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """f32 uniforms in (0, 1) from int64 hash words: u = (top 23 bits + 1/2) / 2**23.
-
-    Exact in float32 (23 significant bits plus the half), never 0 or 1, so -log(-log u) is
-    finite: it spans [-2.8, 16.6], cutting Gumbel tails of probability < 1e-7.
-    """
-    return _shift_right(bits, 41).float().add_(0.5).mul_(2.0**-23)
-
-
 def sampling_keys(seed: int, call: int, index: torch.Tensor, n: int) -> torch.Tensor:
     """i64[B*n] row keys: row i*n + j (sample j of prompt `index[i]`) gets
     splitmix64(splitmix64(splitmix64(seed, call), index[i]), j)."""
     stream = splitmix64(torch.tensor(as_int64(seed), device=index.device), call)  # []
     prompt = splitmix64(stream, index)  # [B]
     return splitmix64(prompt[:, None], torch.arange(n, device=index.device)).reshape(-1)  # [B*n]
-
-
-def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """f32[N, V] standard Gumbel noise -log(-log u), u[r, v] = uniform(splitmix64(keys[r], v))."""
-    bits = splitmix64(keys[:, None], torch.arange(vocab, device=keys.device))  # [N, V]
-    return uniform_from_bits(bits).log_().neg_().log_().neg_()  # [N, V]
 
 
 def sample_tokens(
@@ -220,6 +182,19 @@ class StepNoise:
             self.start = step
             self.noise = gumbel_noise(step_keys.reshape(-1), self.vocab).view(len(self.keys), len(counters), -1)  # [N, b, V]
         return self.noise[:, step - self.start]  # [N, V]
+
+
+# Where temperature sampling runs the fused Triton kernel (`rlgraph.kernels.sampling`). Tests add "cpu"
+# (the Triton interpreter) to check the wiring.
+FUSED_SAMPLING_DEVICES: tuple[str, ...] = ("cuda",)
+FINISHED_CHECK_EVERY = 8  # decode steps between "all rows finished?" host syncs on a GPU
+
+
+def finished_check_every(device: torch.device) -> int:
+    """Decode steps between "all rows finished?" checks, each a host sync: every step on the CPU (free
+    there, and stopping early saves work), every `FINISHED_CHECK_EVERY` on a GPU, where a sync stalls
+    the launch queue (steps past the last EOS only append masked columns, which are trimmed)."""
+    return 1 if device.type == "cpu" else FINISHED_CHECK_EVERY
 
 
 class PromptError(RLGraphError, ValueError):
@@ -337,22 +312,38 @@ class NativeGenerator:
         steps = params.max_new_tokens
         start = self._lean_start if self.lean else self._hf_start
         logits, advance = start(prompt_ids, prompt_mask, positions, steps)  # [N, V], tokens [N] -> [N, V]
-        noise = None if params.greedy else StepNoise(keys, logits.shape[-1], steps)
+        sample = self._sampler(keys, logits.shape[-1], steps, params)
         tokens, logprobs, alive = [], [], []
         running = torch.ones(len(prompt_ids), dtype=torch.bool, device=device)  # [N]
+        check_every = finished_check_every(device)
         for step in range(steps):
-            token, logprob = sample_tokens(logits, params, None, noise=None if noise is None else noise.at(step))  # [N], [N]
+            token, logprob = sample(logits, step)  # [N], [N]
             alive.append(running)
             tokens.append(token.masked_fill(~running, self.pad_token_id))
             logprobs.append(logprob.masked_fill(~running, 0.0))
             running = running & (token != self.eos_token_id)  # [N]
-            if step + 1 == steps or not bool(running.any()):
+            if step + 1 == steps or ((step + 1) % check_every == 0 and not bool(running.any())):
                 break
             logits = advance(tokens[-1])  # [N, V]
+        alive_steps = torch.stack(alive, 1)  # [N, S]
+        length = int(alive_steps.any(0).nonzero().max()) + 1  # T: the longest response produced
         group = torch.arange(len(prompts), device=device).repeat_interleave(n)  # [N]
         meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
-        return Rollouts(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(alive, 1),
-                        torch.stack(logprobs, 1), group, meta)
+        return Rollouts(prompt_ids, prompt_mask, torch.stack(tokens, 1)[:, :length], alive_steps[:, :length],
+                        torch.stack(logprobs, 1)[:, :length], group, meta)
+
+    @staticmethod
+    def _sampler(keys: torch.Tensor, vocab: int, steps: int, params: SamplingParams
+                 ) -> Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]:
+        """(logits [N, V], step) -> (tokens [N], log-probs [N]). On a GPU with Triton, temperature
+        sampling without a nucleus runs the fused kernel (one pass over the logits, no [N, V]
+        temporaries); otherwise the torch sampler, with the noise of a block of steps hashed at once."""
+        if params.greedy:
+            return lambda logits, step: sample_tokens(logits, params, None)
+        if params.top_p >= 1.0 and keys.device.type in FUSED_SAMPLING_DEVICES and fused.triton is not None:
+            return lambda logits, step: fused.gumbel_sample_triton(logits, splitmix64(keys, step), params.temperature)
+        noise = StepNoise(keys, vocab, steps)
+        return lambda logits, step: sample_tokens(logits, params, None, noise=noise.at(step))
 
     def _lean_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int):
         """(first logits [N, V], step function) of the lean decode loop."""
