@@ -1,7 +1,8 @@
 """`rlgraph export RUN_DIR OUT`: a run's trained policy as a Hugging Face directory.
 
 OUT holds `model.safetensors`, `config.json`, `generation_config.json` and the tokenizer, so
-`AutoModelForCausalLM.from_pretrained(OUT)` loads it and generates. A LoRA run is exported merged
+`AutoModelForCausalLM.from_pretrained(OUT)` loads it and generates, and `AutoTokenizer.from_pretrained(OUT)`
+encodes and decodes as the run's tokenizer did (checked before the export is kept). A LoRA run is exported merged
 (base + B A scale, a plain model) by default, or with `adapter=True` as a peft adapter directory
 beside the base model's name.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.ir.errors import ConfigError
@@ -18,8 +20,11 @@ from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
-               adapter: bool = False, overwrite: bool = False) -> Path:
+               adapter: bool = False, overwrite: bool = False, check_tokenizer: bool = True) -> Path:
     """Write the policy of `checkpoint` (default: the run's latest) to `out`; returns `out`.
+
+    With `check_tokenizer`, an export whose tokenizer `AutoTokenizer.from_pretrained(out)` would
+    load differently (see `check_tokenizer_round_trip`) is refused.
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
@@ -53,6 +58,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     try:
         model.eval().save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        if check_tokenizer:
+            check_tokenizer_round_trip(tokenizer, tmp, out)
         (tmp / "rlgraph_export.txt").write_text(f"run {run_dir}\ncheckpoint {path.name} (step {step})\n"
                                                 f"algorithm {config.algorithm.name}\n")
         if out.exists():
@@ -62,3 +69,36 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# Text every tokenizer must treat alike after the round trip: spaces (single, repeated, leading),
+# newlines, tabs, digits, punctuation, contractions, letters of both cases and non-ASCII letters.
+PROBES = ("1+2=3", "12 + 34 = 46", "  two  spaces, a\ttab\nand a newline", "It's 7:30; isn't it?",
+          "The Answer is (42).", "caf\u00e9 na\u00efve")
+
+
+def check_tokenizer_round_trip(tokenizer: Any, directory: Path, out: Path) -> None:
+    """Refuse a tokenizer that plain `transformers.AutoTokenizer.from_pretrained(directory)` loads
+    differently: same ids (special tokens included) and same decoded text, on `PROBES` and on
+    every token of the vocabulary. AutoTokenizer may rebuild a model family's own pipeline around
+    the saved vocabulary (transformers 5 does for qwen2), ignoring the pipeline tokenizer.json holds."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    special = set(tokenizer.all_special_ids)
+    tokens = [tokenizer.decode([i]) for i in range(len(tokenizer)) if i not in special]
+    texts = [*PROBES, *(" ".join(tokens[i:i + 64]) for i in range(0, len(tokens), 64))]
+    for text in texts:
+        mine, theirs = tokenizer(text)["input_ids"], loaded(text)["input_ids"]
+        if mine == theirs and tokenizer.decode(mine) == loaded.decode(theirs):
+            continue
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise ConfigError(
+            f"export {out}: transformers.AutoTokenizer.from_pretrained({str(out)!r}) loads "
+            f"{type(loaded).__name__}, which does not tokenize like the run's tokenizer: {shown!r} is "
+            f"{theirs[:16]} there, {mine[:16]} in the run (decoded {loaded.decode(theirs)[:40]!r} vs "
+            f"{tokenizer.decode(mine)[:40]!r}); the exported model would answer differently from the run",
+            fix=f"train with a tokenizer built the way {type(loaded).__name__} rebuilds it (for a qwen2 model: "
+                "byte-level BPE, Qwen2's split regex, NFC; see rlgraph.backends.local.models.build_char_tokenizer), "
+                "or export with check_tokenizer=False and load the tokenizer with "
+                "PreTrainedTokenizerFast.from_pretrained(OUT)")

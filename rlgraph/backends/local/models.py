@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -39,23 +39,36 @@ def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0-3 are `<pad> <bos> <eos> <unk>`, then one id per character.
 
     Encoding prepends `<bos>` (pass `add_special_tokens=False` to skip it); decoding concatenates
-    characters with no separator; unknown characters map to `<unk>`; padding is on the left.
+    characters with no separator; characters outside the alphabet are dropped (there is no byte for
+    them); padding is on the left.
+
+    It is written as a byte-level BPE with no merges, in Qwen2's pipeline (NFC, Qwen2's split
+    regex, byte-level pre-tokenizer and decoder): `AutoTokenizer.from_pretrained` on a directory
+    with a qwen2 `config.json` (the tiny model, an export) does not read a tokenizer.json's
+    pipeline but rebuilds Qwen2's around its vocabulary, so only a tokenizer already in that form
+    encodes the same after an export (a WordLevel one lost its spaces).
 
     >>> tok = build_char_tokenizer("0123456789+=")
     >>> tok("1+2=")["input_ids"]
     [1, 5, 14, 6, 15]
     """
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
     if len(set(alphabet)) != len(alphabet):
         raise ValueError(f"build_char_tokenizer: the alphabet has repeated characters: {alphabet!r}")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for char in alphabet:
-        vocab[char] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    for char in alphabet:  # the byte-level form of the character: " " is "\u0120", ASCII letters are themselves
+        (symbol, _), = byte_level.pre_tokenize_str(char)
+        vocab[symbol] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                  byte_level])
     core.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
     )
-    core.decoder = decoders.Fuse()
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
         padding_side="left", clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
