@@ -237,6 +237,31 @@ def test_pipeline_fail_policy_names_the_term_and_sample(fn, message, sample):
     assert "reward_on_error: zero" in str(info.value)
 
 
+@pytest.mark.parametrize("k", [0, 2, 3])
+def test_a_reward_error_quotes_the_sample_that_raised(k):
+    def picky(completions, *, answer, text):  # reads its per-row fields: they must be sliced with the sample
+        return [1.0 / (int(c) - int(a)) for c, a in zip(completions, answer)]  # ZeroDivisionError where c == a
+
+    completions = [str(i + 1) for i in range(4)]
+    answers = [str(i + 1) if i == k else "0" for i in range(4)]
+    with pytest.raises(RewardError) as info:
+        _pipeline(picky)(completions, answer=answers, text=[f"p{i}" for i in range(4)])
+    message = str(info.value)
+    assert f"sample {k} of 4 (prompt 'p{k}', completion '{k + 1}')" in message, message
+    assert "ZeroDivisionError" in message and "affected" not in message  # only sample k raises
+
+
+def test_a_reward_that_raises_only_on_the_whole_batch_says_so():
+    def batch_only(completions, **_):
+        if len(completions) > 1:
+            raise RuntimeError("needs one at a time")
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"raised RuntimeError: needs one at a time .* when called on all 2 "
+                                          r"samples together, though each sample alone scores without error\n  fix"):
+        _pipeline(batch_only)(["a", "b"], text=["p0", "p1"])
+
+
 @pytest.mark.parametrize("fn, expected, errors", [
     (raises, [1.0, 1.0, 1.0], 3), (wrong_shape, [1.0, 1.0, 1.0], 3), (nan_second, [1.5, 1.0, 1.5], 1),
     (not_numbers, [1.0, 1.5, 1.5], 1), (sleeps, [1.0, 1.0, 1.0], 3),
