@@ -270,6 +270,59 @@ def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected)
         prepare(config)
 
 
+REWARDS_PY = """
+def score(completions, **_):
+    return [1.0] * len(completions)
+
+def needs_level(completions, answer, level, **_):
+    return [float(a == str(l)) for a, l in zip(answer, level)]
+
+def narrow(completions, answer):
+    return [1.0] * len(completions)
+"""
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # the missing file is the first error, not the accuracy_reward that names it
+    (["rewards=[{name: '{tmp}/missing.py:fn'}]", "eval.accuracy_reward=fn"],
+     r"rewards\[0\] \({tmp}/missing.py:fn\): .*cannot import {tmp}/missing.py: no file '{tmp}/missing.py'"),
+    (["rewards=[{name: '{tmp}/rw.py:scroe'}]"], r"rewards\[0\] .*rw.py has no 'scroe'; did you mean 'score'"),
+    (["rewards=[{name: '{tmp}/rws.py:score'}]"], r"no file '{tmp}/rws.py'; did you mean '{tmp}/rw.py'"),
+    (["rewards=[{name: 'rlgraph.rewards.verifiabel:exact_match'}]"],
+     r"No module named 'rlgraph.rewards.verifiabel'; did you mean 'rlgraph.rewards.verifiable'"),
+    (["rewards=[{name: 'rlgraph.rewards.verifiable:exact_mach'}]"],
+     r"rlgraph.rewards.verifiable has no 'exact_mach'; did you mean 'exact_match'"),
+    (["rewards=[{name: '{tmp}/rw.py:needs_level'}]"],
+     r"rewards\[0\] \({tmp}/rw.py:needs_level\) reads the per-row field\(s\) level, which the data does not pass"
+     r"(.|\n)*fix: add them to data.extra_fields .*extra_fields: \[level\]"),
+    (["rewards=[{name: '{tmp}/rw.py:narrow'}]"],
+     r"rewards\[0\] .* does not take the per-row field\(s\) text(.|\n)*fix: add \*\*_"),
+    (["rewards=[{name: math}, {name: '{tmp}/rw.py:score'}]", "eval.accuracy_reward=score"],
+     r"eval.accuracy_reward 'score' is not one of the rewards .*; did you mean '{tmp}/rw.py:score'"),
+    (["eval.accuracy_reward=maht"], r"eval.accuracy_reward 'maht' is not one of the rewards \(math\); did you mean 'math'"),
+])
+def test_reward_files_functions_and_fields_are_checked_before_step_one(tmp_path, overrides, expected):
+    from rlgraph.train.run import prepare
+
+    (tmp_path / "rw.py").write_text(REWARDS_PY)
+    config, _ = make_config(tmp_path, "bad", [o.replace("{tmp}", str(tmp_path)) for o in overrides])
+    with pytest.raises(ConfigError, match=expected.replace("{tmp}", str(tmp_path))):
+        prepare(config)
+
+
+def test_dry_run_catches_a_reward_field_the_data_does_not_pass_and_extra_fields_fixes_it(tmp_path, capsys):
+    from rlgraph.cli import main
+
+    (tmp_path / "rw.py").write_text(REWARDS_PY)
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b), "level": str(a + b)} for a in range(8) for b in range(8)]
+    _, path = make_config(tmp_path, "dry")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reward = ["-o", f"rewards=[{{name: '{tmp_path}/rw.py:needs_level'}}]"]
+    assert main(["train", str(path), "--dry-run", *reward]) != 0
+    assert "reads the per-row field(s) level" in capsys.readouterr().err
+    assert main(["train", str(path), "--dry-run", *reward, "-o", "data.extra_fields=[level]"]) == 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_without_a_gpu_names_runtime_device(tmp_path):
     from rlgraph.train.run import prepare
