@@ -527,7 +527,20 @@ class _Session:
                        before_step=self.before_step, after_step=self.after_step,
                        extra_state=lambda: {"fingerprint": fingerprint(self.config),
                                             "data": self.data_digest, "config": self.config.to_yaml(),
-                                            "lora_base": (run_dir / BASE_FILE).is_file()})
+                                            "lora_base": (run_dir / BASE_FILE).is_file(),
+                                            "eval_before": self.first_eval},
+                       load_extra=lambda user: self.keep_first_eval(user, run_dir))
+
+    def keep_first_eval(self, user: dict[str, Any], run_dir: Path) -> None:
+        """On resume: the run's first evaluation stays its "before" figure (summary.json, the console),
+        as in the uninterrupted run; a checkpoint without it (older runs) has it in metrics.jsonl at step 0."""
+        if "eval_before" in user:
+            self.first_eval = user["eval_before"]
+            return
+        path = run_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        self.first_eval = next((row["eval/accuracy"] for row in rows if row.get("step") == 0 and "eval/accuracy" in row),
+                               None)
 
     def close(self) -> None:
         if self.transport is not None:

@@ -118,6 +118,22 @@ def test_resume_continues_exactly(full_run, tmp_path):
     assert_same_run(run_dir, tmp_path / "half")
 
 
+def test_a_resumed_run_reports_the_runs_first_evaluation_as_before(tmp_path):
+    # accuracy = "a digit somewhere": 0.0 at step 0 and 1.0 at step 2 on the tiny model (saturated
+    # values, not a borderline float), so a resume at step 2 that took its first evaluation after
+    # resuming as "before" would report 1.0; what the run must report holds whatever the values
+    reward = ['rewards=[{name: format_regex, options: {pattern: "\\\\d"}}, {name: math}]']
+    whole, _ = make_config(tmp_path, "whole", reward)
+    expected = train(whole)
+    half, _ = make_config(tmp_path, "half", [*reward, "train.steps=2"])
+    train(half)
+    result = train(load_run_config(tmp_path / "half", ["train.steps=4"]), resume=True)
+    evals = {row["step"]: row["eval/accuracy"] for row in metrics_of(tmp_path / "half") if "eval/accuracy" in row}
+    assert (result.eval_before, result.eval_after) == (expected.eval_before, expected.eval_after) == (evals[0], evals[4])
+    summary = json.loads((tmp_path / "half" / "summary.json").read_text())
+    assert (summary["eval_before"], summary["eval_after"]) == (evals[0], evals[4])
+
+
 @pytest.mark.slow
 def test_kill_at_a_random_step_and_resume_gives_the_same_run(full_run, tmp_path):
     run_dir, _, _ = full_run
