@@ -17,7 +17,6 @@ import copy
 import json
 import math
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import attrs
 import torch
 from rich.console import Console
 
-from rlgraph.algorithms import ALGORITHMS, evaluate, sft
+from rlgraph.algorithms import evaluate, sft
 from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.critic import build_critic
 from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
@@ -33,13 +32,16 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout, to_demonstrations, to_prompts
 from rlgraph.data.sampler import Sampler
 from rlgraph.ir.errors import ConfigError, RLGraphError
-from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward
+from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.checkpoint import latest_checkpoint
 from rlgraph.train.config import TrainConfig, load_config
 from rlgraph.train.loop import Trainer
+from rlgraph.train.user_code import (  # noqa: F401  (build_rewards, load_object: public here too)
+    ROLLOUT_HPARAMS, algorithm_of, build_rewards, load_object, resolved_hparams, with_resolved_hparams,
+)
 
 
 @attrs.define
@@ -96,54 +98,11 @@ def prepare(config: TrainConfig) -> Setup:
                           f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
                           fix="add prompts or lower rollout.prompts_per_step")
     rewards = build_rewards(config)
+    config = with_resolved_hparams(config)
     device = _device(config)
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows))
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
-
-
-def build_rewards(config: TrainConfig) -> RewardPipeline:
-    """The config's reward terms as one pipeline. Before any step: a bad name or option, a missing
-    file, or a reward reading a per-row field the data does not pass is a ConfigError naming the
-    entry (`rewards[i]`); so is an `eval.accuracy_reward` that names no reward."""
-    terms = []
-    provided = ["answer", "text", *config.data.extra_fields]  # what every reward call passes (to_prompts' meta)
-    for index, reward in enumerate(config.rewards):
-        where = f"rewards[{index}] ({reward.name})"
-        spec = load_object(reward.name, f"{where}:") if ":" in reward.name else reward.name
-        try:
-            fn = build_reward(spec, **reward.options)
-        except ConfigError as error:
-            raise ConfigError(f"{where}: {error.summary}", fix=error.fix) from None
-        _check_reward_fields(where, fn, provided)
-        terms.append(RewardTerm(reward.name, fn, reward.weight))
-    names = [reward.name for reward in config.rewards]
-    if config.eval.accuracy_reward is not None and config.eval.accuracy_reward not in names:
-        from rlgraph.ir.errors import did_you_mean
-
-        wanted, short = config.eval.accuracy_reward, {name.rpartition(":")[2]: name for name in names}
-        hint = did_you_mean(wanted, names) or (f"; did you mean {short[wanted]!r}?" if wanted in short else "")
-        raise ConfigError(f"eval.accuracy_reward {wanted!r} is not one of the rewards ({', '.join(names)}){hint}",
-                          fix="name one of the rewards entries exactly as written there, or leave it out (the first)")
-    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s)
-
-
-def _check_reward_fields(where: str, fn: Any, provided: list[str]) -> None:
-    """A reward must be callable with the per-row fields the data passes: before step 1, not at the first eval."""
-    from rlgraph.rewards import reward_fields
-
-    required, accepted = reward_fields(fn)
-    missing = [field for field in required if field not in provided]
-    if missing:
-        extra = [field for field in provided if field not in ("answer", "text")]
-        raise ConfigError(f"{where} reads the per-row field(s) {', '.join(missing)}, which the data does not pass "
-                          f"(each row passes {', '.join(provided)})",
-                          fix=f"add them to data.extra_fields (columns of the data), e.g. "
-                              f"extra_fields: [{', '.join([*extra, *missing])}]")
-    unaccepted = [field for field in provided if accepted is not None and field not in accepted]
-    if unaccepted:
-        raise ConfigError(f"{where} does not take the per-row field(s) {', '.join(unaccepted)}, which every call "
-                          "passes by keyword", fix="add **_ (or those parameters) to the reward function's parameters")
 
 
 def _device(config: TrainConfig) -> str:
@@ -182,23 +141,12 @@ def _tokenizer(config: TrainConfig) -> Any:
     return load_tokenizer(source)
 
 
-def _algorithm(name: str) -> Any:
-    if name in ALGORITHMS:
-        return ALGORITHMS[name]
-    if ":" in name:  # a user's @rg.algorithm: "module:fn" or "file.py:fn"
-        return load_object(name, "algorithm.name")
-    from rlgraph.ir.errors import did_you_mean
-
-    raise ConfigError(f"algorithm.name {name!r} is not an algorithm{did_you_mean(name, ALGORITHMS)}",
-                      fix=f"one of {', '.join(sorted(ALGORITHMS))}, or 'my_module:my_algorithm'")
-
-
 def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int) -> tuple[Any, Any]:
     from rlgraph.cli import parse_placement
     from rlgraph.plan.mesh import Mesh, colocated
 
     rollout, runtime = config.rollout, config.runtime
-    fixed = sorted({"n", "temperature", "max_new_tokens"} & set(config.algorithm.hparams))
+    fixed = sorted(set(ROLLOUT_HPARAMS) & set(config.algorithm.hparams))
     if fixed:
         raise ConfigError(f"algorithm.hparams sets {', '.join(fixed)}", fix="set them in the rollout section")
     hparams = {**config.algorithm.hparams, "n": rollout.n, "temperature": rollout.temperature,
@@ -214,7 +162,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
-    rl = compile_algorithm(_algorithm(config.algorithm.name), mesh=mesh, placement=placement, engine=runtime.engine,
+    rl = compile_algorithm(algorithm_of(config.algorithm.name), mesh=mesh, placement=placement, engine=runtime.engine,
                            sizes=sizes, models=models, **extra, **hparams)
     if lora and runtime.runtime != "local":
         from rlgraph.backends.fsdp.executor import check_views
@@ -390,7 +338,7 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     if checkpoint is not None:
         _refuse_other_data(setup, checkpoint)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config.to_yaml())
+    (run_dir / "config.yaml").write_text(setup.config.to_yaml())  # resolved: the algorithm's defaults written out
     (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
     if checkpoint is None:
         (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
@@ -433,6 +381,9 @@ def _refuse_other_run(config: TrainConfig, checkpoint: Path) -> None:
 
     saved = read_extra(checkpoint).get("user", {}).get("fingerprint")
     mine = fingerprint(config)
+    if saved is not None and saved.get("algorithm") == mine["algorithm"]:  # written before hparams were resolved
+        hparams = resolved_hparams(config.algorithm.name, json.loads(saved["hparams"]))
+        saved = {**saved, "hparams": json.dumps(hparams, sort_keys=True, default=str)}
     if saved is not None and saved != mine:
         diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
                  for key in sorted(set(saved) | set(mine)) if saved.get(key) != mine.get(key)]
@@ -472,7 +423,8 @@ def data_digest(rows: list) -> dict[str, Any]:
 def fingerprint(config: TrainConfig) -> dict[str, str]:
     """What a checkpoint must agree on to be resumed: the algorithm, its hyper-parameters, the model."""
     return {"algorithm": config.algorithm.name,
-            "hparams": json.dumps(config.algorithm.hparams, sort_keys=True, default=str),
+            "hparams": json.dumps(resolved_hparams(config.algorithm.name, config.algorithm.hparams), sort_keys=True,
+                                  default=str),
             "rollout": json.dumps(config.rollout.model_dump(), sort_keys=True),
             "model": str(config.model.path), "lora": json.dumps(config.model.lora.model_dump() if config.model.lora else None)}
 
@@ -669,61 +621,3 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConf
         raise ConfigError(f"{run_dir} is not a run directory: it has no config.yaml", fix="pass the directory rlgraph train wrote")
     config = load_config(None, overrides, base=yaml.safe_load(path.read_text()))
     return config.model_copy(update={"run_dir": str(run_dir)})
-
-
-def load_object(spec: str, where: str) -> Any:
-    """`module:name` or `path/file.py:name` -> the object (a user's algorithm or reward). A module or
-    file that cannot be found, fails to import, or lacks `name` is a ConfigError naming `where`, with
-    the closest module, file or name it has when there is one."""
-    import sys
-
-    from rlgraph.cli import import_modules
-    from rlgraph.ir.errors import did_you_mean
-
-    module, _, name = spec.rpartition(":")
-    try:
-        import_modules([module])
-    except SystemExit as error:  # the CLI's message names --import; here the config key is what is wrong
-        reason, _, fix = str(error).removeprefix("rlgraph: ").split(": ", 1)[-1].partition("; ")
-        raise ConfigError(f"{where} {spec!r}: cannot import {module}: {reason}{_closest_module(module)}",
-                          fix=fix or None) from None
-    except Exception as error:  # the user's module itself raised (a syntax error, a failing import)
-        frame = traceback.extract_tb(error.__traceback__)[-1:]
-        kind, text = type(error).__name__, str(error)
-        at = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
-        if isinstance(error, SyntaxError):
-            text, at = error.msg, f" (at {error.filename}:{error.lineno})"
-        raise ConfigError(f"{where} {spec!r}: importing {module} raised {kind}: {text}{at}",
-                          fix=f"fix {module} so that it imports (python -c 'import ...' shows the whole traceback)") from None
-    key = Path(module).stem if module.endswith(".py") else module
-    loaded = sys.modules.get(key)
-    found = getattr(loaded, name, None)
-    if found is None:
-        names = [attr for attr in vars(loaded) if not attr.startswith("_") and callable(getattr(loaded, attr))]
-        raise ConfigError(f"{where} {spec!r}: {module} has no {name!r}{did_you_mean(name, names)}",
-                          fix=f"name a function {module} defines ({', '.join(names[:8]) or 'it defines none'})")
-    return found
-
-
-def _closest_module(module: str) -> str:
-    """"; did you mean 'x'?" for a misspelt `.py` path (among its directory's files) or module name
-    (among the importable top-level modules and the working directory's files)."""
-    import pkgutil
-
-    from rlgraph.ir.errors import did_you_mean
-
-    if module.endswith(".py"):
-        path = Path(module)
-        siblings = [str(path.parent / p.name) if str(path.parent) != "." else p.name for p in path.parent.glob("*.py")]
-        return did_you_mean(module, siblings)
-    head, dot, tail = module.rpartition(".")
-    if dot:  # a misspelt submodule: look among its package's modules
-        try:
-            import importlib
-
-            package = importlib.import_module(head)
-            return did_you_mean(module, [f"{head}.{info.name}" for info in pkgutil.iter_modules(package.__path__)])
-        except (ImportError, AttributeError):
-            return ""
-    local = [p.stem for p in Path.cwd().glob("*.py")]
-    return did_you_mean(module, [*local, *(info.name for info in pkgutil.iter_modules())])

@@ -109,6 +109,36 @@ def test_run_directory_holds_everything_a_person_looks_at(full_run):
     assert load_run_config(run_dir) == load_config(None, base=yaml.safe_load((run_dir / "config.yaml").read_text()))
 
 
+def test_the_saved_config_is_resolved_and_reruns_the_same_run(full_run, tmp_path):
+    import inspect
+
+    from rlgraph.algorithms import ALGORITHMS
+
+    run_dir, _, _ = full_run
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    defaults = {p.name: p.default for p in inspect.signature(ALGORITHMS["grpo"].fn).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.name not in ("n", "temperature", "max_new_tokens")}
+    assert saved["algorithm"]["hparams"] == {**defaults, "kl": 0.04}  # every default written, the config's kl over it
+    assert saved["algorithm"]["hparams"]["clip"] == 0.2 and "n" not in saved["algorithm"]["hparams"]
+    rerun = load_config(run_dir / "config.yaml", [f"run_dir={tmp_path / 'rerun'}"])
+    train(rerun)
+    assert_same_run(run_dir, tmp_path / "rerun")
+    assert yaml.safe_load((tmp_path / "rerun" / "config.yaml").read_text())["algorithm"] == saved["algorithm"]
+
+
+def test_a_checkpoint_fingerprinted_before_hparams_were_resolved_still_resumes(tmp_path, monkeypatch):
+    import rlgraph.train.checkpoint as checkpoint
+    from rlgraph.train.run import _refuse_other_run, fingerprint
+
+    config, _ = make_config(tmp_path, "old")
+    old = {**fingerprint(config), "hparams": json.dumps({"kl": 0.04})}  # as runs wrote it: the config's hparams only
+    monkeypatch.setattr(checkpoint, "read_extra", lambda path: {"user": {"fingerprint": old}})
+    _refuse_other_run(config, tmp_path)  # the same run: accepted
+    with pytest.raises(CheckpointMismatch, match="hparams: checkpoint"):
+        _refuse_other_run(load_config(None, ["algorithm.hparams={kl: 0.04, clip: 0.3}"], base=config.model_dump()),
+                          tmp_path)
+
+
 def test_resume_continues_exactly(full_run, tmp_path):
     run_dir, _, _ = full_run
     config, _ = make_config(tmp_path, "half", ["train.steps=2"])
