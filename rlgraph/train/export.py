@@ -86,18 +86,20 @@ def check_tokenizer_round_trip(tokenizer: Any, directory: Path, out: Path) -> No
 
     loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     special = set(tokenizer.all_special_ids)
-    tokens = [tokenizer.decode([i]) for i in range(len(tokenizer)) if i not in special]
-    texts = [*PROBES, *(" ".join(tokens[i:i + 64]) for i in range(0, len(tokens), 64))]
-    for text in texts:
-        mine, theirs = tokenizer(text)["input_ids"], loaded(text)["input_ids"]
-        if mine == theirs and tokenizer.decode(mine) == loaded.decode(theirs):
+    tokens = tokenizer.batch_decode([[i] for i in range(len(tokenizer)) if i not in special])  # one batched call
+    # 16 tokens a text: short enough for a small model_max_length (the shipped tokenizer's is 64)
+    texts = [*PROBES, *(" ".join(tokens[i:i + 16]) for i in range(0, len(tokens), 16))]
+    mine_ids, their_ids = tokenizer(texts)["input_ids"], loaded(texts)["input_ids"]
+    decoded = zip(tokenizer.batch_decode(mine_ids), loaded.batch_decode(their_ids))
+    for text, mine, theirs, (mine_text, their_text) in zip(texts, mine_ids, their_ids, decoded):
+        if mine == theirs and mine_text == their_text:
             continue
         shown = text if len(text) <= 80 else text[:77] + "..."
         raise ConfigError(
             f"export {out}: transformers.AutoTokenizer.from_pretrained({str(out)!r}) loads "
             f"{type(loaded).__name__}, which does not tokenize like the run's tokenizer: {shown!r} is "
-            f"{theirs[:16]} there, {mine[:16]} in the run (decoded {loaded.decode(theirs)[:40]!r} vs "
-            f"{tokenizer.decode(mine)[:40]!r}); the exported model would answer differently from the run",
+            f"{theirs[:16]} there, {mine[:16]} in the run (decoded {their_text[:40]!r} vs {mine_text[:40]!r}); "
+            "the exported model would answer differently from the run",
             fix=f"train with a tokenizer built the way {type(loaded).__name__} rebuilds it (for a qwen2 model: "
                 "byte-level BPE, Qwen2's split regex, NFC; see rlgraph.backends.local.models.build_char_tokenizer), "
                 "or export with check_tokenizer=False and load the tokenizer with "
