@@ -78,7 +78,8 @@ def reward_fields(fn: Callable[..., Any]) -> tuple[list[str], list[str] | None]:
     except (TypeError, ValueError):
         return required, None  # a C callable: nothing to read
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in params
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     rest = [p for p in params if p.kind in named and not (positional and p is positional[0])]  # after `completions`
     required += [p.name for p in rest if p.default is inspect.Parameter.empty and p.name not in required]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

@@ -96,12 +96,12 @@ def with_resolved_hparams(config: TrainConfig) -> TrainConfig:
     return config.model_copy(update={"algorithm": algorithm.model_copy(update={"hparams": hparams})})
 
 
-
 def load_object(spec: str, where: str) -> Any:
     """`module:name` or `path/file.py:name` -> the object (a user's algorithm or reward). A module or
     file that cannot be found, fails to import, or lacks `name` is a ConfigError naming `where`, with
     the closest module, file or name it has when there is one."""
-    from rlgraph.cli import import_modules
+    from rlgraph.cli import import_modules  # the same rules as --import (cwd on the path, .py files)
+
     module, _, name = spec.rpartition(":")
     try:
         import_modules([module])
@@ -115,13 +115,14 @@ def load_object(spec: str, where: str) -> Any:
         at = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
         if isinstance(error, SyntaxError):
             text, at = error.msg, f" (at {error.filename}:{error.lineno})"
-        raise ConfigError(f"{where} {spec!r}: importing {module} raised {kind}: {text}{at}",
-                          fix=f"fix {module} so that it imports (python -c 'import ...' shows the whole traceback)") from None
+        fix = f"fix {module} so that it imports (importing it in python shows the whole traceback)"
+        raise ConfigError(f"{where} {spec!r}: importing {module} raised {kind}: {text}{at}", fix=fix) from None
     key = Path(module).stem if module.endswith(".py") else module
     loaded = sys.modules.get(key)
     found = getattr(loaded, name, None)
     if found is None:
-        names = [attr for attr in vars(loaded) if not attr.startswith("_") and callable(getattr(loaded, attr))]
+        names = [attr for attr, value in vars(loaded).items()  # what the module defines, not what it imports
+                 if callable(value) and not attr.startswith("_") and getattr(value, "__module__", None) == loaded.__name__]
         raise ConfigError(f"{where} {spec!r}: {module} has no {name!r}{did_you_mean(name, names)}",
                           fix=f"name a function {module} defines ({', '.join(names[:8]) or 'it defines none'})")
     return found

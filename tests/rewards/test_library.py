@@ -187,6 +187,22 @@ def test_build_reward_names_options_and_user_functions():
         build_reward(3)
 
 
+def test_reward_fields_are_read_from_the_signature_and_the_fields_attribute():
+    from rlgraph.rewards import CodeTests, reward_fields
+
+    def needs_level(completions, answer, level, *, scale=1.0, **_):
+        return [scale] * len(completions)
+
+    def narrow(completions, answer):
+        return [1.0] * len(completions)
+
+    assert reward_fields(build_reward("math")) == (["answer"], None)  # math takes **_: anything else passes
+    assert reward_fields(needs_level) == (["answer", "level"], None)
+    assert reward_fields(build_reward(needs_level, scale=2.0)) == (["answer", "level"], None)  # options are bound
+    assert reward_fields(narrow) == (["answer"], ["answer"])  # `text` would be refused: it takes only `answer`
+    assert reward_fields(CodeTests(tests_field="unit_tests")) == (["unit_tests"], None)
+
+
 # -- the pipeline -----------------------------------------------------------------------------------
 def _pipeline(fn, on_error="fail", timeout_s=None):
     return RewardPipeline([RewardTerm("good", lambda c, **_: [1.0] * len(c), 1.0), RewardTerm("bad", fn, 0.5)],

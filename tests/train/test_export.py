@@ -39,7 +39,8 @@ def assert_round_trip(run_dir: Path, out: Path) -> None:
 
 def bpe_model_dir(tmp_path: Path, name: str, core: Tokenizer) -> Path:
     """A tiny qwen2 config sized to the trained tokenizer `core`, with that tokenizer saved beside it."""
-    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", core.token_to_id("<bos>"))])
+    bos = core.token_to_id("<bos>")
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
                                         padding_side="left")
     directory = tmp_path / name
@@ -72,7 +73,8 @@ def test_export_of_a_byte_level_bpe_in_qwen2_form_round_trips(tmp_path):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core = Tokenizer(models.BPE(unk_token=None))
     core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), "isolated"), byte_level])
+    split = pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), "isolated")
+    core.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     core.decoder = decoders.ByteLevel()
     model_dir = bpe_model_dir(tmp_path, "bpe", train_bpe(core, pre_tokenizers.ByteLevel.alphabet()))
     run_dir = short_run(tmp_path, "bpe-run", [f"model.path={model_dir}"])

@@ -164,6 +164,21 @@ def test_a_resumed_run_reports_the_runs_first_evaluation_as_before(tmp_path):
     assert (summary["eval_before"], summary["eval_after"]) == (evals[0], evals[4])
 
 
+def test_a_checkpoint_without_the_first_evaluation_takes_it_from_metrics_jsonl(full_run, tmp_path):
+    from types import SimpleNamespace
+
+    from rlgraph.train.run import _Session
+
+    run_dir, result, _ = full_run
+    session = SimpleNamespace(first_eval=None)
+    _Session.keep_first_eval(session, {}, run_dir)  # a checkpoint written before eval_before was kept
+    assert session.first_eval == result.eval_before == metrics_of(run_dir)[0]["eval/accuracy"]
+    _Session.keep_first_eval(session, {"eval_before": 0.25}, run_dir)  # the checkpoint's own figure wins
+    assert session.first_eval == 0.25
+    _Session.keep_first_eval(session, {}, tmp_path)  # no metrics either: no "before"
+    assert session.first_eval is None
+
+
 @pytest.mark.slow
 def test_kill_at_a_random_step_and_resume_gives_the_same_run(full_run, tmp_path):
     run_dir, _, _ = full_run
@@ -345,7 +360,8 @@ def narrow(completions, answer):
      r"rewards\[0\] .* does not take the per-row field\(s\) text(.|\n)*fix: add \*\*_"),
     (["rewards=[{name: math}, {name: '{tmp}/rw.py:score'}]", "eval.accuracy_reward=score"],
      r"eval.accuracy_reward 'score' is not one of the rewards .*; did you mean '{tmp}/rw.py:score'"),
-    (["eval.accuracy_reward=maht"], r"eval.accuracy_reward 'maht' is not one of the rewards \(math\); did you mean 'math'"),
+    (["eval.accuracy_reward=maht"],
+     r"eval.accuracy_reward 'maht' is not one of the rewards \(math\); did you mean 'math'"),
 ])
 def test_reward_files_functions_and_fields_are_checked_before_step_one(tmp_path, overrides, expected):
     from rlgraph.train.run import prepare
