@@ -12,9 +12,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from rlgraph.backends.local.models import build_causal_lm
+from rlgraph.backends.local.models import auto_tokenizer_mismatch, build_causal_lm
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
 
@@ -24,7 +23,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     """Write the policy of `checkpoint` (default: the run's latest) to `out`; returns `out`.
 
     With `check_tokenizer`, an export whose tokenizer `AutoTokenizer.from_pretrained(out)` would
-    load differently (see `check_tokenizer_round_trip`) is refused.
+    load differently (see `auto_tokenizer_mismatch`) is refused.
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
@@ -58,8 +57,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     try:
         model.eval().save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        if check_tokenizer:
-            check_tokenizer_round_trip(tokenizer, tmp, out)
+        problem = auto_tokenizer_mismatch(tokenizer, tmp) if check_tokenizer else None
+        if problem:
+            raise ConfigError(f"export {out}: {problem.replace(str(tmp), str(out))}; the exported model would answer "
+                              "differently from the run", fix=TOKENIZER_FIX)
         (tmp / "rlgraph_export.txt").write_text(f"run {run_dir}\ncheckpoint {path.name} (step {step})\n"
                                                 f"algorithm {config.algorithm.name}\n")
         if out.exists():
@@ -71,36 +72,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     return out
 
 
-# Text every tokenizer must treat alike after the round trip: spaces (single, repeated, leading),
-# newlines, tabs, digits, punctuation, contractions, letters of both cases and non-ASCII letters.
-PROBES = ("1+2=3", "12 + 34 = 46", "  two  spaces, a\ttab\nand a newline", "It's 7:30; isn't it?",
-          "The Answer is (42).", "caf\u00e9 na\u00efve")
-
-
-def check_tokenizer_round_trip(tokenizer: Any, directory: Path, out: Path) -> None:
-    """Refuse a tokenizer that plain `transformers.AutoTokenizer.from_pretrained(directory)` loads
-    differently: same ids (special tokens included) and same decoded text, on `PROBES` and on
-    every token of the vocabulary. AutoTokenizer may rebuild a model family's own pipeline around
-    the saved vocabulary (transformers 5 does for qwen2), ignoring the pipeline tokenizer.json holds."""
-    from transformers import AutoTokenizer
-
-    loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    special = set(tokenizer.all_special_ids)
-    tokens = tokenizer.batch_decode([[i] for i in range(len(tokenizer)) if i not in special])  # one batched call
-    # 16 tokens a text: short enough for a small model_max_length (the shipped tokenizer's is 64)
-    texts = [*PROBES, *(" ".join(tokens[i:i + 16]) for i in range(0, len(tokens), 16))]
-    mine_ids, their_ids = tokenizer(texts)["input_ids"], loaded(texts)["input_ids"]
-    decoded = zip(tokenizer.batch_decode(mine_ids), loaded.batch_decode(their_ids))
-    for text, mine, theirs, (mine_text, their_text) in zip(texts, mine_ids, their_ids, decoded):
-        if mine == theirs and mine_text == their_text:
-            continue
-        shown = text if len(text) <= 80 else text[:77] + "..."
-        raise ConfigError(
-            f"export {out}: transformers.AutoTokenizer.from_pretrained({str(out)!r}) loads "
-            f"{type(loaded).__name__}, which does not tokenize like the run's tokenizer: {shown!r} is "
-            f"{theirs[:16]} there, {mine[:16]} in the run (decoded {their_text[:40]!r} vs {mine_text[:40]!r}); "
-            "the exported model would answer differently from the run",
-            fix=f"train with a tokenizer built the way {type(loaded).__name__} rebuilds it (for a qwen2 model: "
-                "byte-level BPE, Qwen2's split regex, NFC; see rlgraph.backends.local.models.build_char_tokenizer), "
-                "or export with check_tokenizer=False and load the tokenizer with "
-                "PreTrainedTokenizerFast.from_pretrained(OUT)")
+TOKENIZER_FIX = ("train with a tokenizer built the way that class rebuilds it (for a qwen2 model: byte-level BPE, Qwen2's "
+                 "split regex, NFC; see rlgraph.backends.local.models.build_char_tokenizer), or export with "
+                 "check_tokenizer=False and load the tokenizer with PreTrainedTokenizerFast.from_pretrained(OUT)")

@@ -312,6 +312,7 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
     for report in setup.reports:
         console.print(report.summary())
     console.print(f"train prompts {len(setup.train_rows)}, eval prompts {len(setup.eval_rows)}")
+    _warn_tokenizer(setup, console)
     console.print(setup.rl.as_text(), markup=False, highlight=False)
     return setup
 
@@ -335,6 +336,7 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     setup = prepare(config)
     for report in setup.reports:
         console.print(report.summary())
+    _warn_tokenizer(setup, console)
     if checkpoint is not None:
         _refuse_other_data(setup, checkpoint)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -373,6 +375,20 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
 
         plot_run(run_dir)
     return result
+
+
+def _warn_tokenizer(setup: Setup, console: Console) -> None:
+    """Say when the run starts, not after it trained, that `rlgraph export` will refuse its tokenizer
+    (AutoTokenizer would load it differently beside this model's config.json)."""
+    from rlgraph.backends.local.models import model_tokenizer_mismatch
+    from rlgraph.plan.presets import preset_names
+
+    if setup.config.model.path in preset_names():
+        return  # a preset has no config.json: nothing is exported
+    problem = model_tokenizer_mismatch(setup.tokenizer, setup.config.model.path)
+    if problem:
+        console.print(f"warning: rlgraph export will refuse this run's tokenizer: {problem}", markup=False,
+                      highlight=False)
 
 
 def _refuse_other_run(config: TrainConfig, checkpoint: Path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -61,7 +63,11 @@ def train_bpe(core: Tokenizer, initial_alphabet=()) -> Tokenizer:
 
 
 def test_export_of_the_shipped_tokenizer_round_trips(tmp_path):
-    run_dir = short_run(tmp_path, "char")
+    config, _ = make_config(tmp_path, "char", SHORT)
+    console = Console(file=io.StringIO(), width=400)
+    train(config, console=console)
+    assert "warning" not in console.file.getvalue()
+    run_dir = tmp_path / "char"
     out = export_run(run_dir, tmp_path / "hf")
     assert (out / "config.json").is_file()  # AutoTokenizer sees a qwen2 model: the case that dropped spaces
     assert_round_trip(run_dir, out)
@@ -87,7 +93,12 @@ def test_export_of_a_tokenizer_autotokenizer_would_rebuild_differently_is_refuse
     core = Tokenizer(models.BPE(unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()  # Qwen2Tokenizer swaps it for byte-level: spaces would change
     model_dir = bpe_model_dir(tmp_path, "ws", train_bpe(core))
-    run_dir = short_run(tmp_path, "ws-run", [f"model.path={model_dir}"])
+    console = Console(file=io.StringIO(), width=400)
+    config, _ = make_config(tmp_path, "ws-run", [*SHORT, f"model.path={model_dir}"])
+    train(config, console=console)  # said when the run starts, not only when it is exported
+    assert "warning: rlgraph export will refuse this run's tokenizer: transformers.AutoTokenizer.from_pretrained(" \
+           "OUT) loads Qwen2Tokenizer" in console.file.getvalue()
+    run_dir = tmp_path / "ws-run"
     with pytest.raises(ConfigError, match=r"AutoTokenizer.from_pretrained\(.*\) loads Qwen2Tokenizer, which does not "
                                           r"tokenize like the run's tokenizer(.|\n)*fix: train with a tokenizer"):
         export_run(run_dir, tmp_path / "hf")

@@ -89,6 +89,50 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+# Text a tokenizer must treat alike after a round trip: spaces (single, repeated, leading), newlines,
+# tabs, digits, punctuation, contractions, letters of both cases and non-ASCII letters.
+PROBES = ("1+2=3", "12 + 34 = 46", "  two  spaces, a\ttab\nand a newline", "It's 7:30; isn't it?",
+          "The Answer is (42).", "caf\u00e9 na\u00efve")
+
+
+def auto_tokenizer_mismatch(tokenizer: PreTrainedTokenizerFast, directory: str | Path) -> str | None:
+    """Where plain `AutoTokenizer.from_pretrained(directory)` (a model's config.json beside the saved
+    tokenizer) tokenizes unlike `tokenizer`, on `PROBES` and every token of the vocabulary: ids
+    (special tokens included) or decoded text; None when alike. AutoTokenizer picks the class from
+    the config's model type and may rebuild that family's pipeline around the saved vocabulary
+    (transformers 5 does for qwen2), ignoring the one tokenizer.json holds."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    special = set(tokenizer.all_special_ids)
+    tokens = tokenizer.batch_decode([[i] for i in range(len(tokenizer)) if i not in special])  # one batched call
+    # 16 tokens a text: short enough for a small model_max_length (the shipped tokenizer's is 64)
+    texts = [*PROBES, *(" ".join(tokens[i:i + 16]) for i in range(0, len(tokens), 16))]
+    mine_ids, their_ids = tokenizer(texts)["input_ids"], loaded(texts)["input_ids"]
+    decoded = zip(tokenizer.batch_decode(mine_ids), loaded.batch_decode(their_ids))
+    for text, mine, theirs, (mine_text, their_text) in zip(texts, mine_ids, their_ids, decoded):
+        if mine != theirs or mine_text != their_text:
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            return (f"transformers.AutoTokenizer.from_pretrained({str(directory)!r}) loads {type(loaded).__name__}, "
+                    f"which does not tokenize like the run's tokenizer: {shown!r} is {theirs[:16]} there, "
+                    f"{mine[:16]} in the run (decoded {their_text[:40]!r} vs {mine_text[:40]!r})")
+    return None
+
+
+def model_tokenizer_mismatch(tokenizer: PreTrainedTokenizerFast,
+                             source: str | Path | Mapping[str, Any] | None) -> str | None:
+    """`auto_tokenizer_mismatch` for the model `source` (as `build_causal_lm` takes it) before any
+    weight exists: its config.json and the tokenizer in a temporary directory, as an export writes them."""
+    import tempfile
+
+    config, _ = _config_from(source)
+    with tempfile.TemporaryDirectory(prefix="rlgraph-tokenizer-") as directory:
+        config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        problem = auto_tokenizer_mismatch(tokenizer, directory)
+        return problem.replace(repr(directory), "OUT") if problem else None
+
+
 def tiny_config(tokenizer: PreTrainedTokenizerFast | None = None) -> dict[str, Any]:
     """The shipped tiny Qwen2 config (~126k parameters) as a dict, sized to `tokenizer`."""
     tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer()
