@@ -65,6 +65,27 @@ def build_reward(spec: str | Callable[..., Any], **options: Any) -> RewardFn:
     return functools.partial(target, **options) if options else target
 
 
+def reward_fields(fn: Callable[..., Any]) -> tuple[list[str], list[str] | None]:
+    """(the per-row fields `fn` cannot be called without, the fields it accepts or None for any).
+
+    Required: its `fields` attribute (a class reading a configured field, as `code` reads `tests`)
+    and its parameters after the completions without a default. Accepted: its named parameters,
+    or anything with `**meta`. Checked against the data before a run starts (`rlgraph train --dry-run`).
+    """
+    required = list(getattr(fn, "fields", ()))
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return required, None  # a C callable: nothing to read
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    positional = [p for p in params
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    rest = [p for p in params if p.kind in named and not (positional and p is positional[0])]  # after `completions`
+    required += [p.name for p in rest if p.default is inspect.Parameter.empty and p.name not in required]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return required, None if takes_any else [p.name for p in rest]
+
+
 def _check_options(name: str, target: Callable[..., Any], options: dict[str, Any]) -> None:
     try:
         signature = inspect.signature(target)
@@ -88,4 +109,5 @@ def _check_options(name: str, target: Callable[..., Any], options: dict[str, Any
 
 
 __all__ = ["BUILTIN", "CodeTests", "FormatRegex", "RewardError", "RewardFn", "RewardModel", "RewardPipeline",
-           "RewardTerm", "Tags", "answers_equal", "build_reward", "exact_match", "extract_answer", "math_reward"]
+           "RewardTerm", "Tags", "answers_equal", "build_reward", "exact_match", "extract_answer", "math_reward",
+           "reward_fields"]

@@ -9,7 +9,8 @@
 A term *fails* when it raises, runs past `timeout_s`, returns something other than one number per
 completion, or returns NaN/inf for some completions. `on_error`:
   - "fail": raise a RewardError naming the term, what went wrong and the first bad sample (its
-    index, prompt and completion), so nothing is trained on a wrong score;
+    index, prompt and completion; a term that raised is called again on each sample alone to find
+    the one that raises), so nothing is trained on a wrong score;
   - "zero": score the failed samples 0 for that term (all of the call's samples when the term
     raised, timed out or returned a wrong shape; only the non-finite ones otherwise), count them
     in `reward/errors` (and `reward/<term>/errors`), and go on.
@@ -49,9 +50,9 @@ class RewardTerm:
 class _Failure(Exception):
     """What went wrong, the rows it hit, and (for non-finite values) the scores with those rows at 0."""
 
-    def __init__(self, problem: str, rows: list[int], partial: list[float] | None = None):
+    def __init__(self, problem: str, rows: list[int], partial: list[float] | None = None, raised: bool = False):
         super().__init__(problem)
-        self.problem, self.rows, self.partial = problem, rows, partial
+        self.problem, self.rows, self.partial, self.raised = problem, rows, partial, raised
 
 
 class RewardPipeline:
@@ -131,6 +132,8 @@ class RewardPipeline:
             return self._checked(term, self._call(term, completions, meta), n)
         except _Failure as failure:
             if self.on_error == "fail":
+                if failure.raised:
+                    failure = self._blame(term, failure, completions, meta)
                 raise RewardError(self._describe(term, failure, completions, meta)) from None
             self._errors[term.name] = self._errors.get(term.name, 0) + len(failure.rows)
             self._first_error.setdefault(term.name, self._describe(term, failure, completions, meta).splitlines()[0])
@@ -142,7 +145,7 @@ class RewardPipeline:
             try:
                 return term.fn(list(completions), **meta)
             except Exception as exc:
-                raise _Failure(f"raised {_where(exc)}", everyone) from None
+                raise _Failure(f"raised {_where(exc)}", everyone, raised=True) from None
         box: dict[str, Any] = {}
 
         def target() -> None:
@@ -157,8 +160,28 @@ class RewardPipeline:
         if thread.is_alive():
             raise _Failure(f"did not return within reward_timeout_s={self.timeout_s:g} s", everyone)
         if "error" in box:
-            raise _Failure(f"raised {_where(box['error'])}", everyone)
+            raise _Failure(f"raised {_where(box['error'])}", everyone, raised=True)
         return box["value"]
+
+    def _blame(self, term: RewardTerm, failure: _Failure, completions: Sequence[str], meta: dict[str, Any]) -> _Failure:
+        """A batched call that raised says nothing of which sample made it raise: call the term on
+        each sample alone (its per-row fields sliced alike) and blame those that raise, quoting the
+        first one's own exception. Only on the way to a RewardError, so it costs nothing when rewards work."""
+        n, rows, first = len(completions), [], None
+        for row in range(n):
+            one = {key: value[row:row + 1] if isinstance(value, (list, tuple)) and len(value) == n else value
+                   for key, value in meta.items()}
+            try:
+                self._call(term, [completions[row]], one)
+            except _Failure as alone:
+                if not alone.raised:  # a timeout: stop probing, keep what the batch said
+                    return failure
+                rows.append(row)
+                first = first or alone
+        if first is None:
+            return _Failure(f"{failure.problem} when called on all {n} samples together, though each sample alone "
+                            "scores without error", [])
+        return _Failure(first.problem, rows)
 
     @staticmethod
     def _checked(term: RewardTerm, values: Any, n: int) -> list[float]:
@@ -179,9 +202,12 @@ class RewardPipeline:
         return scores
 
     def _describe(self, term: RewardTerm, failure: _Failure, completions: Sequence[str], meta: dict[str, Any]) -> str:
+        if not failure.rows:  # the batch as a whole, no sample of it
+            return (f"reward {term.name!r} {failure.problem}\n  fix: make the reward score each completion on its own "
+                    f"(or set `reward_on_error: zero` to score such calls 0 and count them in reward/errors)")
         row = failure.rows[0]
         prompt = meta.get("text", [None] * len(completions))
-        sample = f"sample {row} of {len(completions)}"
+        sample = f" on sample {row} of {len(completions)}"
         if row < len(completions):
             if prompt and row < len(prompt) and prompt[row] is not None:
                 sample += f" (prompt {_short(prompt[row])}"
@@ -189,7 +215,7 @@ class RewardPipeline:
             else:
                 sample += f" (completion {_short(completions[row])})"
         many = f"; {len(failure.rows)} samples affected" if len(failure.rows) > 1 and len(failure.rows) < len(completions) else ""
-        return (f"reward {term.name!r} {failure.problem} on {sample}{many}\n"
+        return (f"reward {term.name!r} {failure.problem}{sample}{many}\n"
                 f"  fix: make the reward return one finite float per completion, or set `reward_on_error: zero` to score "
                 f"such samples 0 and count them in the metric reward/errors")
 

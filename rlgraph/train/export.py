@@ -1,7 +1,8 @@
 """`rlgraph export RUN_DIR OUT`: a run's trained policy as a Hugging Face directory.
 
 OUT holds `model.safetensors`, `config.json`, `generation_config.json` and the tokenizer, so
-`AutoModelForCausalLM.from_pretrained(OUT)` loads it and generates. A LoRA run is exported merged
+`AutoModelForCausalLM.from_pretrained(OUT)` loads it and generates, and `AutoTokenizer.from_pretrained(OUT)`
+encodes and decodes as the run's tokenizer did (checked before the export is kept). A LoRA run is exported merged
 (base + B A scale, a plain model) by default, or with `adapter=True` as a peft adapter directory
 beside the base model's name.
 """
@@ -12,14 +13,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rlgraph.backends.local.models import build_causal_lm
+from rlgraph.backends.local.models import auto_tokenizer_mismatch, build_causal_lm
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
-               adapter: bool = False, overwrite: bool = False) -> Path:
+               adapter: bool = False, overwrite: bool = False, check_tokenizer: bool = True) -> Path:
     """Write the policy of `checkpoint` (default: the run's latest) to `out`; returns `out`.
+
+    With `check_tokenizer`, an export whose tokenizer `AutoTokenizer.from_pretrained(out)` would
+    load differently (see `auto_tokenizer_mismatch`) is refused.
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
@@ -53,6 +57,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
     try:
         model.eval().save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        problem = auto_tokenizer_mismatch(tokenizer, tmp) if check_tokenizer else None
+        if problem:
+            raise ConfigError(f"export {out}: {problem.replace(str(tmp), str(out))}; the exported model would answer "
+                              "differently from the run", fix=TOKENIZER_FIX)
         (tmp / "rlgraph_export.txt").write_text(f"run {run_dir}\ncheckpoint {path.name} (step {step})\n"
                                                 f"algorithm {config.algorithm.name}\n")
         if out.exists():
@@ -62,3 +70,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+TOKENIZER_FIX = ("train with a tokenizer built the way that class rebuilds it (for a qwen2 model: byte-level BPE, Qwen2's "
+                 "split regex, NFC; see rlgraph.backends.local.models.build_char_tokenizer), or export with "
+                 "check_tokenizer=False and load the tokenizer with PreTrainedTokenizerFast.from_pretrained(OUT)")

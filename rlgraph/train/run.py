@@ -32,7 +32,7 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout, to_demonstrations, to_prompts
 from rlgraph.data.sampler import Sampler
 from rlgraph.ir.errors import ConfigError, RLGraphError
-from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward
+from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.pool import resolve_device
@@ -40,7 +40,9 @@ from rlgraph.train.checkpoint import latest_checkpoint
 from rlgraph.train.config import TrainConfig, load_config
 from rlgraph.train.logging import report_reward_failures
 from rlgraph.train.loop import Trainer
-from rlgraph.train.user_code import import_modules, load_algorithm, load_object
+from rlgraph.train.user_code import (  # noqa: F401  (build_rewards, load_object: public here too)
+    ROLLOUT_HPARAMS, build_rewards, import_modules, load_algorithm, load_object, resolved_hparams, with_resolved_hparams,
+)
 
 
 @attrs.define
@@ -95,29 +97,11 @@ def prepare(config: TrainConfig) -> Setup:
                           f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
                           fix="add prompts or lower rollout.prompts_per_step")
     rewards = build_rewards(config)
+    config = with_resolved_hparams(config)
     device = _device(config)
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows))
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
-
-
-def build_rewards(config: TrainConfig) -> RewardPipeline:
-    """The config's reward terms as one pipeline; a bad name or option is a ConfigError naming the entry."""
-    terms = []
-    for index, reward in enumerate(config.rewards):
-        where = f"rewards[{index}] ({reward.name})"
-        spec = load_object(reward.name, f"{where}:") if ":" in reward.name else reward.name
-        try:
-            fn = build_reward(spec, **reward.options)
-        except ConfigError as error:
-            raise ConfigError(f"{where}: {error.summary}", fix=error.fix) from None
-        missing = sorted(set(getattr(fn, "fields", ())) - {"answer", "text", *config.data.extra_fields})
-        if missing:
-            raise ConfigError(f"{where} reads the per-row field(s) {', '.join(missing)}, which the data does not pass",
-                              fix=f"add them to data.extra_fields, e.g. extra_fields: [{', '.join(missing)}]")
-        terms.append(RewardTerm(reward.name, fn, reward.weight))
-    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s,
-                          samples=config.logging.samples)
 
 
 def _device(config: TrainConfig) -> str:
@@ -156,9 +140,6 @@ def _tokenizer(config: TrainConfig) -> Any:
     return load_tokenizer(source)
 
 
-ROLLOUT_HPARAMS = ("n", "temperature", "top_p", "max_new_tokens", "stop")  # rollout keys an algorithm may take
-
-
 def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
     """The rollout section's values for the keyword arguments `algorithm` takes, by name.
 
@@ -188,13 +169,14 @@ def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
 
 
 def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int) -> tuple[Any, Any]:
+    from rlgraph.plan.hardware import detect_device_kind
     from rlgraph.plan.mesh import Mesh, colocated, parse_placement
 
     rollout, runtime = config.rollout, config.runtime
     algorithm = load_algorithm(config.algorithm.name, "algorithm.name")
     hparams = {**config.algorithm.hparams, **rollout_hparams(config, algorithm)}
     ranks = runtime.nproc if runtime.runtime != "local" else 1
-    mesh = Mesh("cpu" if device == "cpu" else "h100", 1, ranks)
+    mesh = Mesh(detect_device_kind(device), 1, ranks)  # the GPU found, not a constant
     try:
         placement = parse_placement(runtime.placement, "runtime.placement")
     except TypeError as error:  # a value colocated()/split() cannot take, e.g. split:policy=1,tp
@@ -355,6 +337,7 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
     for report in setup.reports:
         console.print(report.summary(), soft_wrap=True)
     console.print(f"train prompts {len(setup.train_rows)}, eval prompts {len(setup.eval_rows)}")
+    _warn_tokenizer(setup, console)
     console.print(setup.rl.as_text(), markup=False, highlight=False, soft_wrap=True)
     return setup
 
@@ -378,10 +361,11 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     setup = prepare(config)
     for report in setup.reports:
         console.print(report.summary())
+    _warn_tokenizer(setup, console)
     if checkpoint is not None:
         _refuse_other_data(setup, checkpoint)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config.to_yaml())
+    (run_dir / "config.yaml").write_text(setup.config.to_yaml())  # resolved: the algorithm's defaults written out
     (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
     if checkpoint is None:
         (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
@@ -419,12 +403,29 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     return result
 
 
+def _warn_tokenizer(setup: Setup, console: Console) -> None:
+    """Say when the run starts, not after it trained, that `rlgraph export` will refuse its tokenizer
+    (AutoTokenizer would load it differently beside this model's config.json)."""
+    from rlgraph.backends.local.models import model_tokenizer_mismatch
+    from rlgraph.plan.presets import preset_names
+
+    if setup.config.model.path in preset_names():
+        return  # a preset has no config.json: nothing is exported
+    problem = model_tokenizer_mismatch(setup.tokenizer, setup.config.model.path)
+    if problem:
+        console.print(f"warning: rlgraph export will refuse this run's tokenizer: {problem}", markup=False,
+                      highlight=False)
+
+
 def _refuse_other_run(config: TrainConfig, checkpoint: Path) -> None:
     """A checkpoint of another algorithm or model is refused before anything is loaded."""
     from rlgraph.train.checkpoint import read_extra
 
     saved = read_extra(checkpoint).get("user", {}).get("fingerprint")
     mine = fingerprint(config)
+    if saved is not None and saved.get("algorithm") == mine["algorithm"]:  # written before hparams were resolved
+        hparams = resolved_hparams(config.algorithm.name, json.loads(saved["hparams"]))
+        saved = {**saved, "hparams": json.dumps(hparams, sort_keys=True, default=str)}
     if saved is not None and saved != mine:
         diffs = [f"{key}: checkpoint {saved.get(key)!r}, this run {mine.get(key)!r}"
                  for key in sorted(set(saved) | set(mine)) if saved.get(key) != mine.get(key)]
@@ -464,7 +465,8 @@ def data_digest(rows: list) -> dict[str, Any]:
 def fingerprint(config: TrainConfig) -> dict[str, str]:
     """What a checkpoint must agree on to be resumed: the algorithm, its hyper-parameters, the model."""
     return {"algorithm": config.algorithm.name,
-            "hparams": json.dumps(config.algorithm.hparams, sort_keys=True, default=str),
+            "hparams": json.dumps(resolved_hparams(config.algorithm.name, config.algorithm.hparams), sort_keys=True,
+                                  default=str),
             "rollout": json.dumps(config.rollout.model_dump(), sort_keys=True),
             "model": str(config.model.path), "lora": json.dumps(config.model.lora.model_dump() if config.model.lora else None)}
 
@@ -522,7 +524,20 @@ class _Session:
                        before_step=self.before_step, after_step=self.after_step,
                        extra_state=lambda: {"fingerprint": fingerprint(self.config),
                                             "data": self.data_digest, "config": self.config.to_yaml(),
-                                            "lora_base": (run_dir / BASE_FILE).is_file()})
+                                            "lora_base": (run_dir / BASE_FILE).is_file(),
+                                            "eval_before": self.first_eval},
+                       load_extra=lambda user: self.keep_first_eval(user, run_dir))
+
+    def keep_first_eval(self, user: dict[str, Any], run_dir: Path) -> None:
+        """On resume: the run's first evaluation stays its "before" figure (summary.json, the console),
+        as in the uninterrupted run; a checkpoint without it (older runs) has it in metrics.jsonl at step 0."""
+        if "eval_before" in user:
+            self.first_eval = user["eval_before"]
+            return
+        path = run_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        self.first_eval = next((row["eval/accuracy"] for row in rows if row.get("step") == 0 and "eval/accuracy" in row),
+                               None)
 
     def close(self) -> None:
         if self.transport is not None:

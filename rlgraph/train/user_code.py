@@ -1,11 +1,16 @@
-"""The user's code, by name: `--import` modules, `module:fn` / `file.py:fn` objects, algorithms.
+"""The user's code, by name: `--import` modules, `module:fn` / `file.py:fn` objects, algorithms, and
+what a `rlgraph train` config names by string (its rewards, its algorithm's hyper-parameters).
 
     import_modules(["my_estimators", "rewards.py"], "--import")   # their registrations run
     load_object("my_rewards.py:exact", "rewards[0].name")         # -> the function
     load_algorithm("grpo", "algorithm.name")                      # a built-in, or "my_algos.py:my_grpo"
+    build_rewards(config)                                         # the config's reward pipeline, checked
 
-Every mistake is a `ConfigError` naming `where` (the CLI flag or the config key) and the fix.
-Module names are also looked up in the working directory, as `python -m` would.
+Every mistake is a `ConfigError` naming `where` (the CLI flag or the config key), with the closest
+name when there is one, and the fix. Module names are also looked up in the working directory, as
+`python -m` would. `rlgraph train` calls these in `prepare`, so `--dry-run` refuses a bad entry
+before any model is built: a missing file or a misspelt function, a reward that reads a per-row
+field the data does not pass, an `eval.accuracy_reward` that names no reward.
 """
 
 from __future__ import annotations
@@ -13,13 +18,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
+import pkgutil
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward, reward_fields
+from rlgraph.train.config import TrainConfig
 
 
 def import_modules(names: Sequence[str], where: str = "--import") -> None:
@@ -61,17 +71,52 @@ def _import_file(path: Path) -> None:
 
 
 def load_object(spec: str, where: str) -> Any:
-    """`module:name` or `path/file.py:name` -> the object; `where` names the flag or key in errors."""
+    """`module:name` or `path/file.py:name` -> the object (a user's algorithm or reward). A module or
+    file that cannot be found, fails to import, or lacks `name` is a ConfigError naming `where`, with
+    the closest module, file or name it has when there is one."""
     module, _, name = spec.rpartition(":")
     if not module or not name.isidentifier():
         raise ConfigError(f"{where} {spec!r} is not 'module:name' or 'file.py:name'",
                           fix="e.g. my_module:my_function or path/to/file.py:my_function")
-    import_modules([module], f"{where} {spec!r}: cannot import")
+    try:
+        import_modules([module], f"{where} {spec!r}: cannot import")
+    except ConfigError as error:
+        raise ConfigError(f"{error.summary}{_closest_module(module)}", fix=error.fix) from None
+    except Exception as error:  # the user's module itself raised (a syntax error, a failing import)
+        frame = traceback.extract_tb(error.__traceback__)[-1:]
+        kind, text = type(error).__name__, str(error)
+        at = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
+        if isinstance(error, SyntaxError):
+            text, at = error.msg, f" (at {error.filename}:{error.lineno})"
+        fix = f"fix {module} so that it imports (importing it in python shows the whole traceback)"
+        raise ConfigError(f"{where} {spec!r}: importing {module} raised {kind}: {text}{at}", fix=fix) from None
     key = Path(module).stem if module.endswith(".py") else module
-    found = getattr(sys.modules.get(key), name, None)
+    loaded = sys.modules.get(key)
+    found = getattr(loaded, name, None)
     if found is None:
-        raise ConfigError(f"{where} {spec!r}: {module} has no {name!r}", fix="name a function the module defines")
+        names = [attr for attr, value in vars(loaded).items()  # what the module defines, not what it imports
+                 if callable(value) and not attr.startswith("_") and getattr(value, "__module__", None) == loaded.__name__]
+        raise ConfigError(f"{where} {spec!r}: {module} has no {name!r}{did_you_mean(name, names)}",
+                          fix=f"name a function {module} defines ({', '.join(names[:8]) or 'it defines none'})")
     return found
+
+
+def _closest_module(module: str) -> str:
+    """"; did you mean 'x'?" for a misspelt `.py` path (among its directory's files) or module name
+    (among the importable top-level modules and the working directory's files)."""
+    if module.endswith(".py"):
+        path = Path(module)
+        siblings = [str(path.parent / p.name) if str(path.parent) != "." else p.name for p in path.parent.glob("*.py")]
+        return did_you_mean(module, siblings)
+    head, dot, tail = module.rpartition(".")
+    if dot:  # a misspelt submodule: look among its package's modules
+        try:
+            package = importlib.import_module(head)
+            return did_you_mean(module, [f"{head}.{info.name}" for info in pkgutil.iter_modules(package.__path__)])
+        except (ImportError, AttributeError):
+            return ""
+    local = [p.stem for p in Path.cwd().glob("*.py")]
+    return did_you_mean(module, [*local, *(info.name for info in pkgutil.iter_modules())])
 
 
 def load_algorithm(name: str, where: str) -> Any:
@@ -91,3 +136,68 @@ def load_algorithm(name: str, where: str) -> Any:
         raise ConfigError(f"{where} {name!r} is a {type(found).__name__}, not an algorithm",
                           fix="decorate the function with @rg.algorithm (import rlgraph as rg)")
     return found
+
+
+def build_rewards(config: TrainConfig) -> RewardPipeline:
+    """The config's reward terms as one pipeline. Before any step: a bad name or option, a missing
+    file, or a reward reading a per-row field the data does not pass is a ConfigError naming the
+    entry (`rewards[i]`); so is an `eval.accuracy_reward` that names no reward."""
+    terms = []
+    provided = ["answer", "text", *config.data.extra_fields]  # what every reward call passes (to_prompts' meta)
+    for index, reward in enumerate(config.rewards):
+        where = f"rewards[{index}] ({reward.name})"
+        spec = load_object(reward.name, f"{where}:") if ":" in reward.name else reward.name
+        try:
+            fn = build_reward(spec, **reward.options)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error.summary}", fix=error.fix) from None
+        _check_reward_fields(where, fn, provided)
+        terms.append(RewardTerm(reward.name, fn, reward.weight))
+    names = [reward.name for reward in config.rewards]
+    if config.eval.accuracy_reward is not None and config.eval.accuracy_reward not in names:
+        wanted, short = config.eval.accuracy_reward, {name.rpartition(":")[2]: name for name in names}
+        hint = did_you_mean(wanted, names) or (f"; did you mean {short[wanted]!r}?" if wanted in short else "")
+        raise ConfigError(f"eval.accuracy_reward {wanted!r} is not one of the rewards ({', '.join(names)}){hint}",
+                          fix="name one of the rewards entries exactly as written there, or leave it out (the first)")
+    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s,
+                          samples=config.logging.samples)
+
+
+def _check_reward_fields(where: str, fn: Any, provided: list[str]) -> None:
+    """A reward must be callable with the per-row fields the data passes: before step 1, not at the first eval."""
+    required, accepted = reward_fields(fn)
+    missing = [field for field in required if field not in provided]
+    if missing:
+        extra = [field for field in provided if field not in ("answer", "text")]
+        raise ConfigError(f"{where} reads the per-row field(s) {', '.join(missing)}, which the data does not pass "
+                          f"(each row passes {', '.join(provided)})",
+                          fix=f"add them to data.extra_fields (columns of the data), e.g. "
+                              f"extra_fields: [{', '.join([*extra, *missing])}]")
+    unaccepted = [field for field in provided if accepted is not None and field not in accepted]
+    if unaccepted:
+        raise ConfigError(f"{where} does not take the per-row field(s) {', '.join(unaccepted)}, which every call "
+                          "passes by keyword", fix="add **_ (or those parameters) to the reward function's parameters")
+
+
+# Hyper-parameters the rollout section sets (the algorithm's own defaults for them never apply).
+ROLLOUT_HPARAMS = ("n", "temperature", "top_p", "max_new_tokens", "stop")
+
+
+def resolved_hparams(algorithm: str, hparams: dict[str, Any]) -> dict[str, Any]:
+    """The algorithm's keyword defaults with `hparams` over them, as the trace binds them: what
+    RUN_DIR/config.yaml records, so that a run is read back whole. Defaults that YAML cannot hold
+    as written (objects, tuples) stay implicit; the rollout's keys are the rollout section's."""
+    fn = getattr(load_algorithm(algorithm, "algorithm.name"), "fn", None)
+    if fn is None:
+        return dict(hparams)
+    plain = (type(None), bool, int, float, str)
+    defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.default is not p.empty and isinstance(p.default, plain)
+                and p.name not in ROLLOUT_HPARAMS}
+    return {**defaults, **hparams}
+
+
+def with_resolved_hparams(config: TrainConfig) -> TrainConfig:
+    algorithm = config.algorithm
+    hparams = resolved_hparams(algorithm.name, algorithm.hparams)
+    return config.model_copy(update={"algorithm": algorithm.model_copy(update={"hparams": hparams})})

@@ -187,6 +187,22 @@ def test_build_reward_names_options_and_user_functions():
         build_reward(3)
 
 
+def test_reward_fields_are_read_from_the_signature_and_the_fields_attribute():
+    from rlgraph.rewards import CodeTests, reward_fields
+
+    def needs_level(completions, answer, level, *, scale=1.0, **_):
+        return [scale] * len(completions)
+
+    def narrow(completions, answer):
+        return [1.0] * len(completions)
+
+    assert reward_fields(build_reward("math")) == (["answer"], None)  # math takes **_: anything else passes
+    assert reward_fields(needs_level) == (["answer", "level"], None)
+    assert reward_fields(build_reward(needs_level, scale=2.0)) == (["answer", "level"], None)  # options are bound
+    assert reward_fields(narrow) == (["answer"], ["answer"])  # `text` would be refused: it takes only `answer`
+    assert reward_fields(CodeTests(tests_field="unit_tests")) == (["unit_tests"], None)
+
+
 # -- the pipeline -----------------------------------------------------------------------------------
 def _pipeline(fn, on_error="fail", timeout_s=None):
     return RewardPipeline([RewardTerm("good", lambda c, **_: [1.0] * len(c), 1.0), RewardTerm("bad", fn, 0.5)],
@@ -235,6 +251,31 @@ def test_pipeline_fail_policy_names_the_term_and_sample(fn, message, sample):
         pipeline(["a", "b", "c"], text=["p0", "p1", "p2"])
     assert "reward 'bad' " in str(info.value) and f"sample {sample} of 3 (prompt 'p{sample}'" in str(info.value)
     assert "reward_on_error: zero" in str(info.value)
+
+
+@pytest.mark.parametrize("k", [0, 2, 3])
+def test_a_reward_error_quotes_the_sample_that_raised(k):
+    def picky(completions, *, answer, text):  # reads its per-row fields: they must be sliced with the sample
+        return [1.0 / (int(c) - int(a)) for c, a in zip(completions, answer)]  # ZeroDivisionError where c == a
+
+    completions = [str(i + 1) for i in range(4)]
+    answers = [str(i + 1) if i == k else "0" for i in range(4)]
+    with pytest.raises(RewardError) as info:
+        _pipeline(picky)(completions, answer=answers, text=[f"p{i}" for i in range(4)])
+    message = str(info.value)
+    assert f"sample {k} of 4 (prompt 'p{k}', completion '{k + 1}')" in message, message
+    assert "ZeroDivisionError" in message and "affected" not in message  # only sample k raises
+
+
+def test_a_reward_that_raises_only_on_the_whole_batch_says_so():
+    def batch_only(completions, **_):
+        if len(completions) > 1:
+            raise RuntimeError("needs one at a time")
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"raised RuntimeError: needs one at a time .* when called on all 2 "
+                                          r"samples together, though each sample alone scores without error\n  fix"):
+        _pipeline(batch_only)(["a", "b"], text=["p0", "p1"])
 
 
 @pytest.mark.parametrize("fn, expected, errors", [

@@ -109,6 +109,36 @@ def test_run_directory_holds_everything_a_person_looks_at(full_run):
     assert load_run_config(run_dir) == load_config(None, base=yaml.safe_load((run_dir / "config.yaml").read_text()))
 
 
+def test_the_saved_config_is_resolved_and_reruns_the_same_run(full_run, tmp_path):
+    import inspect
+
+    from rlgraph.algorithms import ALGORITHMS
+
+    run_dir, _, _ = full_run
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    defaults = {p.name: p.default for p in inspect.signature(ALGORITHMS["grpo"].fn).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.name not in ("n", "temperature", "max_new_tokens")}
+    assert saved["algorithm"]["hparams"] == {**defaults, "kl": 0.04}  # every default written, the config's kl over it
+    assert saved["algorithm"]["hparams"]["clip"] == 0.2 and "n" not in saved["algorithm"]["hparams"]
+    rerun = load_config(run_dir / "config.yaml", [f"run_dir={tmp_path / 'rerun'}"])
+    train(rerun)
+    assert_same_run(run_dir, tmp_path / "rerun")
+    assert yaml.safe_load((tmp_path / "rerun" / "config.yaml").read_text())["algorithm"] == saved["algorithm"]
+
+
+def test_a_checkpoint_fingerprinted_before_hparams_were_resolved_still_resumes(tmp_path, monkeypatch):
+    import rlgraph.train.checkpoint as checkpoint
+    from rlgraph.train.run import _refuse_other_run, fingerprint
+
+    config, _ = make_config(tmp_path, "old")
+    old = {**fingerprint(config), "hparams": json.dumps({"kl": 0.04})}  # as runs wrote it: the config's hparams only
+    monkeypatch.setattr(checkpoint, "read_extra", lambda path: {"user": {"fingerprint": old}})
+    _refuse_other_run(config, tmp_path)  # the same run: accepted
+    with pytest.raises(CheckpointMismatch, match="hparams: checkpoint"):
+        _refuse_other_run(load_config(None, ["algorithm.hparams={kl: 0.04, clip: 0.3}"], base=config.model_dump()),
+                          tmp_path)
+
+
 def test_resume_continues_exactly(full_run, tmp_path):
     run_dir, _, _ = full_run
     config, _ = make_config(tmp_path, "half", ["train.steps=2"])
@@ -116,6 +146,37 @@ def test_resume_continues_exactly(full_run, tmp_path):
     resumed = load_run_config(tmp_path / "half", ["train.steps=4"])
     assert train(resumed, resume=True).steps == 4
     assert_same_run(run_dir, tmp_path / "half")
+
+
+def test_a_resumed_run_reports_the_runs_first_evaluation_as_before(tmp_path):
+    # accuracy = "a digit somewhere": 0.0 at step 0 and 1.0 at step 2 on the tiny model (saturated
+    # values, not a borderline float), so a resume at step 2 that took its first evaluation after
+    # resuming as "before" would report 1.0; what the run must report holds whatever the values
+    reward = ['rewards=[{name: format_regex, options: {pattern: "\\\\d"}}, {name: math}]']
+    whole, _ = make_config(tmp_path, "whole", reward)
+    expected = train(whole)
+    half, _ = make_config(tmp_path, "half", [*reward, "train.steps=2"])
+    train(half)
+    result = train(load_run_config(tmp_path / "half", ["train.steps=4"]), resume=True)
+    evals = {row["step"]: row["eval/accuracy"] for row in metrics_of(tmp_path / "half") if "eval/accuracy" in row}
+    assert (result.eval_before, result.eval_after) == (expected.eval_before, expected.eval_after) == (evals[0], evals[4])
+    summary = json.loads((tmp_path / "half" / "summary.json").read_text())
+    assert (summary["eval_before"], summary["eval_after"]) == (evals[0], evals[4])
+
+
+def test_a_checkpoint_without_the_first_evaluation_takes_it_from_metrics_jsonl(full_run, tmp_path):
+    from types import SimpleNamespace
+
+    from rlgraph.train.run import _Session
+
+    run_dir, result, _ = full_run
+    session = SimpleNamespace(first_eval=None)
+    _Session.keep_first_eval(session, {}, run_dir)  # a checkpoint written before eval_before was kept
+    assert session.first_eval == result.eval_before == metrics_of(run_dir)[0]["eval/accuracy"]
+    _Session.keep_first_eval(session, {"eval_before": 0.25}, run_dir)  # the checkpoint's own figure wins
+    assert session.first_eval == 0.25
+    _Session.keep_first_eval(session, {}, tmp_path)  # no metrics either: no "before"
+    assert session.first_eval is None
 
 
 @pytest.mark.slow
@@ -268,6 +329,60 @@ def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected)
     config, _ = make_config(tmp_path, "bad", [override.replace("{tmp}", str(tmp_path))])
     with pytest.raises(ConfigError, match=expected):
         prepare(config)
+
+
+REWARDS_PY = """
+def score(completions, **_):
+    return [1.0] * len(completions)
+
+def needs_level(completions, answer, level, **_):
+    return [float(a == str(l)) for a, l in zip(answer, level)]
+
+def narrow(completions, answer):
+    return [1.0] * len(completions)
+"""
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # the missing file is the first error, not the accuracy_reward that names it
+    (["rewards=[{name: '{tmp}/missing.py:fn'}]", "eval.accuracy_reward=fn"],
+     r"rewards\[0\] \({tmp}/missing.py:fn\): .*cannot import {tmp}/missing.py: no file '{tmp}/missing.py'"),
+    (["rewards=[{name: '{tmp}/rw.py:scroe'}]"], r"rewards\[0\] .*rw.py has no 'scroe'; did you mean 'score'"),
+    (["rewards=[{name: '{tmp}/rws.py:score'}]"], r"no file '{tmp}/rws.py'; did you mean '{tmp}/rw.py'"),
+    (["rewards=[{name: 'rlgraph.rewards.verifiabel:exact_match'}]"],
+     r"No module named 'rlgraph.rewards.verifiabel'; did you mean 'rlgraph.rewards.verifiable'"),
+    (["rewards=[{name: 'rlgraph.rewards.verifiable:exact_mach'}]"],
+     r"rlgraph.rewards.verifiable has no 'exact_mach'; did you mean 'exact_match'"),
+    (["rewards=[{name: '{tmp}/rw.py:needs_level'}]"],
+     r"rewards\[0\] \({tmp}/rw.py:needs_level\) reads the per-row field\(s\) level, which the data does not pass"
+     r"(.|\n)*fix: add them to data.extra_fields .*extra_fields: \[level\]"),
+    (["rewards=[{name: '{tmp}/rw.py:narrow'}]"],
+     r"rewards\[0\] .* does not take the per-row field\(s\) text(.|\n)*fix: add \*\*_"),
+    (["rewards=[{name: math}, {name: '{tmp}/rw.py:score'}]", "eval.accuracy_reward=score"],
+     r"eval.accuracy_reward 'score' is not one of the rewards .*; did you mean '{tmp}/rw.py:score'"),
+    (["eval.accuracy_reward=maht"],
+     r"eval.accuracy_reward 'maht' is not one of the rewards \(math\); did you mean 'math'"),
+])
+def test_reward_files_functions_and_fields_are_checked_before_step_one(tmp_path, overrides, expected):
+    from rlgraph.train.run import prepare
+
+    (tmp_path / "rw.py").write_text(REWARDS_PY)
+    config, _ = make_config(tmp_path, "bad", [o.replace("{tmp}", str(tmp_path)) for o in overrides])
+    with pytest.raises(ConfigError, match=expected.replace("{tmp}", str(tmp_path))):
+        prepare(config)
+
+
+def test_dry_run_catches_a_reward_field_the_data_does_not_pass_and_extra_fields_fixes_it(tmp_path, capsys):
+    from rlgraph.cli import main
+
+    (tmp_path / "rw.py").write_text(REWARDS_PY)
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b), "level": str(a + b)} for a in range(8) for b in range(8)]
+    _, path = make_config(tmp_path, "dry")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reward = ["-o", f"rewards=[{{name: '{tmp_path}/rw.py:needs_level'}}]"]
+    assert main(["train", str(path), "--dry-run", *reward]) != 0
+    assert "reads the per-row field(s) level" in capsys.readouterr().err
+    assert main(["train", str(path), "--dry-run", *reward, "-o", "data.extra_fields=[level]"]) == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -39,23 +39,36 @@ def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0-3 are `<pad> <bos> <eos> <unk>`, then one id per character.
 
     Encoding prepends `<bos>` (pass `add_special_tokens=False` to skip it); decoding concatenates
-    characters with no separator; unknown characters map to `<unk>`; padding is on the left.
+    characters with no separator; characters outside the alphabet are dropped (there is no byte for
+    them); padding is on the left.
+
+    It is written as a byte-level BPE with no merges, in Qwen2's pipeline (NFC, Qwen2's split
+    regex, byte-level pre-tokenizer and decoder): `AutoTokenizer.from_pretrained` on a directory
+    with a qwen2 `config.json` (the tiny model, an export) does not read a tokenizer.json's
+    pipeline but rebuilds Qwen2's around its vocabulary, so only a tokenizer already in that form
+    encodes the same after an export (a WordLevel one lost its spaces).
 
     >>> tok = build_char_tokenizer("0123456789+=")
     >>> tok("1+2=")["input_ids"]
     [1, 5, 14, 6, 15]
     """
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
     if len(set(alphabet)) != len(alphabet):
         raise ValueError(f"build_char_tokenizer: the alphabet has repeated characters: {alphabet!r}")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for char in alphabet:
-        vocab[char] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    for char in alphabet:  # the byte-level form of the character: " " is "\u0120", ASCII letters are themselves
+        (symbol, _), = byte_level.pre_tokenize_str(char)
+        vocab[symbol] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                  byte_level])
     core.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
     )
-    core.decoder = decoders.Fuse()
+    core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
         padding_side="left", clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
@@ -74,6 +87,50 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+# Text a tokenizer must treat alike after a round trip: spaces (single, repeated, leading), newlines,
+# tabs, digits, punctuation, contractions, letters of both cases and non-ASCII letters.
+PROBES = ("1+2=3", "12 + 34 = 46", "  two  spaces, a\ttab\nand a newline", "It's 7:30; isn't it?",
+          "The Answer is (42).", "caf\u00e9 na\u00efve")
+
+
+def auto_tokenizer_mismatch(tokenizer: PreTrainedTokenizerFast, directory: str | Path) -> str | None:
+    """Where plain `AutoTokenizer.from_pretrained(directory)` (a model's config.json beside the saved
+    tokenizer) tokenizes unlike `tokenizer`, on `PROBES` and every token of the vocabulary: ids
+    (special tokens included) or decoded text; None when alike. AutoTokenizer picks the class from
+    the config's model type and may rebuild that family's pipeline around the saved vocabulary
+    (transformers 5 does for qwen2), ignoring the one tokenizer.json holds."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    special = set(tokenizer.all_special_ids)
+    tokens = tokenizer.batch_decode([[i] for i in range(len(tokenizer)) if i not in special])  # one batched call
+    # 16 tokens a text: short enough for a small model_max_length (the shipped tokenizer's is 64)
+    texts = [*PROBES, *(" ".join(tokens[i:i + 16]) for i in range(0, len(tokens), 16))]
+    mine_ids, their_ids = tokenizer(texts)["input_ids"], loaded(texts)["input_ids"]
+    decoded = zip(tokenizer.batch_decode(mine_ids), loaded.batch_decode(their_ids))
+    for text, mine, theirs, (mine_text, their_text) in zip(texts, mine_ids, their_ids, decoded):
+        if mine != theirs or mine_text != their_text:
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            return (f"transformers.AutoTokenizer.from_pretrained({str(directory)!r}) loads {type(loaded).__name__}, "
+                    f"which does not tokenize like the run's tokenizer: {shown!r} is {theirs[:16]} there, "
+                    f"{mine[:16]} in the run (decoded {their_text[:40]!r} vs {mine_text[:40]!r})")
+    return None
+
+
+def model_tokenizer_mismatch(tokenizer: PreTrainedTokenizerFast,
+                             source: str | Path | Mapping[str, Any] | None) -> str | None:
+    """`auto_tokenizer_mismatch` for the model `source` (as `build_causal_lm` takes it) before any
+    weight exists: its config.json and the tokenizer in a temporary directory, as an export writes them."""
+    import tempfile
+
+    config, _ = _config_from(source)
+    with tempfile.TemporaryDirectory(prefix="rlgraph-tokenizer-") as directory:
+        config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        problem = auto_tokenizer_mismatch(tokenizer, directory)
+        return problem.replace(repr(directory), "OUT") if problem else None
 
 
 def tiny_config(tokenizer: PreTrainedTokenizerFast | None = None) -> dict[str, Any]:
