@@ -113,11 +113,12 @@ def test_the_saved_config_is_resolved_and_reruns_the_same_run(full_run, tmp_path
     import inspect
 
     from rlgraph.algorithms import ALGORITHMS
+    from rlgraph.train.user_code import ROLLOUT_HPARAMS
 
     run_dir, _, _ = full_run
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     defaults = {p.name: p.default for p in inspect.signature(ALGORITHMS["grpo"].fn).parameters.values()
-                if p.kind is p.KEYWORD_ONLY and p.name not in ("n", "temperature", "max_new_tokens")}
+                if p.kind is p.KEYWORD_ONLY and p.name not in ROLLOUT_HPARAMS}  # the rollout section holds those
     assert saved["algorithm"]["hparams"] == {**defaults, "kl": 0.04}  # every default written, the config's kl over it
     assert saved["algorithm"]["hparams"]["clip"] == 0.2 and "n" not in saved["algorithm"]["hparams"]
     rerun = load_config(run_dir / "config.yaml", [f"run_dir={tmp_path / 'rerun'}"])
