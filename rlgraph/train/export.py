@@ -27,7 +27,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
-    from rlgraph.train.run import BASE_FILE, _tokenizer, checkpoint_policy, load_run_config
+    from rlgraph.train.roles import BASE_FILE, checkpoint_policy
+    from rlgraph.train.run import load_run_config
+    from rlgraph.train.setup import _tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
     config = load_run_config(run_dir)

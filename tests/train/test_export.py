@@ -14,7 +14,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from rlgraph.backends.local.models import TINY_CONFIG
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.export import export_run
-from rlgraph.train.run import _tokenizer, load_run_config, train
+from rlgraph.train.run import load_run_config, train
+from rlgraph.train.setup import _tokenizer
 from tests.train.test_run import make_config
 
 TEXTS = ["3+4=", "12 + 34 = 46", "  a  b c\nd", "the answer is 7"]

@@ -168,7 +168,7 @@ def test_a_resumed_run_reports_the_runs_first_evaluation_as_before(tmp_path):
 def test_a_checkpoint_without_the_first_evaluation_takes_it_from_metrics_jsonl(full_run, tmp_path):
     from types import SimpleNamespace
 
-    from rlgraph.train.run import _Session
+    from rlgraph.train.session import _Session
 
     run_dir, result, _ = full_run
     session = SimpleNamespace(first_eval=None)

@@ -1,0 +1,137 @@
+"""A run's roles as models: the policy (full or LoRA, from the model path, a checkpoint or a warm
+start), the KL reference, the critic, their optimizers and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlgraph.backends.local.critic import build_critic
+from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
+from rlgraph.backends.local.models import build_causal_lm
+from rlgraph.train.config import TrainConfig
+from rlgraph.train.setup import Setup
+
+
+# -- roles ----------------------------------------------------------------------------------------
+def build_roles(setup: Setup, policy: torch.nn.Module | None = None) -> LocalExecutor:
+    """The executor over the policy (`build_policy`'s, or the module given) and the rewards;
+    `add_rl_roles` adds the reference and critic the plan reads."""
+    config = setup.config
+    model = (policy if policy is not None else build_policy(config, setup.tokenizer)).to(setup.device)
+    policy = LMWorker(model, role_optimizer(config, model, config.optimizer.lr))
+    executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
+                             max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device)
+    return executor
+
+
+BASE_FILE = "base.safetensors"  # a LoRA run's base after its warm start (the adapters merged into it)
+
+
+def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
+    """The policy as the run starts it: the model (seeded init for a config) and, with `model.lora`,
+    its adapters (seeded too), so a run, its resume, its evaluation and its export build the same
+    module. A LoRA run that warm-started keeps its merged base in RUN_DIR/base.safetensors: the
+    adapters of its checkpoints apply to that base."""
+    model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
+    if config.model.lora is None:
+        return model
+    from rlgraph.backends.lora import LoraSettings, apply_lora
+
+    base = config.directory / BASE_FILE
+    if base.is_file():
+        from safetensors.torch import load_file
+
+        from rlgraph.train.checkpoint import load_weights
+
+        load_weights(model, load_file(str(base)), base, strict=True)
+    lora = config.model.lora
+    return apply_lora(model, LoraSettings(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules)),
+                      seed=config.train.seed)
+
+
+def checkpoint_policy(config: TrainConfig, tokenizer: Any, path: Path) -> tuple[torch.nn.Module, int]:
+    """(the policy as the run built it, with checkpoint `path`'s weights; the checkpoint's step).
+    A LoRA checkpoint holds the adapters only: the base comes from `build_policy`."""
+    from rlgraph.backends.lora import is_lora
+    from rlgraph.train.checkpoint import load_weights, read_checkpoint
+
+    state, step, _ = read_checkpoint(path)
+    if "policy" not in state.roles:
+        raise CheckpointMismatch(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
+    model = build_policy(config, tokenizer)
+    load_weights(model, dict(state.roles["policy"].model), path, strict=not is_lora(model))
+    return model, step
+
+
+def rebase_lora(setup: Setup, executor: LocalExecutor) -> None:
+    """After a LoRA warm start: merge the trained adapters into the base (saved once as
+    RUN_DIR/base.safetensors, atomically) and start RL from fresh adapters on it, so the KL
+    reference (the base, adapters off) is the warm-started policy, still with no second copy."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from rlgraph.backends.lora import merged_state_dict
+
+    merged = {name: tensor.detach().to("cpu").contiguous().clone()
+              for name, tensor in merged_state_dict(executor.models["policy"].model).items()}
+    path = setup.config.directory / BASE_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(merged, str(tmp))
+    os.replace(tmp, path)
+    model = build_policy(setup.config, setup.tokenizer).to(setup.device)
+    executor.models["policy"] = LMWorker(model, role_optimizer(setup.config, model, setup.config.optimizer.lr))
+
+
+def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
+    """The reference (the warm-started policy, frozen; with LoRA the base itself, adapters off) and
+    PPO's critic (the warm-started backbone plus a value head; with LoRA the policy's merged
+    weights, the critic itself trained in full), for the roles the plan reads."""
+    config, roles = setup.config, {node.target for node in setup.rl.source.inputs}
+    policy = executor.models["policy"].model
+    if "ref" in roles:
+        if config.model.lora is not None:
+            from rlgraph.backends.lora import reference_of
+
+            executor.models["ref"] = LMWorker(reference_of(policy))
+        else:
+            executor.models["ref"] = LMWorker(copy.deepcopy(policy).requires_grad_(False))
+    if "critic" in roles:
+        critic = build_critic(config.model.path, tokenizer=setup.tokenizer, seed=config.train.seed + 1).to(setup.device)
+        if config.model.lora is not None:  # the critic trains in full, from the policy's merged weights
+            from rlgraph.backends.lora import merged_state_dict
+
+            critic.backbone.load_state_dict(merged_state_dict(policy))
+        else:
+            critic.backbone.load_state_dict(policy.state_dict())
+        lr = config.optimizer.critic_lr or config.optimizer.lr
+        executor.models["critic"] = LMWorker(critic, role_optimizer(config, critic, lr), kind="critic")
+
+
+def role_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Over the parameters that train (LoRA: the adapters only). AdamW is the fused kernel (one
+    call for every tensor; what the memory model assumes) where torch has it for the parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = config.optimizer
+    if opt.name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=opt.weight_decay)
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params) or None
+    return torch.optim.AdamW(params, lr=lr, betas=opt.betas, weight_decay=opt.weight_decay, fused=fused)
+
+
+def lr_factor(config: TrainConfig, step: int) -> float:
+    """The schedule's multiplier of `optimizer.lr` at RL step `step` (0-based): linear warmup, then
+    constant, linear or cosine decay to `min_lr_ratio` at `train.steps` (a time-bound run stays constant)."""
+    opt, total = config.optimizer, config.train.steps
+    if step < opt.warmup_steps:
+        return (step + 1) / (opt.warmup_steps + 1)
+    if opt.schedule == "constant" or total is None or total <= opt.warmup_steps:
+        return 1.0
+    progress = min((step - opt.warmup_steps) / max(total - opt.warmup_steps, 1), 1.0)
+    shape = 1.0 - progress if opt.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return opt.min_lr_ratio + (1.0 - opt.min_lr_ratio) * shape

@@ -1,0 +1,253 @@
+"""One run's session: the warm start, the evaluations, the runners over the chosen transport (local,
+spmd, Ray) and the loop that steps the compiled plan, logging each step's metrics and samples."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from rlgraph.algorithms import sft
+from rlgraph.backends.local.executor import LocalExecutor
+from rlgraph.data.prompts import to_demonstrations, to_prompts
+from rlgraph.data.sampler import Sampler
+from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.plan_runner import PlanRunner
+from rlgraph.train.config import TrainConfig
+from rlgraph.train.logging import report_reward_failures
+from rlgraph.train.loop import Trainer
+from rlgraph.train.roles import BASE_FILE, lr_factor, role_optimizer
+from rlgraph.train.setup import Setup
+from rlgraph.train.user_code import resolved_hparams
+
+
+class _Session:
+    """One run's moving parts: runners, samplers, evaluation and per-step metrics."""
+
+    def __init__(self, setup: Setup, executor: LocalExecutor, console: Console):
+        self.setup, self.config, self.executor, self.console = setup, setup.config, executor, console
+        self.sampler = Sampler(setup.train_rows, setup.config.rollout.prompts_per_step, seed=setup.config.train.seed)
+        self.data_digest = data_digest(setup.train_rows)  # saved with each checkpoint: a resume needs the same prompts
+        self.runner: PlanRunner | None = None
+        self.eval_runner: PlanRunner | None = None
+        self.transport: Any = None
+        self.logger: Any = None
+        self.samples: Any = None  # the run's SampleLog (samples.jsonl)
+        self.step = 0  # the RL step whose samples an evaluation logs
+        self.warm: dict[str, float] = {}  # the warm start's metrics, logged in the first row
+        self.first_eval: float | None = None
+        self.last_eval: float | None = None
+        self._stage_seconds: dict[str, float] = {}
+
+    def next_batch(self) -> Any:
+        return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
+
+    def trainer(self, run_dir: Path) -> Trainer:
+        """The RL and eval plan runners over this process (local) or worker processes (spmd, ray)."""
+        runtime = self.config.runtime
+        if runtime.runtime == "local":
+            self.runner = PlanRunner(self.setup.rl, self.executor)
+            self.eval_runner = PlanRunner(self.setup.eval, self.executor)
+        else:
+            from rlgraph.backends.world import WorldSpec
+
+            world = WorldSpec.of_executor(self.executor, {"reward": self.setup.rewards}, source=self.config.model.path,
+                                          tokenizer=self.config.model.tokenizer, seed=self.config.train.seed,
+                                          max_new_tokens=self.config.rollout.max_new_tokens)
+            self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
+            if runtime.runtime == "ray":
+                from rlgraph.runtime.ray_transport import RayTransport
+
+                self.transport = RayTransport(self.setup.rl.plan, world, address=runtime.address, device=self.setup.device,
+                                              timeout_s=runtime.timeout_s)
+            else:
+                from rlgraph.runtime.spmd import SpmdTransport
+
+                self.transport = SpmdTransport(self.setup.rl.plan, world, device=self.setup.device, timeout_s=runtime.timeout_s)
+            controller = world.controller()
+            controller.rewards["reward"].fn = self.setup.rewards  # the same pipeline object: its metrics are read here
+            self.runner = PlanRunner(self.setup.rl, self.transport, controller=controller)
+            self.eval_runner = PlanRunner(self.setup.eval, self.executor)
+        checkpoint = self.config.checkpoint
+        return Trainer(self.setup.rl.program, self.runner, self.next_batch, self.sampler, run_dir=run_dir,
+                       checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
+                       before_step=self.before_step, after_step=self.after_step,
+                       extra_state=lambda: {"fingerprint": fingerprint(self.config),
+                                            "data": self.data_digest, "config": self.config.to_yaml(),
+                                            "lora_base": (run_dir / BASE_FILE).is_file(),
+                                            "eval_before": self.first_eval},
+                       load_extra=lambda user: self.keep_first_eval(user, run_dir))
+
+    def keep_first_eval(self, user: dict[str, Any], run_dir: Path) -> None:
+        """On resume: the run's first evaluation stays its "before" figure (summary.json, the console),
+        as in the uninterrupted run; a checkpoint without it (older runs) has it in metrics.jsonl at step 0."""
+        if "eval_before" in user:
+            self.first_eval = user["eval_before"]
+            return
+        path = run_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        self.first_eval = next((row["eval/accuracy"] for row in rows if row.get("step") == 0 and "eval/accuracy" in row),
+                               None)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.samples is not None:
+            self.samples.close()
+
+    # -- warm start ---------------------------------------------------------------------------
+    def warm_start(self) -> None:
+        """SFT on the answers until `warm_start.steps` or the target held-out accuracy."""
+        warm = self.config.warm_start
+        if not warm.steps:
+            return
+        worker = self.executor.models["policy"]
+        worker.optimizer = role_optimizer(self.config, worker.model, warm.lr)
+        rows = [row for row in self.setup.train_rows if row.answer is not None]
+        sampler = Sampler(rows, min(warm.batch_size, len(rows)), seed=self.config.train.seed + 1)
+        interpreter, program = Interpreter(self.executor), sft.trace()
+        local = PlanRunner(self.setup.eval, self.executor)
+        start, accuracy = time.perf_counter(), None
+        for step in range(1, warm.steps + 1):
+            interpreter.run(program, to_demonstrations(sampler.next_batch(), self.setup.tokenizer))
+            if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
+                accuracy = self.evaluate(local)["eval/accuracy"]
+                if accuracy >= warm.target_accuracy:
+                    break
+        shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
+        self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
+        self.warm = {"warm_start/steps": float(step), "time/warm_start_s": time.perf_counter() - start}
+
+    def first_row(self) -> dict[str, float]:
+        """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its
+        accuracy (`warm_start/accuracy`, also printed), and the warm start's own metrics."""
+        row = {**self.warm, **(self.evaluate() if self.setup.eval_rows else {})}
+        if self.warm and "eval/accuracy" in row:
+            row["warm_start/accuracy"] = row["eval/accuracy"]
+            self.console.print(f"warm start: held-out accuracy {row['eval/accuracy']:.1%} "
+                               f"({len(self.setup.eval_rows)} prompts)")
+        return row
+
+    def pop_rewards(self, kind: str) -> dict[str, float]:
+        """The reward terms' metrics since the last call; their kept samples go to samples.jsonl, and
+        a term that failed on every sample is warned about loudly."""
+        samples = self.setup.rewards.pop_samples()
+        if self.samples is not None and samples:
+            self.samples.log(self.step, kind, samples)
+        terms = self.setup.rewards.pop_metrics()
+        report_reward_failures(self.step, kind, self.setup.rewards.last_failures, self.console)
+        return terms
+
+    def reset_optimizer(self) -> None:
+        """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights."""
+        worker = self.executor.models["policy"]
+        worker.optimizer = role_optimizer(self.config, worker.model, self.config.optimizer.lr)
+
+    # -- steps --------------------------------------------------------------------------------
+    def before_step(self, step: int) -> None:
+        factor = lr_factor(self.config, step)
+        for role, base in (("policy", self.config.optimizer.lr),
+                           ("critic", self.config.optimizer.critic_lr or self.config.optimizer.lr)):
+            # On spmd/ray the optimizers that step live in the workers: the schedule goes to them.
+            target = self.transport if self.transport is not None else self.executor
+            if role in self.executor.models:
+                target.set_learning_rate(role, base * factor)
+        self.setup.rewards.pop_metrics()  # what an evaluation left behind is not this step's
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""
+        metrics, self.step = dict(metrics), step
+        terms = self.pop_rewards("train")
+        metrics.update(terms)
+        accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
+        if accuracy is not None:
+            metrics["accuracy"] = accuracy
+        metrics["lr"] = self.config.optimizer.lr * lr_factor(self.config, step - 1)
+        rows = self.config.rollout.prompts_per_step * self.config.rollout.n * metrics.get("filter/rounds", 1.0)
+        seconds = metrics["time/step_s"]
+        metrics["samples_per_s"] = rows / seconds
+        if "response_length/mean" in metrics:
+            metrics["tokens_per_s"] = rows * metrics["response_length/mean"] / seconds
+        metrics.update(self._stage_times())
+        every = self.config.eval.every
+        if self.setup.eval_rows and every and step % every == 0:
+            metrics.update(self.evaluate())
+        if self.logger is not None:  # before the step's checkpoint: a run killed after it has its metrics
+            self.logger.log(step, metrics)
+        return metrics
+
+    def _stage_times(self) -> dict[str, float]:
+        """Seconds of this step in each kind of plan step (generate, train, reward, ...)."""
+        totals: dict[str, float] = {}
+        for step in self.setup.rl.plan.steps:
+            kind = _step_kind(step)
+            totals[kind] = totals.get(kind, 0.0) + self.runner.step_seconds.get(step.index, 0.0)
+        out = {f"time/{kind}_s": seconds - self._stage_seconds.get(kind, 0.0) for kind, seconds in totals.items()}
+        self._stage_seconds = totals
+        return out
+
+    def evaluate(self, runner: Any = None) -> dict[str, float]:
+        """Greedy decoding of the held-out prompts through the evaluate plan (in this process, on
+        one device): accuracy and reward."""
+        runner = runner or self.eval_runner
+        if self.transport is not None:  # the trained weights live in the workers: bring the policy's here
+            self.executor.models["policy"].model.load_state_dict(self.transport.pull_state("policy"))
+        runner.versions.clear()  # the RL plan moved the policy on since: ask for the live version
+        self.setup.rewards.pop_metrics()
+        prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
+        _, metrics = runner.run(prompts)
+        terms = self.pop_rewards("eval")
+        accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
+        self.first_eval = accuracy if self.first_eval is None else self.first_eval
+        self.last_eval = accuracy
+        return {"eval/accuracy": accuracy, "eval/reward": metrics["accuracy"],
+                "eval/response_length": metrics["response_tokens"]}
+
+    def loop(self, trainer: Trainer) -> float:
+        from rlgraph.train.progress import RunProgress
+
+        train, start = self.config.train, time.perf_counter()
+        self.step = trainer.step  # a resumed run's final evaluation belongs to its step
+        remaining = None if train.steps is None else max(train.steps - trainer.step, 0)
+        with RunProgress(total_steps=train.steps, seconds=train.seconds, console=self.console,
+                         enabled=self.config.logging.progress, start_step=trainer.step) as progress:
+            for metrics in trainer.run(steps=remaining, seconds=train.seconds) if remaining != 0 else ():
+                progress.update(trainer.step, metrics)
+        if trainer.step % self.config.checkpoint.every:
+            trainer.save()  # the last step is always checkpointed
+        if self.setup.eval_rows and (not self.config.eval.every or trainer.step % self.config.eval.every):
+            final = self.evaluate()
+            self.logger.log(trainer.step, final)
+        return time.perf_counter() - start
+
+
+def _step_kind(step: Any) -> str:
+    """A plan step's kind as the plan prints it: a stage's phase (generate, train, infer, reward, math,
+    controller), `transfer` for the collectives, `sync_weights`, `offload`."""
+    phase = getattr(step, "phase", None)
+    if phase is not None:
+        return phase
+    name = type(step).__name__
+    return {"Transfer": "transfer", "SyncWeights": "sync_weights", "Offload": "offload"}.get(name, name.lower())
+
+
+def data_digest(rows: list) -> dict[str, Any]:
+    """The usable training prompts, summarised: their count and a sha256 of their text, answer and fields."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([row.text, row.answer, row.fields], sort_keys=True, default=str).encode())
+    return {"prompts": len(rows), "sha256": digest.hexdigest()}
+
+
+def fingerprint(config: TrainConfig) -> dict[str, str]:
+    """What a checkpoint must agree on to be resumed: the algorithm, its hyper-parameters, the model."""
+    return {"algorithm": config.algorithm.name,
+            "hparams": json.dumps(resolved_hparams(config.algorithm.name, config.algorithm.hparams), sort_keys=True,
+                                  default=str),
+            "rollout": json.dumps(config.rollout.model_dump(), sort_keys=True),
+            "model": str(config.model.path), "lora": json.dumps(config.model.lora.model_dump() if config.model.lora else None)}

@@ -1,0 +1,175 @@
+"""What a run needs before any weight exists (`prepare` -> `Setup`): the tokenizer, the prompt splits,
+the rewards, and the compiled RL and evaluation plans. Everything here is checked, so
+`rlgraph train --dry-run` refuses a bad config before a model is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from rlgraph.algorithms import evaluate
+from rlgraph.api import compile as compile_algorithm
+from rlgraph.backends.local.models import load_tokenizer
+from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout
+from rlgraph.ir.errors import ConfigError, RLGraphError
+from rlgraph.rewards import RewardPipeline
+from rlgraph.runtime.pool import resolve_device
+from rlgraph.train.config import TrainConfig
+from rlgraph.train.user_code import ROLLOUT_HPARAMS, build_rewards, import_modules, load_algorithm, with_resolved_hparams
+
+
+@attrs.define
+class Setup:
+    """What a run needs before any weight exists: enough for `--dry-run`."""
+
+    config: TrainConfig
+    tokenizer: Any
+    train_rows: list
+    eval_rows: list
+    reports: list
+    rewards: RewardPipeline
+    rl: Any                 # Compiled: the RL algorithm's plan
+    eval: Any               # Compiled: the evaluate algorithm's plan
+    device: str
+
+
+# -- setup ----------------------------------------------------------------------------------------
+def prepare(config: TrainConfig) -> Setup:
+    """Tokenizer, data, rewards and both plans; refuses a bad config before any model is built."""
+    import_modules(config.imports, "imports")  # the same rules as every command's --import
+    if config.runtime.threads:
+        torch.set_num_threads(config.runtime.threads)
+    _check_model_path(config)
+    tokenizer = _tokenizer(config)
+    data = config.data
+    options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=data.extra_fields,
+                   chat_template=data.chat_template, system_prompt=data.system_prompt,
+                   max_prompt_tokens=data.max_prompt_tokens, format=data.format, split=data.split)
+    train_rows, train_report = load_prompts(data.train, tokenizer, **options)
+    reports = [train_report]
+    if data.eval is not None:
+        eval_rows, eval_report = load_prompts(data.eval, tokenizer, **options)
+        reports.append(eval_report)
+    elif data.eval_fraction:
+        train_rows, eval_rows = split_holdout(train_rows, data.eval_fraction, seed=config.train.seed)
+    else:
+        eval_rows = []
+    if config.eval.max_prompts:
+        eval_rows = eval_rows[: config.eval.max_prompts]
+    if len(train_rows) < config.rollout.prompts_per_step:
+        raise ConfigError(f"data.train {data.train}: {len(train_rows)} usable prompts, fewer than "
+                          f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
+                          fix="add prompts or lower rollout.prompts_per_step")
+    rewards = build_rewards(config)
+    config = with_resolved_hparams(config)
+    device = _device(config)
+    prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
+    rl, evaluation = _compile(config, device, prompt_len, len(eval_rows))
+    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
+
+
+def _device(config: TrainConfig) -> str:
+    try:
+        return resolve_device(config.runtime.device)
+    except (ValueError, RLGraphError) as error:
+        raise ConfigError(f"runtime.device {config.runtime.device!r}: {str(error).split('; use ')[0]}",
+                          fix="set runtime.device: cpu, or auto (cuda when a GPU is present)") from None
+
+
+def _check_model_path(config: TrainConfig) -> None:
+    """`model.path` is a directory with a config.json (weights optional), a config.json file, or a
+    preset name (`rlgraph plan` presets: a plan and its memory without weights)."""
+    from rlgraph.plan.presets import preset_names
+
+    path = config.model.path
+    if path is None or path in preset_names():
+        return
+    source = Path(path)
+    if not source.exists():
+        raise ConfigError(f"model.path {path!r} does not exist",
+                          fix="point it at a Hugging Face model directory (config.json and safetensors weights), "
+                              "or leave it null for the shipped tiny Qwen2")
+    if source.is_dir() and not (source / "config.json").is_file():
+        raise ConfigError(f"model.path {path!r} is a directory without a config.json",
+                          fix="point it at a directory written by model.save_pretrained(...)")
+
+
+def _tokenizer(config: TrainConfig) -> Any:
+    source = config.model.tokenizer or config.model.path
+    if source is not None and not (Path(source) / "tokenizer.json").is_file():
+        if config.model.tokenizer is not None:
+            raise ConfigError(f"model.tokenizer {source!r} has no tokenizer.json",
+                              fix="point it at a directory written by tokenizer.save_pretrained(...)")
+        source = None  # a model directory without a tokenizer: the shipped one
+    return load_tokenizer(source)
+
+
+def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
+    """The rollout section's values for the keyword arguments `algorithm` takes, by name.
+
+    An algorithm need not take them all (a user's may fix its own temperature): a key it does not
+    take is left out, and refused only when the config sets it to something else than the default,
+    which the algorithm would silently ignore. `max_new_tokens` is never refused: a generate without
+    it gets the executor's default, which is rollout.max_new_tokens."""
+    import inspect
+
+    fixed = sorted(set(ROLLOUT_HPARAMS) & set(config.algorithm.hparams))
+    if fixed:
+        raise ConfigError(f"algorithm.hparams sets {', '.join(fixed)}",
+                          fix=f"set them in the rollout section: rollout.{fixed[0]}")
+    parameters = inspect.signature(algorithm.fn).parameters  # hyper-parameters are named keywords (the tracer's rule)
+    rollout, defaults = config.rollout, type(config.rollout).model_fields
+    values = {}
+    for key in ROLLOUT_HPARAMS:
+        value = getattr(rollout, key)
+        if key in parameters:
+            values[key] = tuple(value) if isinstance(value, list) else value  # hashable, as a traced hparam must be
+        elif key != "max_new_tokens" and value != defaults[key].get_default(call_default_factory=True):
+            raise ConfigError(f"rollout.{key}={value!r}, but the algorithm {config.algorithm.name!r} takes no {key!r} "
+                              "keyword argument",
+                              fix=f"add `{key}=...` to its keyword arguments and pass it to rg.generate, "
+                                  f"or leave rollout.{key} at its default")
+    return values
+
+
+def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int) -> tuple[Any, Any]:
+    from rlgraph.plan.hardware import detect_device_kind
+    from rlgraph.plan.mesh import Mesh, colocated, parse_placement
+
+    rollout, runtime = config.rollout, config.runtime
+    algorithm = load_algorithm(config.algorithm.name, "algorithm.name")
+    hparams = {**config.algorithm.hparams, **rollout_hparams(config, algorithm)}
+    ranks = runtime.nproc if runtime.runtime != "local" else 1
+    mesh = Mesh(detect_device_kind(device), 1, ranks)  # the GPU found, not a constant
+    try:
+        placement = parse_placement(runtime.placement, "runtime.placement")
+    except TypeError as error:  # a value colocated()/split() cannot take, e.g. split:policy=1,tp
+        raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
+                          fix="e.g. colocated:offload=False, colocated:fsdp=2, split:policy=1,rollout=1, or auto") from None
+    models = {"policy": config.model.path} if config.model.path else {}
+    lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
+    extra = {"lora": lora} if lora else {}
+    sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
+    rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
+                           sizes=sizes, models=models, **extra, **hparams)
+    if lora and runtime.runtime != "local":
+        from rlgraph.backends.fsdp.executor import check_views
+
+        try:  # a LoRA policy's reference (its module, adapters off) must share its ranks: refused at compile time
+            check_views({"ref": "policy"}, rl.plan)
+        except ValueError as error:
+            raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
+                              fix="colocated:offload=False, or a split giving ref the policy's group: "
+                                  "split:policy=1,rollout=1,ref=policy") from None
+    # Evaluation runs in this process on one device (with the latest weights pulled from the workers
+    # on spmd/ray): a generate-only plan over the training workers would read an engine no
+    # sync_weights step has loaded since the last update.
+    eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
+    evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
+                                   engine="native", models=models,
+                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
+                                   max_new_tokens=eval_tokens, stop=tuple(rollout.stop))  # ended as the rollouts are
+    return rl, evaluation
