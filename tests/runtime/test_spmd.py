@@ -12,7 +12,6 @@ import time
 
 import attrs
 import pytest
-import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
