@@ -91,7 +91,7 @@ def test_an_unknown_name_is_one_message_not_a_traceback(capsys, command):
 
 
 def test_plan_offloads_only_around_generation_and_update(capsys):
-    code, out, _ = run(capsys, "plan", "ppo", "--mesh", "4x8:h100", "--placement", "colocated:tp=8", "--model", "llama3-70b")
+    code, out, _ = run(capsys, "plan", "ppo", "--mesh", "4x8:h200", "--placement", "colocated:tp=8", "--model", "llama3-70b")
     assert code == 0 and "policy    ranks 0-31   train: fsdp2 shard=32 ckpt; generate: vllm tp=8 dp=4" in out
     assert [line for line in out.splitlines() if "optimizer+grads" in line] == [
         "  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [17] onload     @policy    optimizer+grads 28.75 GiB"]
@@ -105,7 +105,10 @@ def _peak_per_rank(out: str) -> float:
 def test_plan_70b_ppo_with_cpu_offload_needs_less_device_memory(capsys):
     # The training state (16 bytes per parameter of the policy and of the critic) moves to host memory.
     args = ["plan", "ppo", "--mesh", "4x8:h100", "--model", "llama3-70b", "--placement"]
-    code, resident, _ = run(capsys, *args, "colocated:tp=8")
+    # Without it, the sync after an update holds both trainers' states and the woken engine's weights.
+    code, _, err = run(capsys, *args, "colocated:tp=8")
+    assert code == 1 and "it needs 82.14 GiB but the device has 80.0 GiB" in err and "when: policy.sync_weights runs" in err
+    code, resident, _ = run(capsys, "plan", "ppo", "--mesh", "4x8:h200", *args[4:], "colocated:tp=8")
     assert code == 0 and _peak_per_rank(resident) == 43.15
     # Without cpu_offload the host holds what the offload steps park and the sleeping vLLM engine's weights.
     assert ("  policy    offload       45.17 GiB  (params 16.43 GiB, grads 4.11 GiB, optimizer 16.43 GiB, "
@@ -124,7 +127,9 @@ def test_plan_70b_ppo_with_cpu_offload_needs_less_device_memory(capsys):
 def test_plan_70b_ppo_fits_two_nodes_of_h100s_only_with_cpu_offload(capsys):
     args = ["plan", "ppo", "--mesh", "2x8:h100", "--model", "llama3-70b", "--placement"]
     code, _, err = run(capsys, *args, "colocated:tp=8")
-    assert code == 1 and "role critic+policy does not fit on rank 0: it needs 82.14 GiB but the device has 80.0 GiB" in err
+    # While the critic trains, the policy's state (43.81 GiB) stays beside the critic's step (104.03 GiB).
+    assert code == 1 and "role critic+policy does not fit on rank 0: it needs 147.84 GiB but the device has 80.0 GiB" in err
+    assert "when: critic.train runs; critic.infer, policy.generate, policy.train keep what offload=True leaves" in err
     assert "keep parameters, gradients and optimizer state in host memory (cpu_offload=True)" in err
     code, out, _ = run(capsys, *args, "colocated:tp=8,cpu_offload=True")
     assert code == 0 and _peak_per_rank(out) < 80

@@ -1,8 +1,8 @@
 """Per-rank memory of every group and phase of a placed program (used by `place`).
 
 Bridges the program (which roles train, infer and generate, with which micro-batches) and the
-memory model of `rlgraph.plan.memory`. Colocated groups share ranks: their phases are combined
-with `colocated_peak`, and the result is checked against the device capacity. What a group keeps
+memory model of `rlgraph.plan.memory`. Colocated groups share ranks: every moment of their phases
+(`colocated_moments`) is checked against the device capacity. What a group keeps
 in host memory (its state under `cpu_offload`, or what a colocated offload step parks) is counted
 per rank and checked against each node's host memory. A role in `options.lora` trains adapters
 over a frozen base, and the reference of a LoRA policy on the policy's ranks is that same module
@@ -158,12 +158,23 @@ def plan_memory(program: Program, groups: Sequence[Group],
             by_ranks.setdefault(group.ranks, {})[f"{group.name}.{phase}"] = breakdown
     offload = bool(getattr(options.placement, "offload", False))
     for ranks, phases in by_ranks.items():
-        peak = M.colocated_peak(phases, offload=offload) if len(phases) > 1 else next(iter(phases.values()))
+        moments = M.colocated_moments(phases, offload=offload)
+        moment = max(moments, key=lambda name: moments[name].total)
         roles = "+".join(sorted({name.split(".")[0] for name in phases}))
-        M.check_fits(roles, ranks[0], peak, options.mesh.capacity_bytes)
+        when = _moment_text(moment, phases, offload) if len(phases) > 1 else ""
+        M.check_fits(roles, ranks[0], moments[moment], options.mesh.capacity_bytes, when=when)
     _check_host(groups, host, options.mesh)  # after the devices: a device that cannot fit is the first thing to fix
     memory = {name: {phase: breakdown.as_dict() for phase, breakdown in phases.items()} for name, phases in per_group.items()}
     return memory, {name: need.as_dict() for name, need in host.items()}
+
+
+def _moment_text(moment: str, phases: dict[str, M.MemoryBreakdown], offload: bool) -> str:
+    """When ranks shared by several phases peak: `policy.train runs; critic.train, ... keep their resident state`."""
+    others = sorted(name for name in phases if name != moment)
+    verb = "keeps" if len(others) == 1 else "keep"
+    kept = ("weights, gradients, optimizer state and KV cache" if not offload else
+            "what offload=True leaves on the device (it parks only the generating trainer's gradients and optimizer state)")
+    return f"{moment} runs; {', '.join(others)} {verb} {kept}"
 
 
 def _check_host(groups: Sequence[Group], host: dict[str, M.MemoryBreakdown], mesh: Mesh) -> None:

@@ -343,20 +343,65 @@ def infer_memory(shape: ModelShape, *, batch_tokens: int, dtype: torch.dtype = t
     )
 
 
-def colocated_peak(phases: Mapping[str, MemoryBreakdown], *, offload: bool) -> MemoryBreakdown:
-    """Peak of roles time-sharing the same ranks, one phase at a time.
+def colocated_moments(phases: Mapping[str, MemoryBreakdown], *, offload: bool) -> dict[str, MemoryBreakdown]:
+    """What ranks shared by several phases hold at each moment of a step, by moment.
 
-    offload=True: between phases everything of the idle roles leaves the device (verl's hybrid
-    engine: trainer state to host memory, the generator's weights and KV cache released), so the
-    peak is the largest phase. offload=False: every phase's persistent parts (weights, gradients,
-    optimizer state, master weights, KV-cache pool) stay resident together, plus the largest
-    phase's transient parts. Pass each copy of the weights once: a phase that reuses another's
-    weights (a trainer's own log-prob forward) should come with params=0.
+    `phases` maps "role.phase" (or a bare phase name: one role) to that phase's own peak. Each
+    moment is one phase running (named after it) plus what the other phases leave on the device:
+
+    offload=False: nothing leaves, so every phase's persistent parts (weights, gradients, optimizer
+    state, master weights, KV-cache pool) stay, and the running phase adds its transient parts.
+    offload=True, as rlgraph's plans schedule it (`passes/schedule.py`, the FSDP2 executor's
+    `offload`): only a role that both trains and generates takes turns. Its offload step parks the
+    trainer's gradients, optimizer state and master weights while its generator runs (its
+    parameters stay), and its generator (vLLM asleep) holds nothing outside its own turn. Every
+    other trainer keeps its whole state resident (a critic through the policy's phases, the
+    policy's onloaded state through the critic's update); a frozen role (reference, reward model)
+    keeps its weights; a trainer's own forward (values, old log-probs) runs on the trainer's
+    weights. One more moment, "role.sync_weights": the generator's weights are woken and loaded
+    while every trainer's state is on the device. Pass each separate copy of the weights once: a
+    phase that reuses another role's weights should come with params=0.
     """
-    if offload:
-        return MemoryBreakdown.largest(phases.values())
-    persistent = MemoryBreakdown.sum(part.persistent() for part in phases.values())
-    return persistent + MemoryBreakdown.largest(part.transient() for part in phases.values())
+    if not offload:
+        persistent = MemoryBreakdown.sum(part.persistent() for part in phases.values())
+        return {name: persistent + part.transient() for name, part in phases.items()}
+    named = {name: _role_phase(name) for name in phases}
+    trains = {role for role, phase in named.values() if phase == "train"}
+    moments = {}
+    for name, part in phases.items():
+        role, phase = named[name]
+        moments[name] = part + MemoryBreakdown.sum(_kept(phases[other], *named[other], role, phase, trains)
+                                                   for other in phases if other != name)
+    for name, part in phases.items():
+        role, phase = named[name]
+        if phase == "generate" and role in trains:
+            moments[f"{role}.sync_weights" if "." in name else "sync_weights"] = MemoryBreakdown(params=part.params) + \
+                MemoryBreakdown.sum(_kept(phases[other], *named[other], role, "sync_weights", trains)
+                                    for other in phases if other != name)
+    return moments
+
+
+def _role_phase(name: str) -> tuple[str, str]:
+    role, _, phase = name.rpartition(".")
+    return role, phase
+
+
+def _kept(part: MemoryBreakdown, role: str, phase: str, now_role: str, now_phase: str, trains: set[str]) -> MemoryBreakdown:
+    """What `role`'s `phase` leaves on the device while `now_role`'s `now_phase` runs, under offload=True."""
+    if phase == "generate":
+        return MemoryBreakdown()  # the engine sleeps (vLLM) or frees its cache outside its turn and its sync
+    if phase == "infer":
+        return MemoryBreakdown() if role in trains else MemoryBreakdown(params=part.params)
+    if phase == "train" and role == now_role and now_phase == "generate":
+        return MemoryBreakdown(params=part.params)  # the offload step parked the rest
+    if phase == "train" and role == now_role and now_phase == "infer":
+        return attrs.evolve(part.persistent(), params=0)  # the forward's own figure holds these weights
+    return part.persistent()
+
+
+def colocated_peak(phases: Mapping[str, MemoryBreakdown], *, offload: bool) -> MemoryBreakdown:
+    """Peak of phases time-sharing the same ranks: the largest of `colocated_moments`."""
+    return MemoryBreakdown.largest(colocated_moments(phases, offload=offload).values())
 
 
 # -- capacity and the fit check -------------------------------------------------------------
@@ -421,9 +466,10 @@ def check_host_fits(node: int, held: Mapping[str, tuple[MemoryBreakdown, int]], 
     )
 
 
-def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int) -> None:
+def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int, *, when: str = "") -> None:
     """Raise `PlacementError` if `need` exceeds `capacity_bytes`; the message names the role, the
-    rank, the breakdown it needs, what the device has and the fixes for its largest parts."""
+    rank, the moment (`when`, for roles sharing ranks), the breakdown it needs, what the device has
+    and the fixes for its largest parts."""
     if need.total <= capacity_bytes:
         return
     by_fix: dict[str, int] = {}
@@ -434,6 +480,7 @@ def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int)
         f"role {role} does not fit on rank {rank}: it needs {format_bytes(need.total)} but the device has "
         f"{capacity_bytes / GiB:.1f} GiB (short by {format_bytes(need.total - capacity_bytes)}).\n"
         f"  needs: {need}\n"
-        "  fix: " + "\n       ".join(fixes)
+        + (f"  when: {when}\n" if when else "")
+        + "  fix: " + "\n       ".join(fixes)
     )
 

@@ -10,7 +10,8 @@ import rlgraph.testing as rgt
 from rlgraph.algorithms import ALGORITHMS, grpo
 from rlgraph.passes.memory_plan import plan_memory
 from rlgraph.passes.options import PlacementConfigError
-from rlgraph.plan.memory import PlacementError
+from rlgraph.plan.memory import PERSISTENT, PlacementError
+from rlgraph.plan.mesh import Colocated
 
 SIZES = {"B": 64, "P": 512, "T": 1024}
 # The hand-written placements of docs/plans.md and tests/passes/test_pipeline.py for this job.
@@ -90,3 +91,42 @@ def test_a_tie_is_called_a_tie():
                           models={"policy": "qwen2.5-7b"})
     assert all(c.placement.tp == 1 for c in compiled.search.ranked)  # no generation: tp is not searched
     assert "a tie, broken by the placements' text" in compiled.search.text()
+
+
+def _ppo_70b(mesh: str, placement="auto"):
+    return rg.compile(ALGORITHMS["ppo"], mesh=mesh, placement=placement, models={"policy": "llama3-70b"},
+                      sizes={"B": 32, "P": 64, "T": 256, "n": 1})
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4, 5])
+def test_ppo_70b_on_h100_nodes_gets_a_placement_that_fits_with_the_critic_counted_or_a_refusal_naming_it(nodes):
+    """The search used to pick colocated(fsdp=24, tp=8, offload=True) on 3x8 at 54.98 GiB/rank: the
+    largest phase alone, without the critic's 43.81 GiB of state that stays on the device meanwhile."""
+    try:
+        compiled = _ppo_70b(f"{nodes}x8:h100")
+    except PlacementError as refused:
+        assert nodes < 5, str(refused)
+        text = str(refused)
+        assert f"no placement fits on the mesh {nodes}x8 h100" in text and "role critic+policy does not fit on rank 0" in text
+        assert "when: " in text and "critic.train" in text and "fix: " in text and "short by" in text
+        return
+    assert nodes == 5
+    capacity = compiled.options.mesh.capacity_bytes
+    for candidate in compiled.search.ranked:
+        plan = candidate.compiled.plan
+        plan_memory(candidate.compiled.program, plan.groups, candidate.compiled.options)  # the full model accepts it
+        memory = plan.memory
+        if isinstance(candidate.placement, Colocated):  # independently: a trainer's step beside the other's state
+            resident = {role: sum(memory[role]["train"][part] for part in PERSISTENT) for role in ("policy", "critic")}
+            assert memory["policy"]["train"]["total"] + resident["critic"] <= capacity
+            assert memory["critic"]["train"]["total"] + resident["policy"] <= capacity
+
+
+def test_the_old_3x8_choice_is_refused_by_the_memory_model_with_the_moment_that_overflows():
+    with pytest.raises(PlacementError) as refused:
+        _ppo_70b("3x8:h100", rg.colocated(fsdp=24, tp=8, offload=True))
+    # The sync after an update: both trainers' state (2 x 43.81 GiB) and the woken engine's weights (16.43 GiB).
+    assert "it needs 104.04 GiB but the device has 80.0 GiB" in str(refused.value)
+    assert "when: policy.sync_weights runs; critic.infer, critic.train, policy.generate, policy.train keep" in str(refused.value)
+    with pytest.raises(PlacementError, match=r"the closest, colocated\(fsdp=24, tp=8, offload=True\), is short by 24.04 GiB"):
+        _ppo_70b("3x8:h100")

@@ -114,11 +114,39 @@ def test_infer_memory_of_an_offloaded_role_by_hand():
 def test_colocated_peak_by_hand():
     train = MemoryBreakdown(params=10, grads=10, optimizer=20, activations=50, workspace=5)
     generate = MemoryBreakdown(params=10, kv_cache=30, activations=20, logits=4)
-    phases = {"policy.train": train, "rollout.generate": generate}
+    phases = {"policy.train": train, "policy.generate": generate}
+    # offload=True: the generator sleeps while the policy trains; the trainer keeps its params (10)
+    # while its generator runs; the sync holds the trainer's state (40) and the engine's weights (10).
+    assert M.colocated_moments(phases, offload=True) == {
+        "policy.train": train, "policy.generate": generate + MemoryBreakdown(params=10),
+        "policy.sync_weights": MemoryBreakdown(params=20, grads=10, optimizer=20)}
     assert M.colocated_peak(phases, offload=True) == train
     assert M.colocated_peak(phases, offload=False) == MemoryBreakdown(
         params=20, grads=10, optimizer=20, kv_cache=30, activations=50, workspace=5)
     assert M.colocated_peak({}, offload=False).total == 0
+
+
+def test_offload_keeps_a_second_trainers_state_and_a_frozen_roles_weights_on_the_device():
+    """PPO colocated with offload=True: only the policy takes turns with its generator; the critic's
+    state stays through the policy's update, the policy's through the critic's, the reference's weights always."""
+    policy = MemoryBreakdown(params=10, grads=10, optimizer=40, master_weights=20, activations=50, workspace=5)
+    critic = MemoryBreakdown(params=9, grads=9, optimizer=36, master_weights=18, activations=40)
+    values = MemoryBreakdown(params=9, activations=7)  # the critic's forward, on the critic's weights
+    ref = MemoryBreakdown(params=10, activations=6)
+    generate = MemoryBreakdown(params=30, kv_cache=30, activations=20)
+    phases = {"policy.train": policy, "policy.generate": generate, "critic.train": critic, "critic.infer": values,
+              "ref.infer": ref}
+    moments = M.colocated_moments(phases, offload=True)
+    assert moments["policy.train"] == policy + critic.persistent() + MemoryBreakdown(params=10)  # 135 + 72 + 10
+    assert moments["critic.train"] == critic + policy.persistent() + MemoryBreakdown(params=10)  # 112 + 80 + 10
+    assert moments["policy.generate"] == generate + MemoryBreakdown(params=10) + critic.persistent() + MemoryBreakdown(params=10)
+    # The values forward runs on the critic trainer's weights: its own figure holds them, not a second copy.
+    assert moments["critic.infer"] == values + attrs.evolve(critic.persistent(), params=0) + policy.persistent() + \
+        MemoryBreakdown(params=10)
+    assert moments["ref.infer"] == ref + policy.persistent() + critic.persistent()
+    assert moments["policy.sync_weights"] == MemoryBreakdown(params=30) + policy.persistent() + critic.persistent() + \
+        MemoryBreakdown(params=10)
+    assert M.colocated_peak(phases, offload=True) == moments["policy.train"]  # 217: not the largest phase alone (135)
 
 
 def test_breakdown_helpers_and_text():
@@ -227,15 +255,20 @@ def test_more_tokens_never_need_less(shape, cfg, extra):
 
 
 @settings(max_examples=200, deadline=None)
-@given(shapes(), configs, st.integers(1, 1024), st.integers(1, 8192), st.integers(1, 8), st.booleans())
-def test_offload_never_raises_the_colocated_peak(shape, cfg, sequences, seq_len, tp, with_ref):
+@given(shapes(), configs, st.integers(1, 1024), st.integers(1, 8192), st.integers(1, 8), st.booleans(), st.booleans())
+def test_offload_never_raises_the_colocated_peak(shape, cfg, sequences, seq_len, tp, with_ref, with_critic):
     phases = {"policy.train": M.train_memory(shape, cfg),
               "policy.generate": M.generate_memory(shape, tp=tp, batch_sequences=sequences, max_seq_len=seq_len)}
     if with_ref:
         phases["ref.infer"] = M.infer_memory(shape, batch_tokens=sequences * seq_len)
+    if with_critic:
+        phases["critic.train"] = M.train_memory(shape, cfg)
     offloaded = M.colocated_peak(phases, offload=True)
     resident = M.colocated_peak(phases, offload=False)
-    assert max(part.total for part in phases.values()) == offloaded.total <= resident.total
+    assert max(part.total for part in phases.values()) <= offloaded.total <= resident.total
+    # offload=True parks only the generating trainer's state: a second trainer's stays beside the first's step.
+    if with_critic:
+        assert offloaded.total >= phases["policy.train"].total + phases["critic.train"].persistent().total
 
 
 @settings(max_examples=200, deadline=None)

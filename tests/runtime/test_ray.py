@@ -10,8 +10,8 @@ import ray  # noqa: E402
 
 from rlgraph.runtime.ray_transport import RayTransport  # noqa: E402
 from rlgraph.testing.tiny import tiny_prompts  # noqa: E402
-from tests.runtime.test_spmd import (_assert_same_metrics, _assert_same_weights, _compile, _step_both, _world,  # noqa: E402
-                                     failure_when_rank_1_dies_mid_step)
+from tests.helpers import assert_same_metrics, assert_same_training, state_of  # noqa: E402
+from tests.runtime.test_spmd import _compile, _step_both, _world, failure_when_rank_1_dies_mid_step  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,13 @@ def test_grpo_on_two_ray_actors_matches_local():
     world, prompts = _world(), tiny_prompts(4)
     compiled = _compile("grpo", n=4)
     local_executor = world.build_local()
+    before = state_of(local_executor.models["policy"])
     with RayTransport(compiled.plan, world, device="cpu") as transport:
         assert len(transport.nodes) == 2
         for _ in range(2):
             local, remote = _step_both(compiled, local_executor, transport, world, prompts)
-            _assert_same_metrics(local, remote)
-        _assert_same_weights(local_executor.models["policy"].model, transport.pull_state("policy"))
+            assert_same_metrics(local, remote)
+        assert_same_training(local_executor.models["policy"], transport.pull_state("policy"), before, steps=2)
 
 
 def test_a_killed_actor_is_reported_with_the_step_the_rank_and_the_node():
