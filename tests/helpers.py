@@ -186,7 +186,9 @@ def checkpoint_worker(run_dir, *, lr: float):
     """The policy of `rlgraph train`'s run `run_dir` at its latest checkpoint, with its optimizer
     state, as a worker for `assert_same_training`; `lr`: the largest learning rate its steps used."""
     from rlgraph.train.checkpoint import latest_checkpoint, read_checkpoint
-    from rlgraph.train.run import _tokenizer, checkpoint_policy, load_run_config
+    from rlgraph.train.roles import checkpoint_policy
+    from rlgraph.train.run import load_run_config
+    from rlgraph.train.setup import _tokenizer
 
     config = load_run_config(run_dir)
     path = latest_checkpoint(run_dir)
