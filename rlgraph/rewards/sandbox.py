@@ -1,0 +1,207 @@
+"""Run one untrusted Python program in a bubblewrap sandbox and read what it prints, with hard bounds.
+
+    run_sandboxed(script, stdin=b"...", limits=SandboxLimits(...)) -> SandboxOutcome
+
+The program (`python -I -S -c script`) runs under `bwrap` with new user, PID, network, IPC, UTS and
+cgroup namespaces, a new session (no controlling terminal), a fresh /proc of its own PID namespace,
+a read-only root holding only /usr (and the interpreter's prefix), a size-capped tmpfs at /tmp as
+the only writable place, an empty environment, no capabilities and no further user namespaces.
+The parent (this process) enforces the rest from outside, where the program cannot reach:
+  - wall time: SIGKILL at the deadline, which fires even if the program stopped itself (SIGSTOP);
+  - output: stdout is read with a byte cap and the sandbox is killed when it is exceeded;
+  - cleanup: killing bwrap kills the namespace's init (`--die-with-parent`), and the kernel then
+    kills every process left in the PID namespace, setsid'd or double-forked ones included.
+Resource limits (address space, CPU seconds, file size, open files, no core) are set before bwrap
+runs; the process-count limit is set by the harness inside, because RLIMIT_NPROC is counted per user
+namespace there and so does not count the trainer's own threads. The kernel does not enforce
+RLIMIT_NPROC for host root, so a trainer running as root drops to uid 65534 (nobody) first.
+See docs/security.md for the threat model.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import attrs
+
+from rlgraph.ir.errors import ConfigError
+
+NOBODY = 65534
+# Where Debian-like systems keep a Python that any user may run; used when the trainer runs as root
+# and its own interpreter lives somewhere only root can reach (e.g. under /root/.pyenv).
+SYSTEM_PYTHON = "/usr/bin/python3"
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora: `dnf install bubblewrap`), "
+                "or opt out of isolation explicitly with isolation='none' (only for code you trust: see docs/security.md)")
+
+
+@attrs.frozen
+class SandboxLimits:
+    """Per-program bounds. `memory_mb` is per process; at most `max_processes` of them exist at once."""
+
+    timeout_s: float = 5.0
+    memory_mb: int = 512
+    max_processes: int = 8
+    output_bytes: int = 1 << 20
+    tmp_bytes: int = 16 << 20
+
+
+@attrs.frozen
+class SandboxOutcome:
+    stdout: bytes
+    returncode: int | None
+    timed_out: bool
+    output_exceeded: bool
+    seconds: float
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def require_bwrap() -> str:
+    """The bwrap executable, or a ConfigError saying how to get it."""
+    path = bwrap_path()
+    if path is None:
+        raise ConfigError("code: isolation='bwrap' needs the `bwrap` executable (bubblewrap), which is not on PATH",
+                          fix=INSTALL_HINT)
+    return path
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether every directory above `path` lets other users through (so uid 65534 can run it)."""
+    path = os.path.realpath(path)
+    parent = os.path.dirname(path)
+    while True:
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+        if parent == "/":
+            return True
+        parent = os.path.dirname(parent)
+
+
+def sandbox_python(python: str) -> str:
+    """The interpreter the sandbox runs: `python`, unless we run as root and uid 65534 cannot reach it."""
+    if os.geteuid() != 0 or _reachable_by_others(python):
+        return python
+    if os.path.exists(SYSTEM_PYTHON) and _reachable_by_others(SYSTEM_PYTHON):
+        return SYSTEM_PYTHON
+    raise ConfigError(f"code: the trainer runs as root, so the sandbox runs as uid {NOBODY}, which cannot reach the "
+                      f"interpreter {python!r} (a directory above it is closed to other users)",
+                      fix=f"pass python='/path/to/python3' readable by all users, or install {SYSTEM_PYTHON}")
+
+
+def bwrap_command(bwrap: str, python: str, script: str, limits: SandboxLimits) -> list[str]:
+    """The bwrap argv running `python -I -S -c script`: read-only /usr and interpreter prefix, tmpfs /tmp."""
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))  # .../bin/python3 -> ...
+    binds = ["--ro-bind", "/usr", "/usr"]
+    for top in ("lib", "lib64", "bin"):  # merged-/usr systems link these; older ones have real directories
+        host = "/" + top
+        if os.path.islink(host):
+            binds += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            binds += ["--ro-bind", host, host]
+    if not prefix.startswith("/usr/") and prefix != "/usr":
+        binds += ["--ro-bind", prefix, prefix]
+    # /dev holds only the character devices a program needs; the root is remounted read-only last,
+    # so /tmp (size-capped) is the only place it can write.
+    devices = [arg for dev in ("null", "zero", "urandom", "random") for arg in ("--dev-bind", f"/dev/{dev}", f"/dev/{dev}")]
+    return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--clearenv", "--cap-drop", "ALL", "--hostname", "sandbox", *binds, "--proc", "/proc", *devices,
+            "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "PYTHONHASHSEED", "0", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+            "--setenv", "RLGRAPH_MAX_PROCESSES", str(limits.max_processes),
+            python, "-I", "-S", "-c", script]
+
+
+def _preexec(limits: SandboxLimits, drop_root: bool):
+    """Runs in the child before exec: resource limits, then (as root, when `drop_root`) become uid 65534."""
+    def apply() -> None:
+        memory = limits.memory_mb * 2**20
+        for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, int(limits.timeout_s) + 1),
+                             (resource.RLIMIT_FSIZE, limits.tmp_bytes), (resource.RLIMIT_NOFILE, 64),
+                             (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(limit, (value, value))
+        if drop_root and os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+    return apply
+
+
+def run_sandboxed(script: str, stdin: bytes, limits: SandboxLimits, python: str | None = None,
+                  isolation: str = "bwrap") -> SandboxOutcome:
+    """Run `script` with `stdin`; return its stdout (at most `limits.output_bytes`) and how it ended."""
+    python = python or sys.executable
+    if isolation == "bwrap":
+        return _run(bwrap_command(require_bwrap(), sandbox_python(python), script, limits), stdin, limits,
+                    _preexec(limits, drop_root=True), "/", {})
+    # isolation="none": resource limits, a private working directory and a process group; no boundary.
+    # No process-count limit either: outside a user namespace RLIMIT_NPROC would count the trainer's threads.
+    with tempfile.TemporaryDirectory(prefix="rlgraph-code-") as workdir:
+        env = {"HOME": workdir, "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+        return _run([python, "-I", "-S", "-c", script], stdin, limits, _preexec(limits, drop_root=False), workdir, env)
+
+
+def _run(command: list[str], stdin: bytes, limits: SandboxLimits, preexec, cwd: str, env: dict[str, str]
+         ) -> SandboxOutcome:
+    start = time.monotonic()
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **env}, cwd=cwd,
+                               start_new_session=True, preexec_fn=preexec)
+    writer = threading.Thread(target=_feed, args=(process.stdin, stdin), daemon=True)
+    writer.start()
+    try:
+        stdout, timed_out, exceeded = _read_capped(process, start + limits.timeout_s, limits.output_bytes)
+    finally:
+        _kill(process)
+        writer.join(timeout=1)
+    return SandboxOutcome(stdout, process.returncode, timed_out, exceeded, time.monotonic() - start)
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, OSError, ValueError):
+        pass  # the program exited or closed its stdin: what it did not read does not matter
+
+
+def _read_capped(process: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bool, bool]:
+    """(stdout, timed_out, output_exceeded): read until EOF, the deadline or `cap` bytes, whichever first."""
+    chunks, size = [], 0
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"".join(chunks), True, False
+            if not selector.select(timeout=left):
+                continue
+            chunk = os.read(process.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return b"".join(chunks), False, False
+            chunks.append(chunk[:cap - size])
+            size += len(chunk)
+            if size > cap:
+                return b"".join(chunks), False, True
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """SIGKILL the whole process group (bwrap; with it the PID namespace) and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.stdout.close()
+    process.wait()
