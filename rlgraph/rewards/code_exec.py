@@ -33,7 +33,7 @@ from typing import Any
 
 from rlgraph.ir.errors import ConfigError, did_you_mean
 from rlgraph.rewards.code_verdict import TestsPlan, UnverifiableTest, plan_tests
-from rlgraph.rewards.sandbox import SandboxLimits, SandboxOutcome, require_bwrap, run_sandboxed, sandbox_python
+from rlgraph.rewards.sandbox import SandboxLimits, SandboxOutcome, require_sandbox, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _HARNESS = open(os.path.join(os.path.dirname(__file__), "sandbox_harness.py"), encoding="utf-8").read()
@@ -168,8 +168,7 @@ def _check_isolation(isolation: Any, python: str) -> None:
                           f"{did_you_mean(str(isolation), ISOLATIONS)}",
                           fix="use isolation='bwrap' (the sandbox; needs bubblewrap)")
     if isolation == "bwrap":
-        require_bwrap()
-        sandbox_python(python)
+        require_sandbox(python)
     else:
         warnings.warn("code: isolation='none' runs model-written code with resource limits only: it can read and "
                       "write your files, reach the network and signal the trainer. Use it only for code you trust "

@@ -180,6 +180,9 @@ class _Splitter(ast.NodeTransformer):
             leaf_id = f"{self.prefix}.{len(self.leaves)}"
             self.leaves.append((leaf_id, node, free <= self.pure | BUILTIN_NAMES))
             return ast.Name(id=f"__leaf_{leaf_id}", ctx=ast.Load())
+        if isinstance(node, ast.Call):  # the builtin's name stays; its arguments are split
+            node.args = [self.visit(arg) for arg in node.args]
+            return node
         return super().generic_visit(node)
 
 

@@ -20,6 +20,7 @@ See docs/security.md for the threat model.
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import selectors
@@ -75,6 +76,35 @@ def require_bwrap() -> str:
         raise ConfigError("code: isolation='bwrap' needs the `bwrap` executable (bubblewrap), which is not on PATH",
                           fix=INSTALL_HINT)
     return path
+
+
+@functools.lru_cache(maxsize=8)
+def bwrap_failure(python: str) -> str | None:
+    """Why a trivial program cannot run in the sandbox here (None: it can). Cached per interpreter."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        return "the `bwrap` executable (bubblewrap) is not on PATH"
+    limits = SandboxLimits(timeout_s=10)
+    command = bwrap_command(bwrap, sandbox_python(python), "print('ok')", limits)
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=limits.timeout_s, cwd="/",
+                              preexec_fn=_preexec(limits, drop_root=True))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"bwrap could not be started: {exc}"
+    if done.stdout.strip() != b"ok":
+        return f"bwrap failed (exit code {done.returncode}): {done.stderr.decode(errors='replace').strip()[:300]}"
+    return None
+
+
+def require_sandbox(python: str) -> None:
+    """A ConfigError unless bwrap is installed and works here (user namespaces allowed, interpreter reachable)."""
+    require_bwrap()
+    failure = bwrap_failure(python)
+    if failure is not None:
+        raise ConfigError(f"code: isolation='bwrap' cannot run a program here: {failure}",
+                          fix="allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
+                              "user.max_user_namespaces > 0; in a container, run it with a seccomp profile that "
+                              "permits them), or " + INSTALL_HINT.split(", or ", 1)[1])
 
 
 def _reachable_by_others(path: str) -> bool:
