@@ -85,7 +85,10 @@ def bwrap_failure(python: str) -> str | None:
     if bwrap is None:
         return "the `bwrap` executable (bubblewrap) is not on PATH"
     limits = SandboxLimits(timeout_s=10)
-    command = bwrap_command(bwrap, sandbox_python(python), "print('ok')", limits)
+    try:
+        command = bwrap_command(bwrap, sandbox_python(python), "print('ok')", limits)
+    except ConfigError as exc:
+        return exc.summary
     try:
         done = subprocess.run(command, capture_output=True, timeout=limits.timeout_s, cwd="/",
                               preexec_fn=_preexec(limits, drop_root=True))

@@ -267,6 +267,7 @@ def test_pipeline_bad_settings():
             RewardPipeline(bad.pop("terms"), **bad)
 
 
+@pytest.mark.filterwarnings("ignore:code. isolation=.none.:RuntimeWarning")  # where bubblewrap is missing
 def test_pipeline_pickles_for_worker_processes():
     pipeline = RewardPipeline([RewardTerm("math", build_reward("math", rel_tol=0.1)),
                                RewardTerm("fmt", build_reward("format_regex", pattern=r"\d"), 0.2),
