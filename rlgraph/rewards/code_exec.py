@@ -86,6 +86,9 @@ class CodeTests:
         if not isinstance(allow_forgeable_tests, bool):
             raise ConfigError(f"code: allow_forgeable_tests={allow_forgeable_tests!r} must be true or false")
         self.python = python or sys.executable
+        if not isinstance(self.python, str) or not (os.path.isfile(self.python) and os.access(self.python, os.X_OK)):
+            raise ConfigError(f"code: python={python!r} is not an executable file",
+                              fix="pass the path of a Python 3 interpreter, or leave it out to use the trainer's")
         _check_isolation(isolation, self.python)
         self.timeout_s, self.memory_mb, self.partial = float(timeout_s), int(memory_mb), bool(partial)
         self.tests_field, self.workers = tests_field, workers or (os.cpu_count() or 1)

@@ -282,7 +282,8 @@ def test_isolation_none_is_an_explicit_loud_opt_in():
                                  dict(max_processes=0), dict(max_processes="8"), dict(max_processes=True),
                                  dict(output_bytes=-1), dict(output_bytes=1.5), dict(output_bytes="1MiB"),
                                  dict(allow_forgeable_tests="yes"), dict(allow_forgeable_tests=1),
-                                 dict(allow_forgeable_tests=None)])
+                                 dict(allow_forgeable_tests=None), dict(python=3), dict(python="/nonexistent/python3"),
+                                 dict(python=__file__)])  # a file, not executable
 def test_bad_sandbox_options_are_config_errors_naming_the_option(bad):
     (name, value), = bad.items()
     with pytest.raises(ConfigError, match=f"code: {name}="):
