@@ -288,3 +288,14 @@ def test_bad_sandbox_options_are_config_errors_naming_the_option(bad):
     (name, value), = bad.items()
     with pytest.raises(ConfigError, match=f"code: {name}="):
         CodeTests(**bad)
+
+
+@needs_bwrap
+def test_a_fork_bomb_does_not_starve_the_other_completions_of_the_batch():
+    # Process limits are per sandbox (its own user namespace), so concurrent honest samples still run.
+    reward = CodeTests(timeout_s=TIMEOUT_S, workers=6)
+    bomb, honest = "```python\n" + ESCAPES["fork bomb"] + "\n```", "def add(a, b):\n    return a + b"
+    before = sandbox_processes()
+    start = time.monotonic()
+    assert reward([bomb, honest] * 3, tests=[ADD] * 6) == [0.0, 1.0] * 3
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S and not left_behind(before)
