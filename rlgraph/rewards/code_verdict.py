@@ -45,7 +45,9 @@ COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
 UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_PRODUCT_ITEMS = 1_000_000  # `seq * n` on the parent side: a bound on what a claimed value can make it build
-MAX_REPR_CHARS = 1 << 20
+# A reported value is parsed with ast.literal_eval, which needs ~450 bytes per character at peak (a
+# 64 KiB list literal: ~30 MB): this bounds what one claimed value can make the trainer allocate.
+MAX_REPR_CHARS = 1 << 16
 BUILTIN_NAMES = frozenset(dir(builtins))
 
 

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -170,15 +171,26 @@ def test_no_unix_sockets_of_the_host(tmp_path):
 
 
 @needs_bwrap
-@pytest.mark.parametrize("how", ["os.write", "print"])
+@pytest.mark.parametrize("how", ["os.write", "print", "a huge value", "a value just under the parse bound"])
 def test_huge_output_is_cut_at_the_cap_with_bounded_parent_memory(how):
-    writer = "os.write(1, chunk)" if how == "os.write" else "print(chunk.decode(), end='')"
-    code = f"import os\nchunk = b'x' * 2**16\nfor _ in range(2**14):\n    {writer}\ndef add(a, b): return 3"  # 1 GiB
-    rss = psutil.Process().memory_info().rss
-    result = attack(code)
-    # The reader keeps at most output_bytes (1 MiB) plus one 64 KiB chunk; 64 MiB leaves room for the
-    # allocator and the JSON parsing of what was kept, and is far below the 1 GiB the code wrote.
-    assert psutil.Process().memory_info().rss - rss < 64 * 2**20
+    writer = {"os.write": "os.write(1, chunk)", "print": "print(chunk.decode(), end='')"}.get(how, "pass")
+    code = f"import os\nchunk = b'x' * 2**16\nfor _ in range(2**14):\n    {writer}\n"  # 1 GiB
+    code += {"a huge value": "def add(a, b): return [[]] * 200_000",  # 800 KB: fits the output cap
+             "a value just under the parse bound": "def add(a, b): return [[]] * 21000"}.get(how, "def add(a, b): return 3")
+    process, samples, done = psutil.Process(), [], threading.Event()
+    rss = process.memory_info().rss
+    sampler = threading.Thread(target=lambda: [samples.append(process.memory_info().rss) or time.sleep(0.002)
+                                               for _ in iter(done.is_set, True)])
+    sampler.start()  # the peak during the call, not what is left after it
+    try:
+        result = attack(code)
+    finally:
+        done.set()
+        sampler.join()
+    # The reader keeps at most output_bytes (1 MiB) plus one 64 KiB chunk, and parses a value of at most
+    # 64 KiB (~30 MB at peak in ast.literal_eval); 64 MiB leaves room for the allocator, and is far below
+    # the 1 GiB the code wrote or the ~500 MB a 1 MiB literal would take to parse.
+    assert max(samples) - rss < 64 * 2**20
     assert result["passed"] == 0 and not result["timed_out"]
 
 
