@@ -41,8 +41,9 @@ NOBODY = 65534
 # Where Debian-like systems keep a Python that any user may run; used when the trainer runs as root
 # and its own interpreter lives somewhere only root can reach (e.g. under /root/.pyenv).
 SYSTEM_PYTHON = "/usr/bin/python3"
+OPT_OUT = "opt out of isolation explicitly with isolation='none' (only for code you trust: see docs/security.md)"
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`; Fedora: `dnf install bubblewrap`), "
-                "or opt out of isolation explicitly with isolation='none' (only for code you trust: see docs/security.md)")
+                "or " + OPT_OUT)
 
 
 @attrs.frozen
@@ -107,7 +108,7 @@ def require_sandbox(python: str) -> None:
         raise ConfigError(f"code: isolation='bwrap' cannot run a program here: {failure}",
                           fix="allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 or "
                               "user.max_user_namespaces > 0; in a container, run it with a seccomp profile that "
-                              "permits them), or " + INSTALL_HINT.split(", or ", 1)[1])
+                              "permits them), or " + OPT_OUT)
 
 
 def _reachable_by_others(path: str) -> bool:
@@ -147,7 +148,8 @@ def bwrap_command(bwrap: str, python: str, script: str, limits: SandboxLimits) -
         binds += ["--ro-bind", prefix, prefix]
     # /dev holds only the character devices a program needs; the root is remounted read-only last,
     # so /tmp (size-capped) is the only place it can write.
-    devices = [arg for dev in ("null", "zero", "urandom", "random") for arg in ("--dev-bind", f"/dev/{dev}", f"/dev/{dev}")]
+    devices = [arg for dev in ("null", "zero", "urandom", "random")
+               for arg in ("--dev-bind", f"/dev/{dev}", f"/dev/{dev}")]
     return [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--clearenv", "--cap-drop", "ALL", "--hostname", "sandbox", *binds, "--proc", "/proc", *devices,
             "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",

@@ -94,7 +94,8 @@ ESCAPES = {
                                    "def add(a, b): return 0",
     "memory blow-up": "blob = bytearray(4 * 1024**3)\ndef add(a, b): return 3",
     "memory blow-up in children": "import os\nfor _ in range(6):\n    if os.fork() == 0:\n"
-                                  "        try:\n            blob = bytearray(4 * 1024**3)\n        finally:\n            os._exit(0)\n"
+                                  "        try:\n            blob = bytearray(4 * 1024**3)\n"
+                                  "        finally:\n            os._exit(0)\n"
                                   "def add(a, b): return 0",
     "new user namespace": "import ctypes\nok = ctypes.CDLL(None).unshare(0x10000000) == 0  # CLONE_NEWUSER\n"
                           "def add(a, b): return 3 if ok else 0",
