@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,8 @@ from hypothesis import strategies as st
 
 from rlgraph.ir.errors import ConfigError
 from rlgraph.rewards import CodeTests
+from rlgraph.rewards import code_exec
 from rlgraph.rewards import sandbox as sandbox_module
-from rlgraph.rewards.sandbox_harness import __doc__ as HARNESS_DOC
 
 psutil = pytest.importorskip("psutil")
 
@@ -34,13 +35,21 @@ TIMEOUT_S = 1.5
 # 2-core machine running two test workers.
 SLACK_S = 3.0
 ADD = ["assert add(1, 2) == 3"]
-MARKER = HARNESS_DOC.splitlines()[0]  # the harness's text is on every sandboxed interpreter's command line
+TAG = {"text": ""}
+
+
+@pytest.fixture(autouse=True)
+def tagged_harness(monkeypatch):
+    """A tag unique to this test on the command line of every process its sandboxes start (forks keep it),
+    so that tests running at the same time in other workers do not count as left behind."""
+    TAG["text"] = f"rlgraph-attack-{os.getpid()}-{uuid.uuid4().hex}"
+    monkeypatch.setattr(code_exec, "_HARNESS", code_exec._HARNESS + f"\n# {TAG['text']}\n")
 
 
 def sandbox_processes() -> set[int]:
     found = set()
     for process in psutil.process_iter(["cmdline"]):
-        if any(MARKER in part for part in process.info["cmdline"] or ()):
+        if any(TAG["text"] in part for part in process.info["cmdline"] or ()):
             found.add(process.pid)
     return found
 
@@ -312,3 +321,29 @@ def test_a_fork_bomb_does_not_starve_the_other_completions_of_the_batch():
     start = time.monotonic()
     assert reward([bomb, honest] * 3, tests=[ADD] * 6) == [0.0, 1.0] * 3
     assert time.monotonic() - start < TIMEOUT_S + SLACK_S and not left_behind(before)
+
+
+def test_a_bwrap_that_cannot_start_a_sandbox_is_refused_at_construction(monkeypatch):
+    # e.g. a container that forbids user namespaces: bwrap is there but every run would score 0.
+    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: "/bin/false")
+    sandbox_module.bwrap_failure.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"(?s)cannot run a program here: bwrap failed.*user namespaces"):
+            CodeTests()
+    finally:
+        sandbox_module.bwrap_failure.cache_clear()
+
+
+def test_as_root_the_sandbox_runs_an_interpreter_uid_65534_can_reach(tmp_path):
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    python = closed / "python3"
+    python.write_text("")
+    python.chmod(0o755)
+    if os.geteuid() != 0:
+        assert sandbox_module.sandbox_python(str(python)) == str(python)  # no uid change: it runs as we do
+    elif os.path.exists(sandbox_module.SYSTEM_PYTHON):
+        assert sandbox_module.sandbox_python(str(python)) == sandbox_module.SYSTEM_PYTHON
+    else:
+        with pytest.raises(ConfigError, match="cannot reach the interpreter"):
+            sandbox_module.sandbox_python(str(python))
