@@ -62,6 +62,18 @@ def plain(value, depth=0):
     return value  # its repr is probably not a literal: the parent then counts the check as failed
 
 
+def literal(value):
+    """The text of `value` that ast.literal_eval reads back: repr, but infinities as 1e999."""
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "1e999" if value > 0 else "-1e999"
+    if type(value) in (list, tuple, set) and value:
+        items = ", ".join(literal(item) for item in value)
+        return {list: "[%s]", tuple: "(%s,)" if len(value) == 1 else "(%s)", set: "{%s}"}[type(value)] % items
+    if type(value) is dict:
+        return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def run_code(code, stdin_text, cap):
     """Exec the completion with `stdin_text` as stdin; (namespace, stdout text)."""
     sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin_text), CappedText(cap), CappedText(cap)
@@ -94,7 +106,7 @@ def run_steps(number, steps, namespace, cap):
                 exec(compile(step[1], f"test{number}", "exec"), namespace)
             else:
                 value = eval(compile(step[2], f"test{number}", "eval"), namespace)
-                emit({"leaf": step[1], "repr": repr(plain(value))[:cap]})
+                emit({"leaf": step[1], "repr": literal(plain(value))[:cap]})
         except BaseException as exc:  # noqa: B036
             emit({"leaf": step[1], "error": describe(exc)} if step[0] == "eval" else
                  {"test": number, "error": describe(exc)})
