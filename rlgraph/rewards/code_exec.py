@@ -120,14 +120,15 @@ class CodeTests:
         for number, case in enumerate(cases):
             try:
                 plan_tests([case], self.allow_forgeable_tests)
-            except SyntaxError as exc:
-                raise ConfigError(f"code: {where}, test {number}, is not valid Python ({exc.msg}, line {exc.lineno}): "
-                                  f"{case[:80]!r}", fix="fix the dataset's test string") from None
             except UnverifiableTest as exc:
                 raise ConfigError(f"code: {where}, test {number}, cannot be checked outside the sandbox: {exc}: "
                                   f"{case[:80]!r}", fix="write the test as top-level asserts (`assert f(1) == 2`), or "
                                   "pass allow_forgeable_tests=True to let the sandbox decide it (the code can then "
                                   "forge a pass; see docs/security.md)") from None
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:  # ValueError: a NUL byte (3.11)
+                why = f"{exc.msg}, line {exc.lineno}" if isinstance(exc, SyntaxError) else f"{type(exc).__name__}: {exc}"
+                raise ConfigError(f"code: {where}, test {number}, is not valid Python ({why}): {case[:80]!r}",
+                                  fix="fix the dataset's test string") from None
         return plan_tests(cases, self.allow_forgeable_tests)
 
     def run(self, code: str, kind: str, cases: list[Any], plan: TestsPlan | None = None) -> dict[str, Any]:
@@ -184,7 +185,7 @@ def _records(outcome: SandboxOutcome) -> list[dict[str, Any]]:
     for line in outcome.stdout.decode("utf-8", "replace").splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deep enough to exhaust the parser's stack
             continue
         if isinstance(record, dict):
             records.append(record)

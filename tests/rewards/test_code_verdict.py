@@ -85,8 +85,9 @@ def test_bad_test_rows_are_config_errors_naming_row_and_test():
         reward = CodeTests(isolation="none")
     with pytest.raises(ConfigError, match=r"(?s)row 1.s .tests., test 0, cannot be checked.*allow_forgeable_tests=True"):
         reward(["x = 1", "x = 2"], tests=["assert x == 1", ["for i in range(2):\n    assert x"]])
-    with pytest.raises(ConfigError, match=r"row 0's 'tests', test 1, is not valid Python"):
-        reward(["x = 1"], tests=[["assert x == 1", "assert x =="]])
+    for bad in ("assert x ==", "assert x == 1\0", "assert " + "(" * 10_000 + ")" * 10_000):
+        with pytest.raises(ConfigError, match=r"row 0's 'tests', test 1, is not valid Python"):
+            reward(["x = 1"], tests=[["assert x == 1", bad]])
 
 
 @needs_bwrap

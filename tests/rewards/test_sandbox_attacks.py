@@ -222,6 +222,7 @@ FORGERIES = {
     "patch repr and eval": "import builtins\nbuiltins.repr = lambda v: 'True'\nbuiltins.eval = lambda *a: True\n"
                            "def add(a, b): return 0",
     "os._exit before the asserts": "import os\nos._exit(0)",
+    "a line that crashes a JSON parser": "import os\nos.write(1, b'[' * 200_000 + b'\\n')\ndef add(a, b): return 0",
     "an object equal to everything": "class Any:\n    def __eq__(self, other): return True\n"
                                      "    __hash__ = object.__hash__\ndef add(a, b): return Any()",
     "a str subclass equal to everything": "class S(str):\n    def __eq__(self, other): return True\n"
