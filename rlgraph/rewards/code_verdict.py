@@ -259,4 +259,6 @@ def _binary(op: type, left: Any, right: Any) -> Any:
             if isinstance(seq, (str, bytes, list, tuple)) and isinstance(count, int) \
                     and len(seq) * max(count, 0) > MAX_PRODUCT_ITEMS:
                 raise _Missing("a repeated sequence over the parent's bound")
+    if op is ast.Mod and isinstance(left, (str, bytes)):  # '%*d' % (10**9, 1) would build a 1 GB string
+        raise _Missing("string formatting is left to the sandbox")
     return BINARY[op](left, right)
