@@ -134,10 +134,16 @@ def _completion_steps(items) -> list[list]:
                 if not is_reference:
                     steps.append(["eval", leaf_id, ast.unparse(leaf)])
                     needed |= _names(leaf)[0]
-        elif not info or _names(node)[1] & needed:
+        elif not info or _names(node)[1] & needed or _always_sent(node):
             steps.append(["exec", ast.unparse(node)])
             needed |= _names(node)[0]
     return steps[::-1]
+
+
+def _always_sent(stmt: ast.stmt) -> bool:
+    """Imports, and statements that bind nothing (`sys.setrecursionlimit(10**4)`): the code may rely on
+    their effects, and they bind no expected value (assignments and defs are sent only when needed)."""
+    return isinstance(stmt, (ast.Import, ast.ImportFrom)) or not _names(stmt)[1]
 
 
 def _reference_steps(items) -> list[list]:

@@ -62,6 +62,11 @@ def test_expected_values_the_test_computes_stay_out_of_the_completions_run():
     assert steps(test, "reference") == [["exec", "expected = sorted([2, 1])"], ["exec", "x = [3, 1]"],
                                         ["eval", "0.2.1", "expected"]]
     assert verdict(test, **{"f(x)": "[1, 2]", "expected": "[1, 2]"})
+    # Imports and statements binding nothing go to the completion's run (it may rely on them); a
+    # reference implementation the test defines does not.
+    test = "import sys\nsys.setrecursionlimit(5000)\ndef ref(n):\n    return 2 * n\nassert f(3) == ref(3)"
+    assert [s[1] if s[0] == "exec" else s[2] for s in steps(test)] == ["import sys", "sys.setrecursionlimit(5000)", "f(3)"]
+    assert "ref(3)" in [s[2] for s in steps(test, "reference") if s[0] == "eval"]
     # A name bound from the completion's values is the completion's: it runs there, in order.
     assert steps("y = f(2)\nassert y == 4") == [["exec", "y = f(2)"], ["eval", "0.1.0", "y"]]
 
