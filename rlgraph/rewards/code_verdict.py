@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import math
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +39,8 @@ SAFE_CALLS: dict[str, Any] = {name: getattr(builtins, name) for name in (
     "abs", "all", "any", "bool", "dict", "float", "frozenset", "int", "len", "list", "max", "min", "reversed",
     "round", "set", "sorted", "str", "sum", "tuple")}
 SAFE_CALLS["reversed"] = lambda seq: list(reversed(seq))
+SAFE_CALLS["math.isclose"] = math.isclose  # MBPP's float tests: `assert math.isclose(area(2), 12.56, rel_tol=0.001)`
+SAFE_KEYWORDS = {"math.isclose": {"rel_tol", "abs_tol"}, "sorted": {"reverse"}, "round": {"ndigits"}}
 BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
@@ -188,8 +191,10 @@ class _Splitter(ast.NodeTransformer):
             leaf_id = f"{self.prefix}.{len(self.leaves)}"
             self.leaves.append((leaf_id, node, free <= self.pure | BUILTIN_NAMES))
             return ast.Name(id=f"__leaf_{leaf_id}", ctx=ast.Load())
-        if isinstance(node, ast.Call):  # the builtin's name stays; its arguments are split
+        if isinstance(node, ast.Call):  # the function's name stays; its arguments are split
             node.args = [self.visit(arg) for arg in node.args]
+            for keyword in node.keywords:
+                keyword.value = self.visit(keyword.value)
             return node
         return super().generic_visit(node)
 
@@ -204,9 +209,19 @@ def _parent_evaluates(node: ast.expr) -> bool:
     if isinstance(node, ast.BinOp):
         return type(node.op) in BINARY
     if isinstance(node, ast.Call):  # sorted(x), len(f(1)): the builtin's name, positional arguments only
-        return (isinstance(node.func, ast.Name) and node.func.id in SAFE_CALLS and not node.keywords
+        name = _call_name(node.func)
+        return (name in SAFE_CALLS and all(k.arg in SAFE_KEYWORDS.get(name, ()) for k in node.keywords)
                 and not any(isinstance(arg, ast.Starred) for arg in node.args))
     return False
+
+
+def _call_name(func: ast.expr) -> str | None:
+    """"len" for `len(...)`, "math.isclose" for `math.isclose(...)`, None for anything else."""
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return f"{func.value.id}.{func.attr}"
+    return None
 
 
 def read_value(text: Any) -> Any:
@@ -255,7 +270,8 @@ def _evaluate(node: ast.expr, leaves: Mapping[str, Any]) -> Any:
         parts = (node.lower, node.upper, node.step)
         return slice(*(None if part is None else _evaluate(part, leaves) for part in parts))
     if isinstance(node, ast.Call):
-        return SAFE_CALLS[node.func.id](*(_evaluate(arg, leaves) for arg in node.args))
+        keywords = {k.arg: _evaluate(k.value, leaves) for k in node.keywords}
+        return SAFE_CALLS[_call_name(node.func)](*(_evaluate(arg, leaves) for arg in node.args), **keywords)
     raise AssertionError(f"the splitter left a {type(node).__name__} to the parent")
 
 

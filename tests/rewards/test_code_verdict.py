@@ -54,6 +54,10 @@ def test_the_parent_applies_builtins_comparisons_and_short_circuits_itself():
     assert not verdict(guarded, **{"f(1)": "(2,)"}) and not verdict(guarded, **{"f(1)": "5"})  # 5[0]: TypeError
     assert verdict("assert abs(f(2) - 1.41) < 0.01", **{"f(2)": "1.414"})
     assert not verdict("assert not is_prime(8)", **{"is_prime(8)": "True"})
+    close = "import math\nassert math.isclose(area(2), 12.56, rel_tol=0.001)"
+    assert [s[2] for s in steps(close) if s[0] == "eval"] == ["area(2)"]  # isclose is the parent's
+    assert verdict(close, **{"area(2)": "12.566"}) and not verdict(close, **{"area(2)": "True"})
+    assert [s[2] for s in steps("assert sorted(f(), key=len) == []")] == ["sorted(f(), key=len)"]  # key: a leaf
 
 
 def test_expected_values_the_test_computes_stay_out_of_the_completions_run():
@@ -112,7 +116,7 @@ def test_every_leaf_is_a_completion_expression_and_the_check_has_no_calls_but_bu
     for check in plan.checks[0]:
         for node in ast.walk(check):
             if isinstance(node, ast.Call):
-                assert node.func.id in ("len", "sorted")
+                assert isinstance(node.func, ast.Name) and node.func.id in ("len", "sorted")
             if isinstance(node, ast.Name) and node.id not in ("len", "sorted"):
                 assert node.id.startswith("__leaf_")
 
