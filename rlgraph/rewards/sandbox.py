@@ -11,18 +11,18 @@ The parent (this process) enforces the rest from outside, where the program cann
   - output: stdout is read with a byte cap and the sandbox is killed when it is exceeded;
   - cleanup: killing bwrap kills the namespace's init (`--die-with-parent`), and the kernel then
     kills every process left in the PID namespace, setsid'd or double-forked ones included.
-Resource limits (address space, CPU seconds, file size, open files, no core) are set before bwrap
-runs; the process-count limit is set by the harness inside, because RLIMIT_NPROC is counted per user
-namespace there and so does not count the trainer's own threads. The kernel does not enforce
-RLIMIT_NPROC for host root, so a trainer running as root drops to uid 65534 (nobody) first.
+Resource limits (address space, CPU seconds, file size, open files, no core, process count) are set
+by the harness on itself before it reads the code; RLIMIT_NPROC is counted per user namespace there,
+so it does not count the trainer's own threads. The kernel does not enforce RLIMIT_NPROC for host
+root, so a trainer running as root starts bwrap as uid 65534 (nobody).
 See docs/security.md for the threat model.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import attrs
 
@@ -91,8 +92,7 @@ def bwrap_failure(python: str) -> str | None:
     except ConfigError as exc:
         return exc.summary
     try:
-        done = subprocess.run(command, capture_output=True, timeout=limits.timeout_s, cwd="/",
-                              preexec_fn=_preexec(limits, drop_root=True))
+        done = subprocess.run(command, capture_output=True, timeout=limits.timeout_s, cwd="/", **_as_nobody())
     except (OSError, subprocess.SubprocessError) as exc:
         return f"bwrap could not be started: {exc}"
     if done.stdout.strip() != b"ok":
@@ -155,23 +155,26 @@ def bwrap_command(bwrap: str, python: str, script: str, limits: SandboxLimits) -
             "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "PYTHONHASHSEED", "0", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            "--setenv", "RLGRAPH_MAX_PROCESSES", str(limits.max_processes),
+            "--setenv", "RLGRAPH_LIMITS", limits_env(limits, count_processes=True),
             python, "-I", "-S", "-c", script]
 
 
-def _preexec(limits: SandboxLimits, drop_root: bool):
-    """Runs in the child before exec: resource limits, then (as root, when `drop_root`) become uid 65534."""
-    def apply() -> None:
-        memory = limits.memory_mb * 2**20
-        for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, int(limits.timeout_s) + 1),
-                             (resource.RLIMIT_FSIZE, limits.tmp_bytes), (resource.RLIMIT_NOFILE, 64),
-                             (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(limit, (value, value))
-        if drop_root and os.geteuid() == 0:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-    return apply
+def limits_env(limits: SandboxLimits, count_processes: bool) -> str:
+    """The resource limits the harness sets on itself before it reads the code (RLIMIT name -> value).
+
+    Set there rather than in a preexec_fn, which is unsafe in a threaded trainer (the reward's
+    thread pool). RLIMIT_NPROC only inside a user namespace: outside it counts the trainer's threads.
+    """
+    values = {"RLIMIT_AS": limits.memory_mb * 2**20, "RLIMIT_CPU": int(limits.timeout_s) + 1,
+              "RLIMIT_FSIZE": limits.tmp_bytes, "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0}
+    if count_processes:
+        values["RLIMIT_NPROC"] = limits.max_processes
+    return json.dumps(values)
+
+
+def _as_nobody() -> dict[str, Any]:
+    """Popen options that make the child uid/gid 65534 when we are root (done in C, after fork)."""
+    return {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
 
 
 def run_sandboxed(script: str, stdin: bytes, limits: SandboxLimits, python: str | None = None,
@@ -180,20 +183,21 @@ def run_sandboxed(script: str, stdin: bytes, limits: SandboxLimits, python: str 
     python = python or sys.executable
     if isolation == "bwrap":
         return _run(bwrap_command(require_bwrap(), sandbox_python(python), script, limits), stdin, limits,
-                    _preexec(limits, drop_root=True), "/", {})
+                    _as_nobody(), "/", {})
     # isolation="none": resource limits, a private working directory and a process group; no boundary.
     # No process-count limit either: outside a user namespace RLIMIT_NPROC would count the trainer's threads.
     with tempfile.TemporaryDirectory(prefix="rlgraph-code-") as workdir:
-        env = {"HOME": workdir, "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
-        return _run([python, "-I", "-S", "-c", script], stdin, limits, _preexec(limits, drop_root=False), workdir, env)
+        env = {"HOME": workdir, "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
+               "RLGRAPH_LIMITS": limits_env(limits, count_processes=False)}
+        return _run([python, "-I", "-S", "-c", script], stdin, limits, {}, workdir, env)
 
 
-def _run(command: list[str], stdin: bytes, limits: SandboxLimits, preexec, cwd: str, env: dict[str, str]
-         ) -> SandboxOutcome:
+def _run(command: list[str], stdin: bytes, limits: SandboxLimits, identity: dict[str, Any], cwd: str,
+         env: dict[str, str]) -> SandboxOutcome:
     start = time.monotonic()
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **env}, cwd=cwd,
-                               start_new_session=True, preexec_fn=preexec)
+                               start_new_session=True, **identity)
     writer = threading.Thread(target=_feed, args=(process.stdin, stdin), daemon=True)
     writer.start()
     try:

@@ -135,9 +135,9 @@ def run_asserts(request):
 
 
 def main():
-    limit = os.environ.get("RLGRAPH_MAX_PROCESSES")
-    if limit:  # counted in the sandbox's own user namespace (see rlgraph/rewards/sandbox.py)
-        resource.setrlimit(resource.RLIMIT_NPROC, (int(limit), int(limit)))
+    # Before any of the code runs; it cannot raise them again (see rlgraph/rewards/sandbox.py).
+    for name, value in json.loads(os.environ.get("RLGRAPH_LIMITS", "{}")).items():
+        resource.setrlimit(getattr(resource, name), (value, value))
     request = json.loads(sys.stdin.read())
     sys.stdin.close()
     (run_io if request["mode"] == "io" else run_asserts)(request)
