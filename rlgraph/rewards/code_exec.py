@@ -136,7 +136,8 @@ class CodeTests:
         if kind == "io":
             outcome = self._sandbox({"code": code, "mode": "io", "inputs": [case["input"] for case in cases]})
             records = _records(outcome)
-            outputs = {r["case"]: r["stdout"] for r in records if isinstance(r.get("stdout"), str) and "case" in r}
+            outputs = {r["case"]: r["stdout"] for r in records
+                       if isinstance(r.get("stdout"), str) and isinstance(r.get("case"), int)}
             passed = sum(outputs.get(i, "\0").strip() == case["output"].strip() for i, case in enumerate(cases))
             return _result(passed, outcome, records)
         plan = plan or self._plan(kind, cases)
@@ -150,7 +151,8 @@ class CodeTests:
         leaves = _leaf_reprs(records, plan.completion_tests)
         if plan.needs_reference:
             helper.join()
-            leaves.update(_leaf_reprs(_records(reference[0]), plan.reference_tests))
+            for run in reference:  # none if the helper failed to start a sandbox: those leaves stay missing
+                leaves.update(_leaf_reprs(_records(run), plan.reference_tests))
         failed = {r["test"] for r in records if "error" in r and isinstance(r.get("test"), int)}
         if any("error" in r and not ({"test", "leaf"} & set(r)) for r in records):
             failed = set(range(len(cases)))  # the completion itself raised before any test ran
@@ -197,9 +199,11 @@ def _leaf_reprs(records: list[dict[str, Any]], tests: list[dict[str, Any]]) -> d
     asked = {step[1] for test in tests for step in test.get("steps", ()) if step[0] == "eval"}
     leaves: dict[str, str] = {}
     for record in records:
-        if record.get("leaf") in asked and isinstance(record.get("repr"), str):
+        if not isinstance(record.get("leaf"), str):  # a list here would not even hash
+            continue
+        if record["leaf"] in asked and isinstance(record.get("repr"), str):
             leaves.setdefault(record["leaf"], record["repr"])
-        elif record.get("leaf") in asked:
+        elif record["leaf"] in asked:
             leaves.setdefault(record["leaf"], None)  # it raised: a later claim for it does not count either
     return leaves
 

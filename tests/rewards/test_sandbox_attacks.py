@@ -222,6 +222,9 @@ FORGERIES = {
     "patch repr and eval": "import builtins\nbuiltins.repr = lambda v: 'True'\nbuiltins.eval = lambda *a: True\n"
                            "def add(a, b): return 0",
     "os._exit before the asserts": "import os\nos._exit(0)",
+    "records of the wrong types": "import os\nfor key in ('leaf', 'case', 'test', 'error', 'repr', 'passed'):\n"
+                                  "    os.write(1, ('{\"%s\": [[]], \"repr\": {}, \"stdout\": \"x\"}\\n' % key).encode())\n"
+                                  "def add(a, b): return 0",
     "a line that crashes a JSON parser": "import os\nos.write(1, b'[' * 200_000 + b'\\n')\ndef add(a, b): return 0",
     "an object equal to everything": "class Any:\n    def __eq__(self, other): return True\n"
                                      "    __hash__ = object.__hash__\ndef add(a, b): return Any()",
@@ -242,6 +245,16 @@ def test_forgeries_score_zero(name):
 def test_nothing_passes_a_test_that_cannot_pass(name):
     # `assert 1 == 2` has no value for the code to produce: the parent decides it alone.
     assert attack(FORGERIES[name], tests=["assert 1 == 2", "x = 1\nassert x == 2"])["passed"] == 0
+
+
+@needs_bwrap
+def test_stdin_stdout_tests_are_compared_outside_and_survive_forged_records():
+    cases = [{"input": "abc", "output": "cba"}, {"input": "xy", "output": "yx"}]
+    forged = FORGERIES["records of the wrong types"].replace("def add(a, b): return 0", "print(input())")
+    claims = "import os\nfor case in range(2):\n    os.write(1, b'{\"case\": %d, \"stdout\": \"forged\"}\\n' % case)\n"
+    for code in (forged, claims + "print(input())"):
+        assert attack(code, tests=cases, kind="io")["passed"] == 0
+    assert attack("print(input()[::-1])", tests=cases, kind="io")["passed"] == 2
 
 
 @needs_bwrap
