@@ -133,3 +133,20 @@ def test_honest_values_of_every_plain_kind_cross_intact():
              "assert gen() == [0, 1, 4]", "assert one() == [1]"]
     reward = CodeTests(timeout_s=10, isolation="none")
     assert reward.run(code, "asserts", tests) == {"passed": 6, "error": None, "timed_out": False}
+
+
+CLAIMS = st.one_of(st.none(), st.text(max_size=12), st.integers(-10**6, 10**6).map(str),
+                   st.sampled_from(["[]", "None", "'%*d'", "(1000000000, 1)", "(1,)", "{1: 2}", "1e999", "-1e999", "[[]]",
+                                    "b'x'", "1j", "{1, 2}", "'abc'", "[3, 1, 2]", "True", "0"]))
+SHAPES = ["assert sorted(f(1)) == [1] and len(f(2)) > 0 or f(1) % 3 == f(2) * 2",
+          "assert f(1)[f(2)] in f(1) and -f(2) <= abs(f(1)) // f(2)",
+          "assert math.isclose(f(1), f(2), rel_tol=f(1)) and max(f(1)) is not min(f(2), f(1))",
+          "assert {f(1): f(2)}[f(1)] == set(f(2)) - {1} and sum(f(1)) / round(f(2), 2) != 0"]
+
+
+@given(st.sampled_from(SHAPES), CLAIMS, CLAIMS)
+def test_any_claimed_values_give_a_verdict_never_an_exception(shape, first, second):
+    # Whatever the sandbox reports, the parent answers True or False, in bounded time.
+    start = time.perf_counter()
+    assert verdict("import math\n" + shape, **{"f(1)": first, "f(2)": second}) in (True, False)
+    assert time.perf_counter() - start < 1.0
