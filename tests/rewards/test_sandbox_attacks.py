@@ -298,14 +298,27 @@ def test_the_trainer_survives_and_honest_code_still_scores():
 
 
 # -- without bubblewrap ----------------------------------------------------------------------------------
-def test_without_bubblewrap_the_reward_refuses_and_says_how_to_fix(monkeypatch):
-    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: None)
+@pytest.fixture
+def bwrap_at(monkeypatch):
+    """Pretend bwrap is at a given path (None: absent); the cached probe is forgotten before and after."""
+    def use(path: str | None) -> None:
+        monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: path)
     sandbox_module.bwrap_failure.cache_clear()
-    try:
-        with pytest.raises(ConfigError, match=r"(?s)bubblewrap.*apt-get install bubblewrap.*isolation='none'"):
-            CodeTests()
-    finally:
-        sandbox_module.bwrap_failure.cache_clear()
+    yield use
+    sandbox_module.bwrap_failure.cache_clear()
+
+
+def test_without_bubblewrap_the_reward_refuses_and_says_how_to_fix(bwrap_at):
+    bwrap_at(None)
+    with pytest.raises(ConfigError, match=r"(?s)bubblewrap.*apt-get install bubblewrap.*isolation='none'"):
+        CodeTests()
+
+
+def test_a_bwrap_that_cannot_start_a_sandbox_is_refused_at_construction(bwrap_at):
+    # e.g. a container that forbids user namespaces: bwrap is there but every run would score 0.
+    bwrap_at("/bin/false")
+    with pytest.raises(ConfigError, match=r"(?s)cannot run a program here: bwrap failed.*user namespaces"):
+        CodeTests()
 
 
 def test_isolation_none_is_an_explicit_loud_opt_in():
@@ -335,17 +348,6 @@ def test_a_fork_bomb_does_not_starve_the_other_completions_of_the_batch():
     start = time.monotonic()
     assert reward([bomb, honest] * 3, tests=[ADD] * 6) == [0.0, 1.0] * 3
     assert time.monotonic() - start < TIMEOUT_S + SLACK_S and not left_behind(before)
-
-
-def test_a_bwrap_that_cannot_start_a_sandbox_is_refused_at_construction(monkeypatch):
-    # e.g. a container that forbids user namespaces: bwrap is there but every run would score 0.
-    monkeypatch.setattr(sandbox_module, "bwrap_path", lambda: "/bin/false")
-    sandbox_module.bwrap_failure.cache_clear()
-    try:
-        with pytest.raises(ConfigError, match=r"(?s)cannot run a program here: bwrap failed.*user namespaces"):
-            CodeTests()
-    finally:
-        sandbox_module.bwrap_failure.cache_clear()
 
 
 def test_as_root_the_sandbox_runs_an_interpreter_uid_65534_can_reach(tmp_path):
