@@ -4,7 +4,7 @@
 
 The program (`python -I -S -c script`) runs under `bwrap` with new user, PID, network, IPC, UTS and
 cgroup namespaces, a new session (no controlling terminal), a fresh /proc of its own PID namespace,
-a read-only root holding only /usr (and the interpreter's prefix), a size-capped tmpfs at /tmp as
+a read-only root holding only /usr (and the interpreter's own files), a size-capped tmpfs at /tmp as
 the only writable place, an empty environment, no capabilities and no further user namespaces.
 The parent (this process) enforces the rest from outside, where the program cannot reach:
   - wall time: SIGKILL at the deadline, which fires even if the program stopped itself (SIGSTOP);
@@ -21,6 +21,7 @@ See docs/security.md for the threat model.
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import selectors
@@ -134,9 +135,21 @@ def sandbox_python(python: str) -> str:
                       fix=f"pass python='/path/to/python3' readable by all users, or install {SYSTEM_PYTHON}")
 
 
+def interpreter_files(python: str) -> list[str]:
+    """What an interpreter outside /usr needs: its executable, lib/python3.* and lib/libpython3*.so*.
+
+    Not its whole prefix: a python in /home/me/bin would otherwise expose /home/me.
+    """
+    executable = os.path.realpath(python)
+    if executable.startswith("/usr/"):
+        return []
+    lib = os.path.join(os.path.dirname(os.path.dirname(executable)), "lib")
+    return [executable, *sorted(glob.glob(os.path.join(lib, "python3*"))),
+            *sorted(glob.glob(os.path.join(lib, "libpython3*.so*")))]
+
+
 def bwrap_command(bwrap: str, python: str, script: str, limits: SandboxLimits) -> list[str]:
-    """The bwrap argv running `python -I -S -c script`: read-only /usr and interpreter prefix, tmpfs /tmp."""
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))  # .../bin/python3 -> ...
+    """The bwrap argv running `python -I -S -c script`: read-only /usr and interpreter, tmpfs /tmp."""
     binds = ["--ro-bind", "/usr", "/usr"]
     for top in ("lib", "lib64", "bin"):  # merged-/usr systems link these; older ones have real directories
         host = "/" + top
@@ -144,8 +157,8 @@ def bwrap_command(bwrap: str, python: str, script: str, limits: SandboxLimits) -
             binds += ["--symlink", os.readlink(host), host]
         elif os.path.isdir(host):
             binds += ["--ro-bind", host, host]
-    if not prefix.startswith("/usr/") and prefix != "/usr":
-        binds += ["--ro-bind", prefix, prefix]
+    for path in interpreter_files(python):
+        binds += ["--ro-bind", path, path]
     # /dev holds only the character devices a program needs; the root is remounted read-only last,
     # so /tmp (size-capped) is the only place it can write.
     devices = [arg for dev in ("null", "zero", "urandom", "random")
@@ -156,7 +169,7 @@ def bwrap_command(bwrap: str, python: str, script: str, limits: SandboxLimits) -
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "PYTHONHASHSEED", "0", "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "--setenv", "RLGRAPH_LIMITS", limits_env(limits, count_processes=True),
-            python, "-I", "-S", "-c", script]
+            os.path.realpath(python), "-I", "-S", "-c", script]  # a venv's bin/python links out of the view
 
 
 def limits_env(limits: SandboxLimits, count_processes: bool) -> str:

@@ -363,3 +363,16 @@ def test_as_root_the_sandbox_runs_an_interpreter_uid_65534_can_reach(tmp_path):
     else:
         with pytest.raises(ConfigError, match="cannot reach the interpreter"):
             sandbox_module.sandbox_python(str(python))
+
+
+@needs_bwrap
+def test_the_sandbox_sees_the_interpreter_but_not_its_neighbours():
+    # The trainer's own interpreter (a venv's python links to the real one): its executable and
+    # stdlib are mounted, not its prefix (a python in ~/bin must not expose ~).
+    script = "import os, sys\nprint(sys.version_info[:2], sorted(os.listdir(os.path.dirname(sys.executable))))"
+    command = sandbox_module.bwrap_command(sandbox_module.bwrap_path(), sys.executable, script,
+                                           sandbox_module.SandboxLimits())
+    done = subprocess.run(command, capture_output=True, text=True, cwd="/", timeout=30)
+    real = os.path.realpath(sys.executable)
+    listing = sorted(os.listdir(os.path.dirname(real))) if real.startswith("/usr/") else [os.path.basename(real)]
+    assert done.stdout.strip() == f"{tuple(sys.version_info[:2])} {listing}", done.stderr
