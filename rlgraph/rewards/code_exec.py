@@ -109,8 +109,13 @@ class CodeTests:
         jobs = [(extract_code(text), *_cases(case, row, self.tests_field)) for row, (text, case)
                 in enumerate(zip(completions, tests, strict=True))]
         plans = [self._plan(kind, cases, row) for row, (_, kind, cases) in enumerate(jobs)]
+        # One reference run per distinct row (a group's n completions share it), before the completions.
+        distinct = {json.dumps(p.reference_tests): p for p in plans if p is not None and p.needs_reference}
         with ThreadPoolExecutor(self.workers) as pool:
-            results = list(pool.map(lambda job, plan: self.run(*job, plan=plan)["passed"] / len(job[2]), jobs, plans))
+            references = dict(zip(distinct, pool.map(self._reference_leaves, distinct.values())))
+            results = list(pool.map(lambda job, plan: self.run(*job, plan=plan, reference=None if plan is None else
+                                                                references.get(json.dumps(plan.reference_tests)))
+                                    ["passed"] / len(job[2]), jobs, plans))
         return results if self.partial else [float(score == 1.0) for score in results]
 
     def _plan(self, kind: str, cases: list[Any], row: int | None = None) -> TestsPlan | None:
@@ -131,8 +136,12 @@ class CodeTests:
                                   fix="fix the dataset's test string") from None
         return plan_tests(cases, self.allow_forgeable_tests)
 
-    def run(self, code: str, kind: str, cases: list[Any], plan: TestsPlan | None = None) -> dict[str, Any]:
-        """{"passed": int, "error": str | None, "timed_out": bool} of one program against its cases."""
+    def run(self, code: str, kind: str, cases: list[Any], plan: TestsPlan | None = None,
+            reference: dict[str, str | None] | None = None) -> dict[str, Any]:
+        """{"passed": int, "error": str | None, "timed_out": bool} of one program against its cases.
+
+        `reference`: the reference leaves' values when already computed (else they are, alongside).
+        """
         if kind == "io":
             outcome = self._sandbox({"code": code, "mode": "io", "inputs": [case["input"] for case in cases]})
             records = _records(outcome)
@@ -141,23 +150,27 @@ class CodeTests:
             passed = sum(outputs.get(i, "\0").strip() == case["output"].strip() for i, case in enumerate(cases))
             return _result(passed, outcome, records)
         plan = plan or self._plan(kind, cases)
-        reference: list[SandboxOutcome] = []
-        helper = threading.Thread(target=lambda: reference.append(
-            self._sandbox({"code": "", "mode": "asserts", "tests": plan.reference_tests})))
-        if plan.needs_reference:  # the expected values the test computes, in a run that holds no completion code
+        computed: list[dict[str, str | None]] = [reference or {}]
+        helper = threading.Thread(target=lambda: computed.append(self._reference_leaves(plan)))
+        started = plan.needs_reference and reference is None
+        if started:
             helper.start()
         outcome = self._sandbox({"code": code, "mode": "asserts", "tests": plan.completion_tests})
         records = _records(outcome)
         leaves = _leaf_reprs(records, plan.completion_tests)
-        if plan.needs_reference:
+        if started:
             helper.join()
-            for run in reference:  # none if the helper failed to start a sandbox: those leaves stay missing
-                leaves.update(_leaf_reprs(_records(run), plan.reference_tests))
+        leaves.update(computed[-1])  # nothing if the helper failed to start a sandbox: those leaves stay missing
         failed = {r["test"] for r in records if "error" in r and isinstance(r.get("test"), int)}
         if any("error" in r and not ({"test", "leaf"} & set(r)) for r in records):
             failed = set(range(len(cases)))  # the completion itself raised before any test ran
         opaque = {r["test"] for r in records if r.get("passed") is True and isinstance(r.get("test"), int)}
         return _result(sum(plan.passed(leaves, failed, opaque)), outcome, records)
+
+    def _reference_leaves(self, plan: TestsPlan) -> dict[str, str | None]:
+        """The values the test computes itself, from a run that holds no completion code."""
+        outcome = self._sandbox({"code": "", "mode": "asserts", "tests": plan.reference_tests})
+        return _leaf_reprs(_records(outcome), plan.reference_tests)
 
     def _sandbox(self, request: dict[str, Any]) -> SandboxOutcome:
         request["output_bytes"] = self.limits.output_bytes

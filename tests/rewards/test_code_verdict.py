@@ -150,3 +150,18 @@ def test_any_claimed_values_give_a_verdict_never_an_exception(shape, first, seco
     start = time.perf_counter()
     assert verdict("import math\n" + shape, **{"f(1)": first, "f(2)": second}) in (True, False)
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.filterwarnings("ignore:code. isolation=.none.:RuntimeWarning")  # counting runs, not isolating
+def test_a_groups_completions_share_one_reference_run(monkeypatch):
+    from rlgraph.rewards import code_exec
+    requests = []
+    real = code_exec.run_sandboxed
+    monkeypatch.setattr(code_exec, "run_sandboxed", lambda script, stdin, *rest: requests.append(stdin) or
+                        real(script, stdin, *rest))
+    test = "expected = sorted([3, 1, 2])\nassert f() == expected"
+    group = ["def f(): return [1, 2, 3]", "def f(): return [3, 2, 1]", "def f(): return sorted([2, 3, 1])"]
+    reward = CodeTests(timeout_s=10, isolation="none", workers=2)
+    assert reward(group, tests=[test] * 3) == [1.0, 0.0, 1.0]
+    assert len(requests) == 4  # three completions, one reference run
+    assert reward.run(group[0], "asserts", [test]) == {"passed": 1, "error": None, "timed_out": False}  # alone
