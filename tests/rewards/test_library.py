@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 import time
 from fractions import Fraction
 
@@ -17,7 +18,7 @@ from rlgraph.rewards import (CodeTests, FormatRegex, RewardPipeline, RewardTerm,
 from rlgraph.rewards.code_exec import extract_code
 from rlgraph.rewards.sandbox import bwrap_failure
 
-_SANDBOX_FAILURE = bwrap_failure(__import__('sys').executable)
+_SANDBOX_FAILURE = bwrap_failure(sys.executable)
 needs_bwrap = pytest.mark.skipif(_SANDBOX_FAILURE is not None, reason=f"the code sandbox cannot run here "
                                  f"({_SANDBOX_FAILURE}): install bubblewrap (apt-get install bubblewrap)")
 # Code-reward options for tests that are not about isolation: where bubblewrap is missing they opt out.
