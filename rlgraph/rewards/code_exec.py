@@ -1,24 +1,22 @@
-"""Code-execution reward: run each completion's code against the row's tests in a sandboxed subprocess.
+"""Code-execution reward: run each completion's code against the row's tests in a sandbox.
 
     CodeTests(timeout_s=5, memory_mb=512)(completions, tests=[...])  -> fraction of tests passed
 
 The code is the last fenced block of the completion (```python ... ``` or ``` ... ```), else the
 whole completion. A row's `tests` (the field is `tests_field`, passed through `data.extra_fields`)
 is one of:
-  - a string of Python (asserts): one test, passed when it runs without raising;
+  - a string of Python with top-level asserts: one test, passed when every assert holds;
   - a list of such strings: each counted on its own;
   - a list of {"input": str, "output": str}: the code runs as a script with that stdin, and passes
     when its stdout equals `output` (both stripped).
 
-Each completion runs in its own process: a fresh temporary working directory (removed afterwards),
-an environment with nothing of the parent's, `python -I -S` (the standard library only: no
-site-packages, no PYTHON* variables), resource limits (address space `memory_mb`, CPU seconds, 16 MiB files, 64
-open files, no core dumps), its own process group killed after `timeout_s` of wall time, and no
-network: a new network namespace with no interfaces (`unshare -rn`) where the kernel allows
-unprivileged namespaces, and in any case Python's sockets replaced by a stub that raises.
-
-This keeps a model's honest mistakes (infinite loops, memory blow-ups, stray files) from harming
-the run. It is not a security boundary against adversarial code: use a container sandbox for that.
+Model-written code is treated as hostile. It runs in a bubblewrap sandbox (rlgraph/rewards/sandbox.py:
+no network, no host files but /usr and the interpreter, read-only; a capped /tmp; bounded time,
+memory, processes and output; every process killed at the end), and it never decides its own
+score: the sandbox reports plain values (an expression's repr, a case's stdout) and this process
+compares them with expected values the sandbox never saw (rlgraph/rewards/code_verdict.py).
+Without bubblewrap, CodeTests refuses to run unless `isolation="none"` is passed, which keeps only
+resource limits and is no security boundary. docs/security.md has the threat model.
 """
 
 from __future__ import annotations
@@ -26,74 +24,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
-import secrets
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
+import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from typing import Any
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.rewards.code_verdict import TestsPlan, UnverifiableTest, plan_tests
+from rlgraph.rewards.sandbox import SandboxLimits, SandboxOutcome, require_sandbox, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-
-# Runs inside the sandbox: `python -I harness.py`, with RLGRAPH_NONCE in its environment.
-_HARNESS = r'''
-import io, json, os, socket, sys
-
-def _no_network(*args, **kwargs):
-    raise OSError("network access is disabled in the rlgraph code sandbox")
-
-class _NoSocket(socket.socket):
-    def __init__(self, *args, **kwargs):
-        _no_network()
-
-socket.socket = _NoSocket
-socket.create_connection = socket.socketpair = socket.getaddrinfo = _no_network
-nonce = os.environ.pop("RLGRAPH_NONCE")
-real_stdout = sys.stdout
-source = open("solution.py", encoding="utf-8").read()
-tests = json.load(open("tests.json", encoding="utf-8"))
-passed, error = 0, None
-
-def run(stdin_text):
-    sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin_text), io.StringIO(), io.StringIO()
-    try:
-        namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-        exec(compile(source, "solution.py", "exec"), namespace)
-        return namespace, sys.stdout.getvalue()
-    finally:
-        sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, real_stdout, sys.__stderr__
-
-try:
-    if tests["kind"] == "io":
-        for case in tests["cases"]:
-            try:
-                _, out = run(case["input"])
-                passed += out.strip() == case["output"].strip()
-            except BaseException as exc:
-                error = error or f"{type(exc).__name__}: {exc}"
-    else:
-        namespace, _ = run("")
-        for test in tests["cases"]:
-            try:
-                sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
-                exec(compile(test, "test", "exec"), dict(namespace))
-                passed += 1
-            except BaseException as exc:
-                error = error or f"{type(exc).__name__}: {exc}"
-            finally:
-                sys.stdout, sys.stderr = real_stdout, sys.__stderr__
-except BaseException as exc:
-    error = f"{type(exc).__name__}: {exc}"
-real_stdout.write(nonce + json.dumps({"passed": passed, "error": error}) + "\n")
-real_stdout.flush()
-'''
+_HARNESS = open(os.path.join(os.path.dirname(__file__), "sandbox_harness.py"), encoding="utf-8").read()
+ISOLATIONS = ("bwrap", "none")
 
 
 def extract_code(completion: str) -> str:
@@ -118,30 +62,39 @@ def _cases(tests: Any, row: int, field: str) -> tuple[str, list[Any]]:
                      "of asserts, a non-empty list of them, or a list of {input, output} objects")
 
 
-@lru_cache(maxsize=1)
-def network_namespace_available() -> bool:
-    """Whether `unshare -rn` (a user + network namespace) works here."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    try:
-        return subprocess.run([unshare, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
 class CodeTests:
-    """Score = fraction of a row's tests the completion's code passes (`partial=False`: 1.0 only if all)."""
+    """Score = fraction of a row's tests the completion's code passes (`partial=False`: 1.0 only if all).
+
+    isolation: "bwrap" (default; needs bubblewrap) or "none" (resource limits only: NOT a security
+    boundary, for code you trust). max_processes: processes the code may have at once. output_bytes:
+    the most the code may print (per stdin/stdout case, per value and in all). allow_forgeable_tests:
+    run tests whose asserts sit inside a block (HumanEval's `check(candidate)`) with the verdict
+    decided inside the sandbox, where the code can forge it; refused by default.
+    """
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, partial: bool = True, tests_field: str = "tests",
-                 workers: int | None = None, python: str | None = None):
+                 workers: int | None = None, python: str | None = None, isolation: str = "bwrap",
+                 max_processes: int = 8, output_bytes: int = 1 << 20, allow_forgeable_tests: bool = False):
         for name, value, low in (("timeout_s", timeout_s, 0), ("memory_mb", memory_mb, 32)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low:
                 raise ConfigError(f"code: {name}={value!r} must be a number > {low}")
-        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-            raise ConfigError(f"code: workers={workers!r} must be a whole number >= 1")
+        for name, value, low in (("workers", workers, 1), ("max_processes", max_processes, 3),
+                                 ("output_bytes", output_bytes, 1024)):
+            if (value is not None or name != "workers") and \
+                    (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ConfigError(f"code: {name}={value!r} must be a whole number >= {low}")
+        if not isinstance(allow_forgeable_tests, bool):
+            raise ConfigError(f"code: allow_forgeable_tests={allow_forgeable_tests!r} must be true or false")
+        self.python = python or sys.executable
+        if not isinstance(self.python, str) or not (os.path.isfile(self.python) and os.access(self.python, os.X_OK)):
+            raise ConfigError(f"code: python={python!r} is not an executable file",
+                              fix="pass the path of a Python 3 interpreter, or leave it out to use the trainer's")
+        _check_isolation(isolation, self.python)
         self.timeout_s, self.memory_mb, self.partial = float(timeout_s), int(memory_mb), bool(partial)
-        self.tests_field, self.workers, self.python = tests_field, workers or (os.cpu_count() or 1), python or sys.executable
+        self.tests_field, self.workers = tests_field, workers or (os.cpu_count() or 1)
+        self.isolation, self.allow_forgeable_tests = isolation, allow_forgeable_tests
+        self.limits = SandboxLimits(timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_processes=max_processes,
+                                    output_bytes=output_bytes)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -155,54 +108,125 @@ class CodeTests:
         tests = meta[self.tests_field]
         jobs = [(extract_code(text), *_cases(case, row, self.tests_field)) for row, (text, case)
                 in enumerate(zip(completions, tests, strict=True))]
+        plans = [self._plan(kind, cases, row) for row, (_, kind, cases) in enumerate(jobs)]
+        # One reference run per distinct row (a group's n completions share it), before the completions.
+        distinct = {json.dumps(p.reference_tests): p for p in plans if p is not None and p.needs_reference}
         with ThreadPoolExecutor(self.workers) as pool:
-            results = list(pool.map(lambda job: self.run(*job)["passed"] / len(job[2]), jobs))
+            references = dict(zip(distinct, pool.map(self._reference_leaves, distinct.values())))
+            results = list(pool.map(lambda job, plan: self.run(*job, plan=plan, reference=None if plan is None else
+                                                                references.get(json.dumps(plan.reference_tests)))
+                                    ["passed"] / len(job[2]), jobs, plans))
         return results if self.partial else [float(score == 1.0) for score in results]
 
-    def run(self, code: str, kind: str, cases: list[Any]) -> dict[str, Any]:
-        """{"passed": int, "error": str | None, "timed_out": bool} of one program against its cases."""
-        nonce = secrets.token_hex(16)
-        with tempfile.TemporaryDirectory(prefix="rlgraph-code-") as workdir:
-            for name, text in (("solution.py", code), ("harness.py", _HARNESS),
-                               ("tests.json", json.dumps({"kind": kind, "cases": cases}))):
-                with open(os.path.join(workdir, name), "w", encoding="utf-8") as handle:
-                    handle.write(text)
-            command = [self.python, "-I", "-S", "harness.py"]  # isolated, no site-packages: the standard library only
-            if network_namespace_available():
-                command = [shutil.which("unshare"), "-rn", *command]
-            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "RLGRAPH_NONCE": nonce,
-                   "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-            process = subprocess.Popen(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=self._limits)
+    def _plan(self, kind: str, cases: list[Any], row: int | None = None) -> TestsPlan | None:
+        if kind == "io":
+            return None
+        where = "a test" if row is None else f"row {row}'s {self.tests_field!r}"
+        for number, case in enumerate(cases):
             try:
-                out, _ = process.communicate(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill(process)
-                return {"passed": 0, "error": f"timed out after {self.timeout_s:g} s", "timed_out": True}
-            finally:
-                _kill(process)  # anything it left behind in its process group
-        for line in reversed(out.decode("utf-8", "replace").splitlines()):
-            if line.startswith(nonce):
-                result = json.loads(line[len(nonce):])
-                return {"passed": min(int(result["passed"]), len(cases)), "error": result["error"], "timed_out": False}
-        return {"passed": 0, "error": f"the program ended without a result (exit code {process.returncode})",
-                "timed_out": False}
+                plan_tests([case], self.allow_forgeable_tests)
+            except UnverifiableTest as exc:
+                raise ConfigError(f"code: {where}, test {number}, cannot be checked outside the sandbox: {exc}: "
+                                  f"{case[:80]!r}", fix="write the test as top-level asserts (`assert f(1) == 2`), or "
+                                  "pass allow_forgeable_tests=True to let the sandbox decide it (the code can then "
+                                  "forge a pass; see docs/security.md)") from None
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:  # ValueError: a NUL byte (3.11)
+                why = f"{exc.msg}, line {exc.lineno}" if isinstance(exc, SyntaxError) else f"{type(exc).__name__}: {exc}"
+                raise ConfigError(f"code: {where}, test {number}, is not valid Python ({why}): {case[:80]!r}",
+                                  fix="fix the dataset's test string") from None
+        return plan_tests(cases, self.allow_forgeable_tests)
 
-    def _limits(self) -> None:
-        """Runs in the child before exec: its resource limits."""
-        memory = self.memory_mb * 2**20
-        cpu = int(self.timeout_s) + 1
-        for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 16 * 2**20),
-                             (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(limit, (value, value))
+    def run(self, code: str, kind: str, cases: list[Any], plan: TestsPlan | None = None,
+            reference: dict[str, str | None] | None = None) -> dict[str, Any]:
+        """{"passed": int, "error": str | None, "timed_out": bool} of one program against its cases.
+
+        `reference`: the reference leaves' values when already computed (else they are, alongside).
+        """
+        if kind == "io":
+            outcome = self._sandbox({"code": code, "mode": "io", "inputs": [case["input"] for case in cases]})
+            records = _records(outcome)
+            outputs = {r["case"]: r["stdout"] for r in records
+                       if isinstance(r.get("stdout"), str) and isinstance(r.get("case"), int)}
+            passed = sum(outputs.get(i, "\0").strip() == case["output"].strip() for i, case in enumerate(cases))
+            return _result(passed, outcome, records)
+        plan = plan or self._plan(kind, cases)
+        computed: list[dict[str, str | None]] = [reference or {}]
+        helper = threading.Thread(target=lambda: computed.append(self._reference_leaves(plan)))
+        started = plan.needs_reference and reference is None
+        if started:
+            helper.start()
+        outcome = self._sandbox({"code": code, "mode": "asserts", "tests": plan.completion_tests})
+        records = _records(outcome)
+        leaves = _leaf_reprs(records, plan.completion_tests)
+        if started:
+            helper.join()
+        leaves.update(computed[-1])  # nothing if the helper failed to start a sandbox: those leaves stay missing
+        failed = {r["test"] for r in records if "error" in r and isinstance(r.get("test"), int)}
+        if any("error" in r and not ({"test", "leaf"} & set(r)) for r in records):
+            failed = set(range(len(cases)))  # the completion itself raised before any test ran
+        opaque = {r["test"] for r in records if r.get("passed") is True and isinstance(r.get("test"), int)}
+        return _result(sum(plan.passed(leaves, failed, opaque)), outcome, records)
+
+    def _reference_leaves(self, plan: TestsPlan) -> dict[str, str | None]:
+        """The values the test computes itself, from a run that holds no completion code."""
+        outcome = self._sandbox({"code": "", "mode": "asserts", "tests": plan.reference_tests})
+        return _leaf_reprs(_records(outcome), plan.reference_tests)
+
+    def _sandbox(self, request: dict[str, Any]) -> SandboxOutcome:
+        request["output_bytes"] = self.limits.output_bytes
+        return run_sandboxed(_HARNESS, json.dumps(request).encode(), self.limits, self.python, self.isolation)
 
     def __repr__(self) -> str:
-        return f"CodeTests(timeout_s={self.timeout_s:g}, memory_mb={self.memory_mb}, partial={self.partial})"
+        return (f"CodeTests(timeout_s={self.timeout_s:g}, memory_mb={self.memory_mb}, partial={self.partial}, "
+                f"isolation={self.isolation!r})")
 
 
-def _kill(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
+def _check_isolation(isolation: Any, python: str) -> None:
+    if isolation not in ISOLATIONS:
+        raise ConfigError(f"code: isolation={isolation!r} is not one of {', '.join(map(repr, ISOLATIONS))}"
+                          f"{did_you_mean(str(isolation), ISOLATIONS)}",
+                          fix="use isolation='bwrap' (the sandbox; needs bubblewrap)")
+    if isolation == "bwrap":
+        require_sandbox(python)
+    else:
+        warnings.warn("code: isolation='none' runs model-written code with resource limits only: it can read and "
+                      "write your files, reach the network and signal the trainer. Use it only for code you trust "
+                      "(docs/security.md).", RuntimeWarning, stacklevel=3)
+
+
+def _records(outcome: SandboxOutcome) -> list[dict[str, Any]]:
+    """The JSON objects the harness printed, one a line; anything else the code printed is skipped."""
+    records = []
+    for line in outcome.stdout.decode("utf-8", "replace").splitlines():
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # not JSON, or nested deep enough to exhaust the parser's stack
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _leaf_reprs(records: list[dict[str, Any]], tests: list[dict[str, Any]]) -> dict[str, str]:
+    """leaf id -> reported repr, for the leaves this run was asked for (the first report of each wins)."""
+    asked = {step[1] for test in tests for step in test.get("steps", ()) if step[0] == "eval"}
+    leaves: dict[str, str] = {}
+    for record in records:
+        if not isinstance(record.get("leaf"), str):  # a list here would not even hash
+            continue
+        if record["leaf"] in asked and isinstance(record.get("repr"), str):
+            leaves.setdefault(record["leaf"], record["repr"])
+        elif record["leaf"] in asked:
+            leaves.setdefault(record["leaf"], None)  # it raised: a later claim for it does not count either
+    return leaves
+
+
+def _result(passed: int, outcome: SandboxOutcome, records: list[dict[str, Any]]) -> dict[str, Any]:
+    error = next((str(r["error"])[:500] for r in records if "error" in r), None)
+    if outcome.timed_out:
+        error = f"timed out after {outcome.seconds:.1f} s" + (f" ({error})" if error else "")
+    elif outcome.output_exceeded:
+        error = "the program printed more than the sandbox's output limit"
+    elif error is None and not records:
+        error = f"the program ended without a result (exit code {outcome.returncode})"
+    return {"passed": int(passed), "error": error, "timed_out": outcome.timed_out}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 import time
 from fractions import Fraction
 
@@ -14,7 +15,14 @@ from hypothesis import strategies as st
 from rlgraph.ir.errors import ConfigError, RewardError
 from rlgraph.rewards import (CodeTests, FormatRegex, RewardPipeline, RewardTerm, Tags, answers_equal, build_reward,
                              extract_answer, math_reward)
-from rlgraph.rewards.code_exec import extract_code, network_namespace_available
+from rlgraph.rewards.code_exec import extract_code
+from rlgraph.rewards.sandbox import bwrap_failure
+
+_SANDBOX_FAILURE = bwrap_failure(sys.executable)
+needs_bwrap = pytest.mark.skipif(_SANDBOX_FAILURE is not None, reason=f"the code sandbox cannot run here "
+                                 f"({_SANDBOX_FAILURE}): install bubblewrap (apt-get install bubblewrap)")
+# Code-reward options for tests that are not about isolation: where bubblewrap is missing they opt out.
+CODE_ISOLATION = {} if _SANDBOX_FAILURE is None else {"isolation": "none"}
 
 
 # -- math -------------------------------------------------------------------------------------------
@@ -90,6 +98,7 @@ def test_extract_code_prefers_the_last_python_fence():
     assert extract_code("def f(): return 2") == "def f(): return 2"
 
 
+@needs_bwrap
 def test_code_reward_scores_tests_and_survives_bad_programs(tmp_path):
     reward = CodeTests(timeout_s=2, memory_mb=256)
     adds = ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
@@ -108,23 +117,17 @@ def test_code_reward_scores_tests_and_survives_bad_programs(tmp_path):
     assert CodeTests(partial=False)(completions[:2], tests=[adds, adds]) == [1.0, 0.0]
 
 
+@needs_bwrap
 def test_code_reward_has_no_network_and_a_private_directory():
     reward = CodeTests(timeout_s=5)
-    result = reward.run("import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9', timeout=1)", "asserts", ["1"])
-    assert result["passed"] == 0 and ("network" in result["error"] or "Errno" in result["error"])
-    # a test cannot read the harness's nonce to forge a result
-    forged = reward.run("import os\nprint(os.environ.get('RLGRAPH_NONCE'))", "asserts",
-                        ["import os\nassert os.environ.get('RLGRAPH_NONCE') is None"])
-    assert forged["passed"] == 1
-    probe = reward.run("import os\nassert os.getcwd().split('/')[-1].startswith('rlgraph-code-')\n"
-                       "assert sorted(os.listdir('.')) == ['harness.py', 'solution.py', 'tests.json']", "asserts", ["1"])
-    assert probe == {"passed": 1, "error": None, "timed_out": False}
+    result = reward.run("import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9', timeout=1)", "asserts", ["assert True"])
+    assert result["passed"] == 0 and "Errno" in result["error"]
+    probe = reward.run("import os\ncwd, files, root = os.getcwd(), os.listdir('.'), sorted(os.listdir('/'))",
+                       "asserts", ["assert cwd == '/tmp' and files == []", "assert 'home' not in root and 'work' not in root"])
+    assert probe == {"passed": 2, "error": None, "timed_out": False}
 
 
-def test_code_reward_sandbox_network_namespace_is_reported():
-    assert isinstance(network_namespace_available(), bool)
-
-
+@needs_bwrap
 def test_code_reward_bad_rows_and_options():
     reward = CodeTests()
     with pytest.raises(ValueError, match="no 'tests' field.*data.extra_fields"):
@@ -306,10 +309,12 @@ def test_pipeline_bad_settings():
             RewardPipeline(bad.pop("terms"), **bad)
 
 
+@pytest.mark.filterwarnings("ignore:code. isolation=.none.:RuntimeWarning")  # where bubblewrap is missing
 def test_pipeline_pickles_for_worker_processes():
     pipeline = RewardPipeline([RewardTerm("math", build_reward("math", rel_tol=0.1)),
                                RewardTerm("fmt", build_reward("format_regex", pattern=r"\d"), 0.2),
-                               RewardTerm("code", build_reward("code", timeout_s=1))], on_error="zero", timeout_s=5)
+                               RewardTerm("code", build_reward("code", timeout_s=1, **CODE_ISOLATION))],
+                              on_error="zero", timeout_s=5)
     clone = pickle.loads(pickle.dumps(pipeline))
     assert clone(["12"], answer=["12"], tests=["assert True"]) == pytest.approx([2.2])
 
