@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-thorough bench plan clean gpu-check
+.PHONY: sandbox-tools demo test test-fast test-thorough bench plan clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,25 +13,23 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q torch==2.13.0          # local CPU wheel first
 	$(PIP) install -q -c constraints.txt -e '.[dev,triton,ray,train,bench,wandb,mlflow]'
 	@if $(PIP) list 2>/dev/null | grep -qi nvidia; then echo "CUDA packages were pulled in: check constraints.txt" >&2; exit 1; fi
-	@# The code reward's sandbox (docs/security.md): bubblewrap, installed when missing if we can; never fatal.
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap) >/dev/null \
-	      || echo "could not install bubblewrap: the code sandbox's isolation tests will skip" >&2; \
-	  else echo "bubblewrap (bwrap) is missing and needs root + apt-get to install: the code sandbox's isolation tests will skip" >&2; fi; }
 	touch $@
 
-demo: $(STAMP)
+# The code reward's sandbox (docs/security.md): bubblewrap, installed when missing if we can; never fatal.
+sandbox-tools:
+	@bash tools/install_bwrap.sh
+
+demo: $(STAMP) sandbox-tools
 	$(PY) -m rlgraph.cli demo
 
-test: $(STAMP)
+test: $(STAMP) sandbox-tools
 	$(PY) -m pytest -q -n 2 --durations=15
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) sandbox-tools
 	$(PY) -m pytest -q -n 2 -m "not slow"
 
 # The nightly run: every property with 500 examples instead of 25 (docs/testing.md).
-test-thorough: $(STAMP)
+test-thorough: $(STAMP) sandbox-tools
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -n 2 --durations=15
 
 bench: $(STAMP)

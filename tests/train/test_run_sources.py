@@ -5,6 +5,7 @@ model (a reward model), combined with weights, through the compiled plan."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import yaml
 
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.rewards.sandbox import bwrap_failure
 from rlgraph.train.config import load_config
 from rlgraph.train.run import train
 
@@ -74,6 +76,11 @@ def rows_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+SANDBOX_FAILURE = bwrap_failure(sys.executable)
+
+
+@pytest.mark.skipif(SANDBOX_FAILURE is not None, reason=f"the code reward's bubblewrap sandbox cannot run here "
+                                                        f"({SANDBOX_FAILURE}); apt-get install bubblewrap")
 def test_a_saved_model_with_a_chat_template_and_three_weighted_rewards(tmp_path):
     rm = saved_reward_model(tmp_path)
     path = run_config(tmp_path, [{"name": "math"},
