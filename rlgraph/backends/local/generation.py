@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
@@ -270,8 +271,12 @@ class NativeGenerator:
     tokens for the same (seed, call, index).
     """
 
-    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, lean: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, lean: bool | None = None,
+                 compile_decode: bool = False) -> None:
         self.model = model
+        self.compile_decode = bool(compile_decode)
+        self.compile_seconds = 0.0  # time spent in decode steps that compiled a graph (first call of a shape)
+        self._compiled_shapes: set[tuple[int, int]] = set()
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
         reason = lean_unsupported(model)
@@ -280,6 +285,9 @@ class NativeGenerator:
                              "  fix: pass lean=None (the default) to fall back to a Hugging Face forward per token")
         wanted = _LEAN.get() if lean is None else lean
         self.lean = reason is None and wanted is not False
+        if self.compile_decode and not self.lean:
+            raise ValueError(f"NativeGenerator(compile_decode=True) compiles the lean decode step, which cannot drive this "
+                             f"model: {reason or 'lean=False was asked for'}\n  fix: pass compile_decode=False")
 
     def generate(
         self, prompts: Prompts, n: int, params: SamplingParams, *, seed: int = 0, call: int = 0
@@ -348,7 +356,21 @@ class NativeGenerator:
     def _lean_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int):
         """(first logits [N, V], step function) of the lean decode loop."""
         decoder = LeanDecoder(self.model)
-        return decoder.start(ids, mask, positions, steps), decoder.step
+        logits = decoder.start(ids, mask, positions, steps)  # [N, V]
+        if not self.compile_decode:
+            return logits, decoder.step
+        shape = (ids.shape[0], ids.shape[1] + steps)  # one graph per (rows, cache length)
+
+        def compiled(tokens: torch.Tensor) -> torch.Tensor:
+            if shape in self._compiled_shapes:
+                return decoder.compiled_step(tokens)
+            started = time.perf_counter()  # the first call of a shape compiles: reported apart, not as decode time
+            out = decoder.compiled_step(tokens)
+            self.compile_seconds += time.perf_counter() - started
+            self._compiled_shapes.add(shape)
+            return out
+
+        return logits, compiled
 
     def _hf_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int):
         """(first logits [N, V], step function) of one Hugging Face forward per token."""

@@ -132,14 +132,25 @@ class LeanDecoder:
             x = self._layer(index, layer, x, attend, start=start)  # [N, 1, H]
         return self._logits(x)
 
+    def compiled_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`static_step` through `torch.compile` (CUDA graphs on a GPU): see `compiled_decode_step`."""
+        self._static_state(tokens.device)
+        logits = compiled_decode_step(tokens.device.type)(self.decoder, self.lm_head, tokens, self.position, self.columns,
+                                                          self.key_mask, self.cos, self.sin, self.cache)
+        self.filled += 1
+        return logits
+
+    def _static_state(self, device: torch.device) -> None:
+        if not hasattr(self, "position"):
+            self.position = torch.tensor([self.filled], device=device)  # [1], the column this token fills
+            self.columns = torch.arange(self.key_mask.shape[1], device=device)  # [P+S]
+
     def static_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """`step` with every shape fixed and the position on the device: the step attends over the
         whole [P+S] cache through a validity mask instead of a slice that grows by one each token,
         writes its keys and values with a tensor index, and advances `self.position` in place, so
         one traced graph (torch.compile, a CUDA graph) serves every token of the call."""
-        if not hasattr(self, "position"):
-            self.position = torch.tensor([self.filled], device=tokens.device)  # [1], the column this token fills
-            self.columns = torch.arange(self.key_mask.shape[1], device=tokens.device)  # [P+S]
+        self._static_state(tokens.device)
         logits = static_decode_step(self.decoder, self.lm_head, tokens, self.position, self.columns, self.key_mask,
                                     self.cos, self.sin, self.cache)
         self.filled += 1
@@ -209,3 +220,18 @@ def static_decode_step(decoder: nn.Module, lm_head: nn.Module, tokens: torch.Ten
         x = x + layer.mlp(layer.post_attention_layernorm(x))  # [N, 1, H]
     position.add_(1)
     return lm_head(decoder.norm(x))[:, -1]  # [N, V]
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_decode_step(device_type: str):
+    """`static_decode_step` under `torch.compile`, one per device type, shared by every generator:
+    dynamo keys its graphs on the modules and the shapes, so a model compiles once per (rows, cache
+    length) and every later call of the same shapes reuses the graph (and Inductor's on-disk cache
+    serves a later process). On CUDA the mode is "reduce-overhead": CUDA graphs over the static
+    cache, whose tensors are written in place (UNTESTED on a GPU so far: docs/gpu.md)."""
+    if device_type not in _COMPILED:
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _COMPILED[device_type] = torch.compile(static_decode_step, dynamic=False, mode=mode)
+    return _COMPILED[device_type]
