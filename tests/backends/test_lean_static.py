@@ -61,3 +61,17 @@ def test_the_static_step_advances_its_position_on_the_device():
 def test_a_wrong_cache_column_is_caught():
     model = model64()
     assert (decode(model, "static", shift=1) - decode(model, "growing")).abs().max() > 1e-3
+
+
+def test_the_columns_not_yet_written_are_zeros():
+    """The static step reads every column of the cache with a mask; a masked column still multiplies
+    its value by 0, so garbage there (NaN bit patterns of uninitialised memory) would poison the
+    output. Found as NaN log-probs in a compiled run whose allocator handed back dirty memory."""
+    model = model64()
+    decoder = LeanDecoder(model)
+    ids, mask = torch.randint(3, 20, (2, 4)), torch.ones(2, 4, dtype=torch.bool)
+    with torch.no_grad():
+        decoder.start(ids, mask, torch.arange(4).expand(2, 4), 5)
+    for keys, values in decoder.cache:  # [N, Hkv, P+S, D]
+        assert keys[:, :, 4:].count_nonzero() == 0 and values[:, :, 4:].count_nonzero() == 0
+        assert keys[:, :, :4].count_nonzero() > 0

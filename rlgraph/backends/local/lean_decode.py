@@ -174,8 +174,10 @@ class LeanDecoder:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if new_cache is not None:
             total = length + new_cache
-            self.cache.append((k.new_empty(rows, k.shape[1], total, k.shape[3]),  # [N, Hkv, P+S, D]
-                               v.new_empty(rows, v.shape[1], total, v.shape[3])))
+            # zeros, not empty: the static step reads the columns not yet written (masked out), and
+            # a masked column still multiplies its value by a weight of 0, which NaN garbage poisons
+            self.cache.append((k.new_zeros(rows, k.shape[1], total, k.shape[3]),  # [N, Hkv, P+S, D]
+                               v.new_zeros(rows, v.shape[1], total, v.shape[3])))
         keys, values = self.cache[index]
         keys[:, :, start : start + length] = k
         values[:, :, start : start + length] = v
