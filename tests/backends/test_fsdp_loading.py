@@ -18,8 +18,10 @@ from rlgraph.algorithms import ALGORITHMS
 from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, parameters_on_meta, write_weights
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.ir.errors import ConfigError
+from rlgraph.testing.tiny import tiny_prompts
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # tied in the shipped tiny Qwen2 (as in Qwen2.5-0.5B)
 
@@ -93,8 +95,9 @@ def test_a_world_with_weights_files_pickles_to_far_less_than_one_policy(tmp_path
             assert torch.equal(built.models[role].model.state_dict()[name], tensor), (role, name)
 
 
-def _rank_main(rank: int, port: int, world: WorldSpec, plan, out: str) -> None:
-    """One of two gloo ranks: build the FSDP2 executor from the weights files and check each shard."""
+def _rank_main(rank: int, port: int, world: WorldSpec, plan, out: str, rollouts, expected) -> None:
+    """One of two gloo ranks: build the FSDP2 executor from the weights files, check each shard, and
+    run the sharded roles forward (FSDP2's own all-gathers of the filled shards)."""
     import torch.distributed as dist
 
     try:
@@ -108,10 +111,14 @@ def _rank_main(rank: int, port: int, world: WorldSpec, plan, out: str) -> None:
             for name, param in model.named_parameters():
                 assert isinstance(param, DTensor), name
                 full = source.tensor(name)
-                expected = torch.chunk(full, 2)[rank] if rank < len(torch.chunk(full, 2)) else full[:0]
-                assert torch.equal(param.to_local(), expected), (role, name)  # exactly this rank's rows
+                rows = torch.chunk(full, 2)[rank] if rank < len(torch.chunk(full, 2)) else full[:0]
+                assert torch.equal(param.to_local(), rows), (role, name)  # exactly this rank's rows
                 assert torch.equal(param.full_tensor(), full), (role, name)  # and together the whole tensor
             report[role] = sum(p.to_local().numel() for p in model.parameters())
+            logprobs = executor.logprobs(ModelRef(role, 0), rollouts)
+            # The same fp32 weights and inputs; only the reduction order of the matmuls may differ
+            # from the local run: a few ulps of values of size ~10 (fp32 eps 1.2e-7 -> 1e-5).
+            torch.testing.assert_close(logprobs, expected[role], rtol=0, atol=1e-5)
         Path(out).write_text(json.dumps(report))
         dist.destroy_process_group()
     except BaseException:
@@ -126,9 +133,12 @@ def test_two_fsdp2_ranks_read_exactly_their_rows_from_the_weights_files(tmp_path
     world = attrs.evolve(WorldSpec.of_executor(executor, {}, weights_dir=tmp_path / "w"), fsdp_unit_params=0)
     plan = rg.compile(ALGORITHMS["grpo"], mesh="cpu:2", placement=rg.colocated(checkpointing=False),
                       sizes={"B": 2, "P": 8, "T": 4}, n=2, kl=0.1, max_new_tokens=4).plan
+    rollouts = executor.generate(ModelRef("policy", 0), tiny_prompts(2), n=2, temperature=0.0, max_new_tokens=4)
+    expected = {role: executor.logprobs(ModelRef(role, 0), rollouts) for role in ("policy", "ref")}
     context, port = multiprocessing.get_context("spawn"), free_port()
     outs = [str(tmp_path / f"rank{rank}.txt") for rank in range(2)]
-    ranks = [context.Process(target=_rank_main, args=(rank, port, world, plan, outs[rank])) for rank in range(2)]
+    ranks = [context.Process(target=_rank_main, args=(rank, port, world, plan, outs[rank], rollouts, expected))
+             for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:
