@@ -80,15 +80,17 @@ class RoleSpec:
                      empty: bool = False) -> torch.nn.Module:
         """The role's model (with `lora`: the peft model, only its adapters trainable); `merged=True`
         gives a LoRA role as the plain model with its adapters merged in (what a generator serves).
-        `empty=True` skips reading weights and any checkpoint in `source` (its config only): for a
-        build under `parameters_on_meta`, whose parameters a rank fills from `weight_source()`."""
+        `empty=True` skips reading weights (and, like any build given weights, the checkpoint in
+        `source`: its config only): for a build under `parameters_on_meta`, whose parameters a rank
+        fills from `weight_source()`."""
         from rlgraph.backends.local.critic import build_critic
         from rlgraph.backends.local.models import build_causal_lm
 
         assert self.base_of is None, "a view of another role builds nothing of its own"
-        source = _config_only(self.source) if empty else self.source
         weights = None if empty else self.weight_source()
         weights = None if weights is None else weights.state_dict()
+        # Weights given: a checkpoint in `source` would be read only to be overwritten; its config suffices.
+        source = _config_only(self.source) if empty or weights is not None else self.source
         if self.lora is not None:
             module = self._build_lora(source, weights, tokenizer, dtype, merged)
         elif self.kind == "critic":
