@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, parameters_on_meta, write_weights
+from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, missing_names, parameters_on_meta, write_weights
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import ModelRef
@@ -149,3 +149,38 @@ def test_two_fsdp2_ranks_read_exactly_their_rows_from_the_weights_files(tmp_path
     for role in total:  # each rank holds half of every parameter's rows (dim 0 split in two, sizes even)
         assert sum(json.loads(text)[role] for text in texts) == total[role]
         assert all(json.loads(text)[role] <= total[role] // 2 + 1024 for text in texts)
+
+
+LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ("q_proj", "v_proj")}
+
+
+@pytest.mark.parametrize("spec", [RoleSpec(kind="critic", optimizer="sgd", seed=1),
+                                  RoleSpec(lora=LORA, optimizer="adamw", seed=3)], ids=["critic", "lora"])
+def test_critic_and_lora_roles_built_empty_and_filled_equal_their_full_build(spec, tmp_path):
+    tokenizer = load_tokenizer(None)
+    full = spec.build_module(tokenizer)  # seeded: the value head / the adapters drawn here
+    filed = attrs.evolve(spec, weights_file=str(write_weights(full.state_dict(), tmp_path / "role.safetensors")))
+    with parameters_on_meta():
+        empty = filed.build_module(tokenizer, empty=True)
+    source = filed.weight_source()
+    assert not missing_names(empty, source)
+    fill_shards(empty, empty, source, torch.device("cpu"))
+    assert empty.state_dict().keys() == full.state_dict().keys()
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(empty.state_dict()[name], tensor), name
+    trainable = {name for name, p in full.named_parameters() if p.requires_grad}
+    assert trainable and trainable == {name for name, p in empty.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_role_given_only_its_base_lacks_the_adapters_so_a_rank_builds_it_whole(tmp_path):
+    """Its adapters are drawn on the rank (seeded), which a meta build cannot do: the FSDP2 build
+    falls back to the full module (`_empty_module` returns None)."""
+    from rlgraph.backends.fsdp.build import _empty_module
+
+    base = write_weights(_model().state_dict(), tmp_path / "base.safetensors")
+    spec = RoleSpec(lora=LORA, optimizer="adamw", weights_file=str(base))
+    with parameters_on_meta():
+        empty = spec.build_module(load_tokenizer(None), empty=True)
+    missing = missing_names(empty, spec.weight_source())  # the adapters (and the base under peft's names)
+    assert any(".lora_A." in name for name in missing) and any(".lora_B." in name for name in missing)
+    assert _empty_module(spec, load_tokenizer(None)) == (None, None)
