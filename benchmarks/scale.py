@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/scale.py --model qwen2.5-0.5b                 # full fine-tuning, AdamW
     .venv/bin/python benchmarks/scale.py --model qwen2.5-1.5b --lora 16       # LoRA r=16 on q,k,v,o
     .venv/bin/python benchmarks/scale.py --model tiny-qwen2 --steps 2         # the harness itself, seconds
+    .venv/bin/python benchmarks/scale.py --model benchmarks/models/qwen2-107m/config.json \
+        --model-dir runs/scale/qwen2-107m                                     # 107M, Qwen2 vocabulary (docs/benchmarks.md)
 
 What it does:
 1. writes a random-init model of the preset's architecture (`rlgraph plan` presets) as a Hugging

@@ -6,8 +6,10 @@
     state = world.merge_states(parts)              # the ranks' checkpoint parts as one full state
 
 A worker process receives the `WorldSpec` (not live models) and builds only the roles the plan
-places on its rank; the controller keeps the reward functions (`world.controller()`). `weights`
-carries a state dict (e.g. a warm-started policy) so every rank starts from the same parameters;
+places on its rank; the controller keeps the reward functions (`world.controller()`). `weights_file`
+names a safetensors file of the role's weights (e.g. a warm-started policy; `of_executor(weights_dir=...)`
+writes them) so every rank starts from the same parameters, and an FSDP2 rank reads only its shard
+of it; `weights` carries the state dict itself (small models, tests: it is pickled to every worker);
 `source` is anything `build_causal_lm` takes (None: the shipped tiny Qwen2, a config, or a local
 Hugging Face directory, loaded by each rank itself).
 
@@ -21,8 +23,10 @@ adapters off (a LoRA policy's KL reference); it must be placed on that role's ra
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -55,6 +59,7 @@ class RoleSpec:
 
     source: Any = None
     weights: Mapping[str, torch.Tensor] | None = attrs.field(default=None, eq=False, repr=False)
+    weights_file: str | None = None  # a safetensors file (`write_weights`) instead of `weights`
     kind: str = attrs.field(default="lm", validator=_one_of(KINDS))
     optimizer: str | None = attrs.field(default=None, validator=_one_of(OPTIMIZERS))
     lr: float = 1e-4
@@ -63,26 +68,43 @@ class RoleSpec:
     lora: Mapping[str, Any] | None = attrs.field(default=None, validator=_lm_only, hash=False)  # the LoraSettings fields
     base_of: str | None = attrs.field(default=None, validator=_lm_only)  # another role's module, adapters off
 
-    def build_module(self, tokenizer: Any, dtype: torch.dtype = torch.float32, *, merged: bool = False) -> torch.nn.Module:
+    def weight_source(self) -> Any:
+        """The role's start-up weights, read on demand (`WeightSource`), or None: built from `source`."""
+        from rlgraph.backends.fsdp.loading import WeightSource
+
+        if self.weights_file is not None:
+            return WeightSource.of(self.weights_file)
+        return WeightSource.of(self.weights) if self.weights is not None else None
+
+    def build_module(self, tokenizer: Any, dtype: torch.dtype = torch.float32, *, merged: bool = False,
+                     empty: bool = False) -> torch.nn.Module:
         """The role's model (with `lora`: the peft model, only its adapters trainable); `merged=True`
-        gives a LoRA role as the plain model with its adapters merged in (what a generator serves)."""
+        gives a LoRA role as the plain model with its adapters merged in (what a generator serves).
+        `empty=True` skips reading weights (and, like any build given weights, the checkpoint in
+        `source`: its config only): for a build under `parameters_on_meta`, whose parameters a rank
+        fills from `weight_source()`."""
         from rlgraph.backends.local.critic import build_critic
         from rlgraph.backends.local.models import build_causal_lm
 
         assert self.base_of is None, "a view of another role builds nothing of its own"
+        weights = None if empty else self.weight_source()
+        weights = None if weights is None else weights.state_dict()
+        # Weights given: a checkpoint in `source` would be read only to be overwritten; its config suffices.
+        source = _config_only(self.source) if empty or weights is not None else self.source
         if self.lora is not None:
-            module = self._build_lora(tokenizer, dtype, merged)
+            module = self._build_lora(source, weights, tokenizer, dtype, merged)
         elif self.kind == "critic":
-            module = build_critic(self.source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+            module = build_critic(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
         else:
-            module = build_causal_lm(self.source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
-        if self.weights is not None and self.lora is None:
-            module.load_state_dict(dict(self.weights), strict=True)
+            module = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+        if weights is not None and self.lora is None:
+            module.load_state_dict(weights, strict=True)
         if self.optimizer is None:
             module.requires_grad_(False)
         return module
 
-    def _build_lora(self, tokenizer: Any, dtype: torch.dtype, merged: bool) -> torch.nn.Module:
+    def _build_lora(self, source: Any, weights: dict[str, torch.Tensor] | None, tokenizer: Any, dtype: torch.dtype,
+                    merged: bool) -> torch.nn.Module:
         """The base (its weights: `weights` when they are a plain model's), then seeded adapters (their
         weights: `weights` when they are a peft model's); merged: a plain model of the merged weights."""
         from rlgraph.backends.local.executor import _is_adapter_set
@@ -90,16 +112,16 @@ class RoleSpec:
         # The LoRA recipe lives with `rlgraph train` (peft); a worker builds exactly what the run built.
         from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict
 
-        module = build_causal_lm(self.source, tokenizer=tokenizer, seed=self.seed)  # fp32: the adapters train in it
-        peft_weights = self.weights is not None and _is_adapter_set(self.weights)
-        if self.weights is not None and not peft_weights:
-            module.load_state_dict(dict(self.weights), strict=True)
+        module = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed)  # fp32: the adapters train in it
+        peft_weights = weights is not None and _is_adapter_set(weights)
+        if weights is not None and not peft_weights:
+            module.load_state_dict(weights, strict=True)
         module = apply_lora(module, LoraSettings(**self.lora), seed=self.seed)
         if peft_weights:
-            module.load_state_dict(dict(self.weights), strict=True)
+            module.load_state_dict(weights, strict=True)
         if not merged:
             return module.to(dtype)
-        plain = build_causal_lm(self.source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+        plain = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
         plain.load_state_dict(merged_state_dict(module), strict=True)
         return plain
 
@@ -124,12 +146,15 @@ class WorldSpec:
 
     @classmethod
     def of_executor(cls, executor: Any, rewards: Mapping[str, Callable[..., Any]], *, source: Any = None,
-                    tokenizer: str | None = None, max_new_tokens: int = 16, seed: int = 0) -> WorldSpec:
+                    tokenizer: str | None = None, max_new_tokens: int = 16, seed: int = 0,
+                    weights_dir: str | os.PathLike | None = None) -> WorldSpec:
         """A local executor's roles as a recipe worker processes rebuild them from: each role's
-        current weights (a CPU copy, whatever the device), its optimizer kind, learning rate and
-        hyper-parameters (a fresh optimizer state), built from `source` (a model directory or
-        config; None: the tiny Qwen2). A LoRA role carries its settings (and its peft state dict);
-        a LoRA policy's reference view becomes `RoleSpec(base_of=...)`."""
+        current weights, its optimizer kind, learning rate and hyper-parameters (a fresh optimizer
+        state), built from `source` (a model directory or config; None: the tiny Qwen2). A LoRA role
+        carries its settings (and its peft state dict); a LoRA policy's reference view becomes
+        `RoleSpec(base_of=...)`. With `weights_dir` each role's weights are written once to
+        `<weights_dir>/<role>.safetensors` and the spec carries only the path (what a real model
+        needs: the spec is pickled to every worker); without, a CPU copy of them (small models)."""
         lora, views = _lora_roles(executor.models)
         roles = {}
         for role, worker in executor.models.items():
@@ -139,10 +164,16 @@ class WorldSpec:
             optimizer = worker.optimizer
             kind = None if optimizer is None else ("sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw")
             group = optimizer.param_groups[0] if optimizer is not None else {}
+            state = worker.model.state_dict()
+            if weights_dir is not None:
+                from rlgraph.backends.fsdp.loading import write_weights
+
+                carried = {"weights_file": str(write_weights(state, Path(weights_dir).resolve() / f"{role}.safetensors"))}
+            else:
+                carried = {"weights": {k: v.detach().to("cpu", copy=True) for k, v in state.items()}}
             roles[role] = RoleSpec(source=source, kind=worker.kind, optimizer=kind, lr=group.get("lr", 0.0),
                                    optimizer_options={key: group[key] for key in OPTIMIZER_OPTIONS if key in group},
-                                   lora=lora.get(role),
-                                   weights={k: v.detach().to("cpu", copy=True) for k, v in worker.model.state_dict().items()})
+                                   lora=lora.get(role), **carried)
         return cls(roles, dict(rewards), tokenizer=tokenizer, max_new_tokens=max_new_tokens, seed=seed)
 
     def load_tokenizer(self) -> Any:
@@ -208,6 +239,14 @@ class WorldSpec:
         from rlgraph.backends.fsdp.state import full_weights
 
         return full_weights(role, parts)
+
+
+def _config_only(source: Any) -> Any:
+    """`source` without its checkpoint: a model directory becomes its config.json (an empty build
+    must not read the directory's weights; the rank reads the start-up weights file instead)."""
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        return Path(source) / "config.json"
+    return source
 
 
 def _lora_roles(models: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

@@ -56,7 +56,8 @@ class _Session:
 
             world = WorldSpec.of_executor(self.executor, {"reward": self.setup.rewards}, source=self.config.model.path,
                                           tokenizer=self.config.model.tokenizer, seed=self.config.train.seed,
-                                          max_new_tokens=self.config.rollout.max_new_tokens)
+                                          max_new_tokens=self.config.rollout.max_new_tokens,
+                                          weights_dir=run_dir / "start_weights")  # files, not pickled tensors
             self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
             if runtime.runtime == "ray":
                 from rlgraph.runtime.ray_transport import RayTransport

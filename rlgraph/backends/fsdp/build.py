@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from rlgraph.backends.fsdp.loading import fill_shards, missing_names, parameters_on_meta
 from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, role_module
 from rlgraph.backends.fsdp.sync import sync_ranks
 from rlgraph.backends.local.executor import LMWorker, RewardWorker
@@ -150,6 +151,20 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
     return spec.build_module(tokenizer, dtype, merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
 
 
+def _empty_module(spec: Any, tokenizer: Any) -> tuple[torch.nn.Module | None, Any]:
+    """The role's module with its parameters on the meta device, and the `WeightSource` that fills
+    every one of them; (None, None) when the role has no start-up weights, or they leave some
+    parameters out (a LoRA role given a plain base: its adapters are drawn on the rank)."""
+    source = spec.weight_source()
+    if source is None:
+        return None, None
+    with parameters_on_meta():
+        module = spec.build_module(tokenizer, empty=True)
+    if missing_names(module, source):
+        return None, None
+    return module, source
+
+
 def _role_spec(world: Any, role: str) -> Any:
     if role not in world.roles:
         raise KeyError(f"the plan places role {role!r} but the run defines only {', '.join(world.roles)}; "
@@ -162,7 +177,9 @@ def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, devic
     """The role's model `fully_shard`ed on `mesh` (its large decoder layers as units, `RoleForward`
     as the root), with a `LocalShardOptimizer` when it trains."""
     layout = group.train
-    module = spec.build_module(tokenizer).to(device)
+    module, source = _empty_module(spec, tokenizer)
+    if source is None:  # no weights to read (built from `source`), or not all of them: the whole model here
+        module = spec.build_module(tokenizer).to(device)
     if layout is not None and layout.checkpointing:
         lm = getattr(module, "backbone", module)
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -176,6 +193,8 @@ def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, devic
         if sum(p.numel() for p in layer.parameters()) >= unit_params:
             fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
     fully_shard(root, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    if source is not None:
+        fill_shards(root, module, source, device)  # allocate the shards and read only their rows
     for unit in root.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)  # sum the shards' gradients: the loss is globally normalised

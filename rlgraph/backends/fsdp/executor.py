@@ -99,7 +99,9 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
                  for p in worker.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        squares = torch.stack([g.detach().float().square().sum() for g in grads]).sum().reshape(1).to(self._comm_device())
+        # One fused kernel over the local shards (what clip_grad_norm_ runs locally), squared to add across ranks.
+        norms = torch._foreach_norm([g.detach() for g in grads], 2.0)
+        squares = torch.stack(norms).float().square().sum().reshape(1).to(self._comm_device())
         dist.all_reduce(squares, group=self.shard_groups[self._role_of(worker)])  # replicas hold the same shards
         norm = float(squares.sqrt())
         if math.isfinite(clip) and norm > clip:

@@ -1,0 +1,161 @@
+"""Start-up weights as files, and each rank reading only its own shard of them.
+
+    write_weights(model.state_dict(), path)            # once, on the controller: safetensors, atomic
+    source = WeightSource.of(path)                     # on a rank: nothing is read yet
+    with parameters_on_meta():
+        module = build()                               # parameters on the meta device, buffers real
+    fully_shard(...)                                   # FSDP2 shards the meta parameters
+    fill_shards(root, module, source, device)          # allocate, then read only this rank's rows
+
+A `WorldSpec` whose roles carry a weights file pickles to a few kilobytes, whatever the model's
+size, and a rank of an FSDP2 group holds its shard plus one parameter's rows in flight instead of
+the full model (what it held before: the pickled copy and the built module, both full).
+
+Tied parameters (Qwen2.5-0.5B's embedding and LM head) are one tensor under two names: the file
+keeps the first name and records the others in its metadata (safetensors refuses shared storage),
+and a reader resolves either name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Shard
+
+from rlgraph.ir.errors import ConfigError
+
+ALIASES = "rlgraph.aliases"  # metadata key: {dropped name: the stored name holding the same tensor}
+
+
+def write_weights(weights: Mapping[str, torch.Tensor], path: str | os.PathLike) -> Path:
+    """`weights` as one safetensors file at `path`, written to a temporary name then renamed, so a
+    reader never sees half a file. Tensors sharing storage are stored once (see the module doc)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored, aliases, seen = {}, {}, {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if tensor.numel() > 0 and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        stored[name] = tensor.detach().to("cpu").contiguous()
+    partial = path.with_name(path.name + ".partial")
+    save_file(stored, str(partial), metadata={ALIASES: json.dumps(aliases)})
+    os.replace(partial, path)
+    return path
+
+
+class WeightSource:
+    """Named tensors read on demand: from a safetensors file (`write_weights`) or an in-memory
+    state dict (a `RoleSpec(weights=...)` given directly). `rows(name, start, stop)` reads only
+    those rows of dim 0."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None, handle: Any, aliases: Mapping[str, str], where: str):
+        self._tensors, self._handle, self.where = tensors, handle, where
+        names = set(tensors) if tensors is not None else set(handle.keys())
+        self._aliases = {alias: stored for alias, stored in aliases.items() if stored in names}
+        self.names = frozenset(names | set(self._aliases))
+
+    @classmethod
+    def of(cls, weights: str | os.PathLike | Mapping[str, torch.Tensor]) -> WeightSource:
+        if isinstance(weights, Mapping):
+            return cls(weights, None, {}, "the RoleSpec's weights")
+        path = Path(weights)
+        if not path.is_file():
+            raise ConfigError(f"the start-up weights file {str(path)!r} (RoleSpec.weights_file) does not exist",
+                              fix="write it with WorldSpec.of_executor(..., weights_dir=<run directory>), on a "
+                                  "filesystem every worker reads (several nodes: a shared one)")
+        handle = safe_open(str(path), framework="pt")
+        return cls(None, handle, json.loads((handle.metadata() or {}).get(ALIASES, "{}")), str(path))
+
+    def _stored(self, name: str) -> str:
+        if name not in self.names:
+            raise KeyError(f"{self.where} has no tensor {name!r}")
+        return self._aliases.get(name, name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        stored = self._stored(name)
+        return self._tensors[stored] if self._tensors is not None else self._handle.get_tensor(stored)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        stored = self._stored(name)
+        if self._tensors is not None:
+            return self._tensors[stored][start:stop]
+        return self._handle.get_slice(stored)[start:stop]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every name (aliases included) as a full tensor: what `load_state_dict(strict=True)` takes."""
+        return {name: self.tensor(name) for name in sorted(self.names)}
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside register their parameters on the meta device (no memory, no values)
+    and keep their buffers real: rotary `inv_freq` and the like are computed at construction and
+    are in no state dict, so they could not be filled in later."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def missing_names(module: torch.nn.Module, source: WeightSource) -> list[str]:
+    """The module's parameter and persistent-buffer names `source` lacks (none: it can fill the module)."""
+    return sorted(set(module.state_dict(keep_vars=True)) - source.names)
+
+
+def fill_shards(root: torch.nn.Module, module: torch.nn.Module, source: WeightSource, device: torch.device) -> None:
+    """Allocate `root`'s meta parameters (FSDP2-sharded DTensors or plain) on `device` and copy into
+    each one only its local rows from `source`, read by `module`'s names (`module` is `root`'s
+    model, the names a state dict has). Buffers keep their values; persistent ones are read too."""
+    buffers = [buffer.detach().clone() for buffer in root.buffers()]
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # a tied parameter: every (module, name) holding it
+    for owner in root.modules():
+        for key, param in owner._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((owner, key))
+    root.to_empty(device=device)  # new tensors for everything: buffers are copied back, ties restored
+    for places in owners.values():
+        first = places[0][0]._parameters[places[0][1]]
+        for owner, key in places[1:]:
+            owner._parameters[key] = first
+    with torch.no_grad():
+        for kept, fresh in zip(buffers, root.buffers(), strict=True):
+            fresh.copy_(kept)
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if name in source.names:
+                _fill(tensor, name, source)
+
+
+def _fill(tensor: torch.Tensor, name: str, source: WeightSource) -> None:
+    """Copy `tensor`'s local part of `name`: a DTensor sharded on dim 0 reads only its rows."""
+    if not isinstance(tensor, DTensor):
+        tensor.copy_(source.tensor(name))
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    # FSDP2 shards dim 0 only (the other dims are whole); a layout sharding another dim is not handled here.
+    assert all(p.dim == 0 for p in tensor.placements if isinstance(p, Shard)), (name, tensor.placements)
+    assert all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(tensor.shape[1:]), (name, shape, offset)
+    local = tensor.to_local()
+    assert tuple(local.shape) == tuple(shape), (name, local.shape, shape)
+    if local.numel():
+        local.copy_(source.rows(name, offset[0], offset[0] + shape[0]))

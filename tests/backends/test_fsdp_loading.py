@@ -1,0 +1,186 @@
+"""Start-up weights travel as files and an FSDP2 rank reads only its shard (rlgraph/backends/fsdp/loading.py)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import pickle
+import traceback
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import rlgraph as rg
+from rlgraph.algorithms import ALGORITHMS
+from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, missing_names, parameters_on_meta, write_weights
+from rlgraph.backends.local.executor import LMWorker, LocalExecutor
+from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.backends.protocols import ModelRef
+from rlgraph.backends.world import RoleSpec, WorldSpec
+from rlgraph.ir.errors import ConfigError
+from rlgraph.testing.tiny import tiny_prompts
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # tied in the shipped tiny Qwen2 (as in Qwen2.5-0.5B)
+
+
+def _model(seed: int = 3) -> torch.nn.Module:
+    return build_causal_lm(None, tokenizer=load_tokenizer(None), seed=seed)
+
+
+def test_a_weights_file_stores_tied_tensors_once_and_reads_them_under_both_names(tmp_path):
+    model = _model()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    path = write_weights(model.state_dict(), tmp_path / "policy.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.safetensors"]  # the temporary name was renamed
+    source = WeightSource.of(path)
+    assert source.names == set(model.state_dict())
+    assert len(source._handle.keys()) == len(model.state_dict()) - 1  # the head is an alias of the embedding
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(source.tensor(name), tensor), name
+    assert torch.equal(source.rows(HEAD, 5, 9), model.lm_head.weight[5:9])
+
+
+def test_a_missing_weights_file_names_the_path_and_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="nowhere.safetensors.*does not exist(.|\n)*weights_dir"):
+        WeightSource.of(tmp_path / "nowhere.safetensors")
+
+
+def test_parameters_on_meta_keeps_buffers_real_and_ties_intact():
+    reference = _model()
+    with parameters_on_meta():
+        empty = _model()
+    assert all(p.is_meta for p in empty.parameters())
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight
+    buffers = dict(reference.named_buffers())
+    assert buffers and all(not b.is_meta and torch.equal(b, buffers[n]) for n, b in empty.named_buffers())
+    torch.nn.Linear(2, 2)  # outside the context parameters are real again
+    assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
+def test_fill_shards_of_an_unsharded_module_loads_every_value(tmp_path):
+    model = _model()
+    source = WeightSource.of(write_weights(model.state_dict(), tmp_path / "w.safetensors"))
+    with parameters_on_meta():
+        empty = _model(seed=99)  # another seed: every value must come from the file
+    fill_shards(empty, empty, source, torch.device("cpu"))
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(empty.state_dict()[name], tensor), name
+
+
+def _executor(optimizer: bool = True) -> LocalExecutor:
+    tokenizer = load_tokenizer(None)
+    policy = _model()
+    worker = LMWorker(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3) if optimizer else None)
+    return LocalExecutor({"policy": worker, "ref": LMWorker(_model(seed=4).requires_grad_(False))}, {}, tokenizer)
+
+
+def test_a_world_with_weights_files_pickles_to_far_less_than_one_policy(tmp_path):
+    """What the spmd transport sends each worker at start-up is the pickled WorldSpec: with files it
+    carries paths (a few kB), not the two roles' weights (>= 2 fp32 copies of the policy)."""
+    executor = _executor()
+    policy_bytes = sum(t.numel() * t.element_size() for t in executor.models["policy"].model.state_dict().values())
+    in_memory = len(pickle.dumps(WorldSpec.of_executor(executor, {})))
+    world = WorldSpec.of_executor(executor, {}, weights_dir=tmp_path)
+    with_files = len(pickle.dumps(world))
+    assert in_memory > 2 * policy_bytes * 0.9  # before: both roles' weights (the tied head pickles once)
+    assert with_files < 0.05 * policy_bytes, (with_files, policy_bytes)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.safetensors", "ref.safetensors"]
+    built = world.build_local()  # the local build reads the files whole
+    for role in ("policy", "ref"):
+        for name, tensor in executor.models[role].model.state_dict().items():
+            assert torch.equal(built.models[role].model.state_dict()[name], tensor), (role, name)
+
+
+def _rank_main(rank: int, port: int, world: WorldSpec, plan, out: str, rollouts, expected) -> None:
+    """One of two gloo ranks: build the FSDP2 executor from the weights files, check each shard, and
+    run the sharded roles forward (FSDP2's own all-gathers of the filled shards)."""
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        executor = world.build(rank, plan, torch.device("cpu"))
+        report = {}
+        for role in ("policy", "ref"):
+            model = executor.models[role].model.module  # the HF model inside RoleForward
+            source = world.roles[role].weight_source()
+            assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+            for name, param in model.named_parameters():
+                assert isinstance(param, DTensor), name
+                full = source.tensor(name)
+                rows = torch.chunk(full, 2)[rank] if rank < len(torch.chunk(full, 2)) else full[:0]
+                assert torch.equal(param.to_local(), rows), (role, name)  # exactly this rank's rows
+                assert torch.equal(param.full_tensor(), full), (role, name)  # and together the whole tensor
+            report[role] = sum(p.to_local().numel() for p in model.parameters())
+            logprobs = executor.logprobs(ModelRef(role, 0), rollouts)
+            # The same fp32 weights and inputs; only the reduction order of the matmuls may differ
+            # from the local run: a few ulps of values of size ~10 (fp32 eps 1.2e-7 -> 1e-5).
+            torch.testing.assert_close(logprobs, expected[role], rtol=0, atol=1e-5)
+        Path(out).write_text(json.dumps(report))
+        dist.destroy_process_group()
+    except BaseException:
+        Path(out).write_text(traceback.format_exc())
+        raise
+
+
+def test_two_fsdp2_ranks_read_exactly_their_rows_from_the_weights_files(tmp_path):
+    from rlgraph.runtime.spmd import free_port
+
+    executor = _executor()
+    world = attrs.evolve(WorldSpec.of_executor(executor, {}, weights_dir=tmp_path / "w"), fsdp_unit_params=0)
+    plan = rg.compile(ALGORITHMS["grpo"], mesh="cpu:2", placement=rg.colocated(checkpointing=False),
+                      sizes={"B": 2, "P": 8, "T": 4}, n=2, kl=0.1, max_new_tokens=4).plan
+    rollouts = executor.generate(ModelRef("policy", 0), tiny_prompts(2), n=2, temperature=0.0, max_new_tokens=4)
+    expected = {role: executor.logprobs(ModelRef(role, 0), rollouts) for role in ("policy", "ref")}
+    context, port = multiprocessing.get_context("spawn"), free_port()
+    outs = [str(tmp_path / f"rank{rank}.txt") for rank in range(2)]
+    ranks = [context.Process(target=_rank_main, args=(rank, port, world, plan, outs[rank], rollouts, expected))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(240)
+    texts = [Path(out).read_text() if Path(out).exists() else "no report" for out in outs]
+    assert all(process.exitcode == 0 for process in ranks), texts
+    total = {role: sum(p.numel() for p in executor.models[role].model.parameters()) for role in ("policy", "ref")}
+    for role in total:  # each rank holds half of every parameter's rows (dim 0 split in two, sizes even)
+        assert sum(json.loads(text)[role] for text in texts) == total[role]
+        assert all(json.loads(text)[role] <= total[role] // 2 + 1024 for text in texts)
+
+
+LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ("q_proj", "v_proj")}
+
+
+@pytest.mark.parametrize("spec", [RoleSpec(kind="critic", optimizer="sgd", seed=1),
+                                  RoleSpec(lora=LORA, optimizer="adamw", seed=3)], ids=["critic", "lora"])
+def test_critic_and_lora_roles_built_empty_and_filled_equal_their_full_build(spec, tmp_path):
+    tokenizer = load_tokenizer(None)
+    full = spec.build_module(tokenizer)  # seeded: the value head / the adapters drawn here
+    filed = attrs.evolve(spec, weights_file=str(write_weights(full.state_dict(), tmp_path / "role.safetensors")))
+    with parameters_on_meta():
+        empty = filed.build_module(tokenizer, empty=True)
+    source = filed.weight_source()
+    assert not missing_names(empty, source)
+    fill_shards(empty, empty, source, torch.device("cpu"))
+    assert empty.state_dict().keys() == full.state_dict().keys()
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(empty.state_dict()[name], tensor), name
+    trainable = {name for name, p in full.named_parameters() if p.requires_grad}
+    assert trainable and trainable == {name for name, p in empty.named_parameters() if p.requires_grad}
+
+
+def test_a_lora_role_given_only_its_base_lacks_the_adapters_so_a_rank_builds_it_whole(tmp_path):
+    """Its adapters are drawn on the rank (seeded), which a meta build cannot do: the FSDP2 build
+    falls back to the full module (`_empty_module` returns None)."""
+    from rlgraph.backends.fsdp.build import _empty_module
+
+    base = write_weights(_model().state_dict(), tmp_path / "base.safetensors")
+    spec = RoleSpec(lora=LORA, optimizer="adamw", weights_file=str(base))
+    with parameters_on_meta():
+        empty = spec.build_module(load_tokenizer(None), empty=True)
+    missing = missing_names(empty, spec.weight_source())  # the adapters (and the base under peft's names)
+    assert any(".lora_A." in name for name in missing) and any(".lora_B." in name for name in missing)
+    assert _empty_module(spec, load_tokenizer(None)) == (None, None)
