@@ -34,6 +34,7 @@ class _Session:
         self.runner: PlanRunner | None = None
         self.eval_runner: PlanRunner | None = None
         self.transport: Any = None
+        self._start_weights: Path | None = None  # spmd/ray: the workers' starting weights files
         self.logger: Any = None
         self.samples: Any = None  # the run's SampleLog (samples.jsonl)
         self.step = 0  # the RL step whose samples an evaluation logs
@@ -57,7 +58,7 @@ class _Session:
             world = WorldSpec.of_executor(self.executor, {"reward": self.setup.rewards}, source=self.config.model.path,
                                           tokenizer=self.config.model.tokenizer, seed=self.config.train.seed,
                                           max_new_tokens=self.config.rollout.max_new_tokens,
-                                          weights_dir=run_dir / "start_weights")  # files, not pickled tensors
+                                          weights_dir=self.start_weights(run_dir))  # files, not pickled tensors
             self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
             if runtime.runtime == "ray":
                 from rlgraph.runtime.ray_transport import RayTransport
@@ -93,9 +94,19 @@ class _Session:
         self.first_eval = next((row["eval/accuracy"] for row in rows if row.get("step") == 0 and "eval/accuracy" in row),
                                None)
 
+    def start_weights(self, run_dir: Path) -> Path:
+        """Where the workers read their starting weights from (removed at `close`: a resume starts from a
+        checkpoint, and a 7B policy's fp32 start is ~28 GB of disk)."""
+        self._start_weights = run_dir / "start_weights"
+        return self._start_weights
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        if self._start_weights is not None:
+            import shutil
+
+            shutil.rmtree(self._start_weights, ignore_errors=True)
         if self.samples is not None:
             self.samples.close()
 

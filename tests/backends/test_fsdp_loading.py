@@ -184,3 +184,20 @@ def test_a_lora_role_given_only_its_base_lacks_the_adapters_so_a_rank_builds_it_
     missing = missing_names(empty, spec.weight_source())  # the adapters (and the base under peft's names)
     assert any(".lora_A." in name for name in missing) and any(".lora_B." in name for name in missing)
     assert _empty_module(spec, load_tokenizer(None)) == (None, None)
+
+
+@pytest.mark.slow
+def test_an_spmd_run_removes_its_start_weights_when_it_ends(tmp_path, monkeypatch):
+    """`rlgraph train` on spmd writes the workers' starting weights to RUN_DIR/start_weights (files,
+    not pickled tensors) and removes them at the end: a resume starts from a checkpoint."""
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import train
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    config = load_config(root / "examples/math_grpo/config.yaml", [
+        f"run_dir={tmp_path / 'run'}", "runtime.runtime=spmd", "runtime.nproc=2", "train.steps=1",
+        "warm_start.steps=0", "eval.every=0", "eval.max_prompts=4", "rollout.prompts_per_step=2", "rollout.n=2",
+        "checkpoint.every=1", "logging.progress=false", "logging.plots=false", "logging.tensorboard=false"])
+    train(config)
+    assert (tmp_path / "run" / "step-000001").is_dir() and not (tmp_path / "run" / "start_weights").exists()
