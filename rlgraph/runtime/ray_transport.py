@@ -30,6 +30,8 @@ from rlgraph.plan.plan import Plan
 from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, WorkerPool, resolve_device, start_worker
 
+PING_S = 3.0  # a live actor's health thread answers in milliseconds; 3 s covers a loaded node
+
 
 def _ray() -> Any:
     try:
@@ -153,6 +155,15 @@ class RayTransport(WorkerPool):
             except ray.exceptions.RayError as error:
                 dead[pings[ref]] = f"actor on node {self._node(pings[ref])} died: {_first_line(error)}"
         return dead
+
+    def _unresponsive(self, ranks: list[int]) -> dict[int, str]:
+        # The ping runs on the actor's own health thread, so a rank busy with a command answers it;
+        # an actor whose process is stopped or hung (holding the interpreter) does not.
+        ray = _ray()
+        pings = {self.actors[rank].ping.options(concurrency_group="health").remote(): rank for rank in ranks}
+        ready, late = ray.wait(list(pings), num_returns=len(pings), timeout=PING_S) if pings else ([], [])
+        return {pings[ref]: f"its actor on node {self._node(pings[ref])} does not answer a ping within {PING_S:.0f} s"
+                for ref in late}
 
     def _node(self, rank: int) -> str:
         return self.nodes[rank] if rank < len(self.nodes) else "?"
