@@ -170,10 +170,13 @@ class WorkerPool(Transport):
         if stuck:
             rank = min(stuck)
             what, step, _ = self.outstanding[rank][0]
-            how = "; ".join(f"rank {r}: {how}" for r, how in sorted(stuck.items()))
+            if len(stuck) == 1:
+                who, how = f"rank {rank}", stuck[rank]
+            else:
+                who, how = f"ranks {sorted(stuck)}", "; ".join(f"rank {r}: {how}" for r, how in sorted(stuck.items()))
             return WorkerFailure(
-                f"rank(s) {sorted(stuck)} stopped answering: no answer to {what} within {self.timeout_s:.0f} s ({how}); "
-                "the other ranks were waiting for them", rank if len(stuck) == 1 else None, step=step)
+                f"{who} stopped answering: no answer to {what} within {self.timeout_s:.0f} s ({how}); "
+                "the other ranks were waiting for it", rank if len(stuck) == 1 else None, step=step)
         what, step, _ = self.outstanding[pending[0]][0]
         return WorkerFailure(
             f"rank(s) {sorted(silent)} did not finish {what} within {self.timeout_s:.0f} s (a collective waiting "

@@ -137,7 +137,7 @@ class SpmdTransport(WorkerPool):
         for rank in ranks:
             state = _process_state(self.processes[rank].pid)
             if state in ("T", "t"):  # a blocked or computing process is R, S or D; a stopped one never answers
-                found[rank] = f"its process {self.processes[rank].pid} is stopped ({_STOPPED[state]})"
+                found[rank] = f"its process {self.processes[rank].pid} is stopped {_STOPPED[state]}"
         return found
 
     def _stop(self) -> None:
@@ -209,7 +209,7 @@ def _receive(connection: Connection) -> Any:
 
 # -- processes: state, children, signals, the resource tracker (Linux /proc; elsewhere none are seen) -----
 
-_STOPPED = {"T": "SIGSTOP or Ctrl-Z; SIGCONT resumes it", "t": "held by a debugger or tracer"}
+_STOPPED = {"T": "by SIGSTOP or Ctrl-Z (SIGCONT resumes it)", "t": "by a debugger or tracer"}
 
 
 def _process_state(pid: int | None) -> str:
