@@ -21,8 +21,8 @@ them), so an interrupt leaves one clean message.
 
 Stopping is bounded: `close` tells idle workers to exit, then SIGTERM (with SIGCONT, so a stopped
 worker acts on it) to the workers and their child processes after a grace of `GRACE_S`, then SIGKILL
-after `TERM_S` more, then reaps: at most GRACE_S + TERM_S + KILL_WAIT_S (~9 s) in all. The
-multiprocessing resource tracker is stopped too when the pool started it and no other pool runs.
+after `TERM_S` more, then reaps; the multiprocessing resource tracker is stopped too when the pool
+started it and no other pool runs: `CLOSE_S` (11 s) at most in all, whatever state the workers are in.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ __all__ = ["SpmdTransport", "resolve_device", "free_port"]
 GRACE_S = 5.0  # an idle worker told to close exits in well under 1 s (it drops its process group); 5 s covers a loaded machine
 TERM_S = 2.0  # SIGTERM's default action ends a process at once; 2 s covers scheduling on a loaded machine
 KILL_WAIT_S = 2.0  # SIGKILL cannot be caught or blocked (it ends a stopped process too): this only covers reaping
+CLOSE_S = GRACE_S + TERM_S + 2 * KILL_WAIT_S  # the bound on `close`: the workers', then the resource tracker's end
 
 
 def free_port() -> int:
@@ -77,7 +78,8 @@ class SpmdTransport(WorkerPool):
         master = ("127.0.0.1", free_port())
         self.connections: list[Connection] = []
         self.processes: list[mp.Process] = []
-        self._tracker = None if _tracker_pid() else "ours"  # starting the first worker starts one if none runs
+        tracker_ran = _tracker_pid() is not None  # else starting the first worker starts one, the pool's own
+        self._tracker: int | None = None
         self._init_pool(world)
         SpmdTransport._open += 1
         for rank in range(self.world):
@@ -90,7 +92,7 @@ class SpmdTransport(WorkerPool):
             self.connections.append(ours)
             self.processes.append(process)
             self.outstanding[rank].append(("start", None, None))
-        self._tracker = _tracker_pid() if self._tracker else None
+        self._tracker = None if tracker_ran else _tracker_pid()
         try:
             self._wait_started()
         except BaseException:
@@ -154,6 +156,9 @@ class SpmdTransport(WorkerPool):
         _join(self.processes, TERM_S)
         _signal([process.pid for process in self.processes if process.is_alive()] + family, signal.SIGKILL)
         _join(self.processes, KILL_WAIT_S)
+        for process in self.processes:
+            if process.is_alive():  # survived SIGKILL (uninterruptible sleep in a driver): multiprocessing's
+                mp.process._children.discard(process)  # exit hook would join it without a bound
         for connection in self.connections:
             connection.close()
         SpmdTransport._open -= 1

@@ -21,7 +21,7 @@ import torch
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.plan_runner import PlanRunner, PlanStepError
-from rlgraph.runtime.spmd import GRACE_S, KILL_WAIT_S, TERM_S, SpmdTransport, _tracker_pid
+from rlgraph.runtime.spmd import CLOSE_S, SpmdTransport, _tracker_pid
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
 
 from tests.runtime.test_spmd import TOKENS, _compile
@@ -30,7 +30,6 @@ psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 3.0  # the step timeout under test: short, yet far above a tiny step's command (~0.1 s here)
-CLOSE_S = GRACE_S + TERM_S + KILL_WAIT_S  # the bound spmd.py states for stopping every worker
 SLACK_S = 15.0  # the rest of a tiny GRPO step (generation, reward) on a loaded 2-core machine
 
 
@@ -83,6 +82,22 @@ def test_a_stopped_rank_is_named_and_every_process_of_the_pool_ends():
     assert _gone(family) == []  # the stopped worker, the other one and rank 1's child
     if started_tracker:  # the pool's own resource tracker ended with it
         assert _gone([tracker]) == []
+
+
+def test_close_ends_a_stopped_idle_worker_within_its_bound():
+    world = WorldSpec({"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": length_parity_reward},
+                      max_new_tokens=TOKENS)
+    transport = SpmdTransport(_compile("grpo", n=4).plan, world, device="cpu", timeout_s=TIMEOUT_S)
+    workers = [process.pid for process in transport.processes]
+    os.kill(workers[1], signal.SIGSTOP)  # idle: it is sent `close`, which it never reads
+    try:
+        start = time.monotonic()
+        transport.close()
+        assert time.monotonic() - start < CLOSE_S + 2.0  # the stated bound, plus 2 s for the /proc scan and signals
+        assert _gone(workers) == []
+    finally:
+        for pid in _gone(workers):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_command_a_stopped_rank_does_not_read_fails_within_the_timeout():
