@@ -9,8 +9,11 @@ on, and their answers, or a failure still naming its own plan step, are read at 
 that rank, at the latest at the end of the iteration (`flush`).
 
 A failure is a `WorkerFailure` naming the rank and, once the runner adds it, the step, stage and
-role. When a worker raises because a peer died in a collective, the dead peer is reported as the
-cause. After any failure every worker is stopped.
+role. When a worker raises because a peer died or stopped answering in a collective, that peer is
+reported as the cause. When nothing answers within the timeout, the ranks named are those that
+still owe an answer, narrowed to the ones whose process no longer runs (stopped, hung) when there
+are such: a healthy rank blocked in a collective waiting for a stopped one is never the one
+blamed. After any failure every worker is stopped (`close`, bounded in time).
 """
 
 from __future__ import annotations
@@ -98,7 +101,13 @@ class WorkerPool(Transport):
         """Ranks whose worker is gone, with how (exit code, signal, node lost)."""
         raise NotImplementedError
 
+    def _unresponsive(self, ranks: list[int]) -> dict[int, str]:
+        """Those of `ranks` whose worker is alive but not running (stopped, hung), with what is seen;
+        found within a few seconds. A rank busy computing or blocked in a collective is not one."""
+        raise NotImplementedError
+
     def _stop(self) -> None:
+        """End every worker, within a bounded time, whatever state it is in."""
         raise NotImplementedError
 
     # -- commands ------------------------------------------------------------------------------
@@ -113,9 +122,9 @@ class WorkerPool(Transport):
         for rank, (command, args) in calls.items():
             try:
                 token = self._post(rank, command, args)
-            except (BrokenPipeError, OSError):
-                self._fail(WorkerFailure(f"rank {rank} is gone ({self._dead().get(rank, '?')}) before {what}", rank,
-                                         step=self._step))
+            except (BrokenPipeError, OSError):  # gone, or not reading its commands (a send has a timeout)
+                how = self._dead().get(rank) or self._unresponsive([rank]).get(rank) or "not reading its commands"
+                self._fail(WorkerFailure(f"rank {rank} could not be sent {what} ({how})", rank, step=self._step))
             self.outstanding[rank].append((what, self._step, token))
         return self._wait(list(calls)) if wait else {}
 
@@ -141,11 +150,7 @@ class WorkerPool(Transport):
         while pending:
             answers = self._poll(pending, self.timeout_s)
             if not answers:
-                what, step, _ = self.outstanding[pending[0]][0]
-                self._fail(WorkerFailure(
-                    f"rank(s) {sorted(pending)} did not finish {what} within {self.timeout_s:.0f} s (a collective waiting "
-                    "for a peer, or a stuck worker); raise the timeout (timeout_s= / --timeout) if the step is just slow",
-                    pending[0] if len(pending) == 1 else None, step=step))
+                self._fail(self._timed_out(pending))
             for rank, status, payload in answers:
                 what, step, _ = self.outstanding[rank].popleft()
                 results[rank] = self._answer(rank, status, payload, what, step)
@@ -153,16 +158,49 @@ class WorkerPool(Transport):
                     pending.remove(rank)
         return results
 
+    def _timed_out(self, pending: list[int]) -> WorkerFailure:
+        """The failure when no answer came within the timeout: it names the ranks at fault.
+
+        Every rank that still owes an answer is a suspect, not only those waited on (a stopped rank
+        may owe the answer to an earlier pipelined command while the wait is on a healthy rank
+        blocked in a collective with it). Suspects whose process no longer runs are the cause.
+        """
+        silent = [rank for rank in range(self.world) if self.outstanding[rank]]
+        stuck = self._unresponsive(silent)
+        if stuck:
+            rank = min(stuck)
+            what, step, _ = self.outstanding[rank][0]
+            if len(stuck) == 1:
+                who, how = f"rank {rank}", stuck[rank]
+            else:
+                who, how = f"ranks {sorted(stuck)}", "; ".join(f"rank {r}: {how}" for r, how in sorted(stuck.items()))
+            return WorkerFailure(
+                f"{who} stopped answering: no answer to {what} within {self.timeout_s:.0f} s ({how}); "
+                "the other ranks were waiting for it", rank if len(stuck) == 1 else None, step=step)
+        what, step, _ = self.outstanding[pending[0]][0]
+        return WorkerFailure(
+            f"rank(s) {sorted(silent)} did not finish {what} within {self.timeout_s:.0f} s (a collective waiting "
+            "for a peer, or a slow step); raise the timeout (timeout_s= / --timeout) if the step is just slow",
+            silent[0] if len(silent) == 1 else None, step=step)
+
     def _answer(self, rank: int, status: str, payload: Any, what: str, step: Any) -> Any:
         if status == "died":
             self._fail(WorkerFailure(f"rank {rank} died during {what} ({payload})", rank, step=step))
         if status == "error":
             name, message, remote = payload
+            first_line = message.splitlines()[0][:200] if message else ""
             dead = {other: how for other, how in self._dead().items() if other != rank}
             if dead:  # a collective broke because a peer died: the death is the cause to report
                 other, how = next(iter(dead.items()))
                 self._fail(WorkerFailure(f"rank {other} died during {what} ({how}); rank {rank}'s collective then "
-                                         f"failed: {name}: {message.splitlines()[0][:200] if message else ''}", other, step=step))
+                                         f"failed: {name}: {first_line}", other, step=step))
+            # A peer that owes an answer and whose process no longer runs broke the collective (its timeout).
+            stuck = self._unresponsive([other for other in range(self.world) if other != rank and self.outstanding[other]])
+            if stuck:
+                other, how = min(stuck.items())
+                self._fail(WorkerFailure(f"rank {other} stopped answering during {self.outstanding[other][0][0]} ({how}); "
+                                         f"rank {rank}'s collective then failed: {name}: {first_line}", other,
+                                         step=self.outstanding[other][0][1]))
             self._fail(WorkerFailure(f"rank {rank} raised {name} during {what}: {message}", rank, remote, step=step))
         result, busy = payload
         self.busy_s[rank] += busy

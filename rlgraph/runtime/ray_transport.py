@@ -20,6 +20,7 @@ checkpoints resumes from the latest one after such a failure (docs/distributed.m
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -29,6 +30,8 @@ import torch
 from rlgraph.plan.plan import Plan
 from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, WorkerPool, resolve_device, start_worker
+
+PING_S = 3.0  # a live actor's health thread answers in milliseconds; 3 s covers a loaded node
 
 
 def _ray() -> Any:
@@ -47,12 +50,13 @@ class RankActor:
         self.worker = None
         torch.set_num_threads(threads)
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port on it (rank 0's is the process group's rendezvous)."""
+    def rendezvous(self) -> tuple[str, int, int]:
+        """This node's address, a free port on it (rank 0's is the process group's rendezvous) and
+        this actor's process id (named when the actor stops answering)."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return _ray().util.get_node_ip_address(), port
+        return _ray().util.get_node_ip_address(), port, os.getpid()
 
     def start(self, world: int, master: tuple[str, int], plan: Plan, spec: Any, device: str, timeout_s: float):
         from rlgraph.runtime.worker import describe_error
@@ -93,7 +97,7 @@ class RayTransport(WorkerPool):
         self._remove_group = remove_placement_group
         spec = attrs.evolve(world, rewards={})  # reward functions run on the driver, and need not pickle
         self._init_pool(spec)
-        self.actors, self.nodes = [], []
+        self.actors, self.nodes, self.pids = [], [], []
         try:
             start_timeout = max(self.timeout_s, START_TIMEOUT_S)
             ray.get(self._group.ready(), timeout=start_timeout)
@@ -104,9 +108,9 @@ class RayTransport(WorkerPool):
                 strategy = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank)
                 self.actors.append(remote.options(scheduling_strategy=strategy, name=None).remote(rank, cpus_per_rank))
             addresses = ray.get([actor.rendezvous.remote() for actor in self.actors], timeout=start_timeout)
-            self.nodes = [host for host, _ in addresses]
+            self.nodes, self.pids = [host for host, _, _ in addresses], [pid for _, _, pid in addresses]
             for rank, actor in enumerate(self.actors):
-                ref = actor.start.remote(self.world, addresses[0], plan, spec, self.device, self.timeout_s)
+                ref = actor.start.remote(self.world, addresses[0][:2], plan, spec, self.device, self.timeout_s)
                 self.outstanding[rank].append(("start", None, ref))
             self._wait_started()
         except BaseException:
@@ -153,6 +157,15 @@ class RayTransport(WorkerPool):
             except ray.exceptions.RayError as error:
                 dead[pings[ref]] = f"actor on node {self._node(pings[ref])} died: {_first_line(error)}"
         return dead
+
+    def _unresponsive(self, ranks: list[int]) -> dict[int, str]:
+        # The ping runs on the actor's own health thread, so a rank busy with a command answers it;
+        # an actor whose process is stopped or hung (holding the interpreter) does not.
+        ray = _ray()
+        pings = {self.actors[rank].ping.options(concurrency_group="health").remote(): rank for rank in ranks}
+        ready, late = ray.wait(list(pings), num_returns=len(pings), timeout=PING_S) if pings else ([], [])
+        return {pings[ref]: f"its actor (process {self.pids[pings[ref]]} on node {self._node(pings[ref])}) does not "
+                            f"answer a ping within {PING_S:.0f} s" for ref in late}
 
     def _node(self, rank: int) -> str:
         return self.nodes[rank] if rank < len(self.nodes) else "?"

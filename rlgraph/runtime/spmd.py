@@ -14,8 +14,15 @@ moves (`rlgraph.runtime.distributed.move_distributed`) and weight syncs.
 Failures never hang the controller: every wait is on the workers' pipes and their process
 sentinels together, with a timeout (default 60 s on CPU, 600 s on CUDA). A worker that raises
 sends its error back; one that dies is seen by its sentinel; one that does not answer in time is
-reported with the ranks still missing (`rlgraph.runtime.pool`). Workers ignore Ctrl-C (the
-controller stops them), so an interrupt leaves one clean message.
+reported with the ranks still missing, and among them those whose process is stopped
+(`rlgraph.runtime.pool`). A command that a worker does not read within the timeout fails too (the
+controller's end of each pipe has a send timeout). Workers ignore Ctrl-C (the controller stops
+them), so an interrupt leaves one clean message.
+
+Stopping is bounded: `close` tells idle workers to exit, then SIGTERM (with SIGCONT, so a stopped
+worker acts on it) to the workers and their child processes after a grace of `GRACE_S`, then SIGKILL
+after `TERM_S` more, then reaps; the multiprocessing resource tracker is stopped too when the pool
+started it and no other pool runs: `CLOSE_S` (11 s) at most in all, whatever state the workers are in.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ import os
 import pickle
 import signal
 import socket
+import struct
+import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -37,6 +47,11 @@ from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, WorkerPool, resolve_device, 
 
 __all__ = ["SpmdTransport", "resolve_device", "free_port"]
 
+GRACE_S = 5.0  # an idle worker told to close exits in well under 1 s (it drops its process group); 5 s covers a loaded machine
+TERM_S = 2.0  # SIGTERM's default action ends a process at once; 2 s covers scheduling on a loaded machine
+KILL_WAIT_S = 2.0  # SIGKILL cannot be caught or blocked (it ends a stopped process too): this only covers reaping
+CLOSE_S = GRACE_S + TERM_S + 2 * KILL_WAIT_S  # the bound on `close`: the workers', then the resource tracker's end
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -46,6 +61,8 @@ def free_port() -> int:
 
 class SpmdTransport(WorkerPool):
     """`plan.mesh.size` worker processes; `world.build(rank, plan, device)` makes each one's executor."""
+
+    _open = 0  # pools of this process not yet closed: the last one to close may stop the resource tracker
 
     def __init__(self, plan: Plan, world: Any, *, device: str = "auto", timeout_s: float | None = None,
                  threads_per_worker: int | None = None):
@@ -61,9 +78,13 @@ class SpmdTransport(WorkerPool):
         master = ("127.0.0.1", free_port())
         self.connections: list[Connection] = []
         self.processes: list[mp.Process] = []
+        tracker_ran = _tracker_pid() is not None  # else starting the first worker starts one, the pool's own
+        self._tracker: int | None = None
         self._init_pool(world)
+        SpmdTransport._open += 1
         for rank in range(self.world):
             ours, theirs = context.Pipe()
+            _send_timeout(ours, self.timeout_s)
             process = context.Process(target=_worker_main, name=f"rlgraph-rank{rank}", daemon=True,
                                       args=(rank, self.world, master, plan, world, self.device, self.timeout_s, threads, theirs))
             process.start()
@@ -71,6 +92,7 @@ class SpmdTransport(WorkerPool):
             self.connections.append(ours)
             self.processes.append(process)
             self.outstanding[rank].append(("start", None, None))
+        self._tracker = None if tracker_ran else _tracker_pid()
         try:
             self._wait_started()
         except BaseException:
@@ -112,20 +134,36 @@ class SpmdTransport(WorkerPool):
             return f"killed by signal {signal.Signals(-code).name}"
         return f"exit code {code}"
 
+    def _unresponsive(self, ranks: list[int]) -> dict[int, str]:
+        found = {}
+        for rank in ranks:
+            state = _process_state(self.processes[rank].pid)
+            if state in ("T", "t"):  # a blocked or computing process is R, S or D; a stopped one never answers
+                found[rank] = f"its process {self.processes[rank].pid} is stopped {_STOPPED[state]}"
+        return found
+
     def _stop(self) -> None:
-        """A polite `close` to every worker, then terminate whatever is left."""
-        for connection in self.connections:
-            try:
-                _send(connection, ("close", ()))
-            except (BrokenPipeError, OSError):
-                pass
+        """A `close` to every idle worker; SIGTERM to what is left after the grace, then SIGKILL; all bounded."""
+        # Children first, while their parents still hold them (an orphan is re-parented and lost to the search).
+        family = [pid for process in self.processes if process.pid for pid in _descendants(process.pid)]
+        for rank, connection in enumerate(self.connections):
+            if not self.outstanding[rank]:  # a busy (or stuck) worker would read `close` only after its work
+                _reply(connection, "close", ())  # (a send that ignores a pipe already closed)
+        _join(self.processes, GRACE_S)
+        alive = [process.pid for process in self.processes if process.is_alive()]
+        _signal(alive + family, signal.SIGTERM)
+        _signal(alive + family, signal.SIGCONT)  # a stopped process acts on its pending SIGTERM once continued
+        _join(self.processes, TERM_S)
+        _signal([process.pid for process in self.processes if process.is_alive()] + family, signal.SIGKILL)
+        _join(self.processes, KILL_WAIT_S)
         for process in self.processes:
-            process.join(timeout=5.0)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5.0)
+            if process.is_alive():  # survived SIGKILL (uninterruptible sleep in a driver): multiprocessing's
+                mp.process._children.discard(process)  # exit hook would join it without a bound
         for connection in self.connections:
             connection.close()
+        SpmdTransport._open -= 1
+        if self._tracker and not SpmdTransport._open:
+            _stop_tracker(self._tracker)
 
 
 # -- the worker process ------------------------------------------------------------------------------
@@ -172,3 +210,86 @@ def _send(connection: Connection, message: Any) -> None:
 
 def _receive(connection: Connection) -> Any:
     return pickle.loads(connection.recv_bytes())
+
+
+# -- processes: state, children, signals, the resource tracker (Linux /proc; elsewhere none are seen) -----
+
+_STOPPED = {"T": "by SIGSTOP or Ctrl-Z (SIGCONT resumes it)", "t": "by a debugger or tracer"}
+
+
+def _process_state(pid: int | None) -> str:
+    """The one-letter state of process `pid` (R running, S sleeping, T stopped, ...); "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]  # the name in parentheses may hold spaces
+    except (OSError, IndexError):
+        return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # already gone (and reaped): nothing to stop
+
+
+def _join(processes: list[mp.Process], seconds: float) -> None:
+    """Reap the processes that end within `seconds` in all (one deadline, not one per process)."""
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        if process.pid is not None:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _send_timeout(connection: Connection, seconds: float) -> None:
+    """A send to a worker that does not read (stopped, stuck) fails after `seconds` instead of blocking
+    once the pipe is full (`Pipe()` is a socket pair: SO_SNDTIMEO bounds each blocked write)."""
+    sock = socket.socket(fileno=os.dup(connection.fileno()))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+    finally:
+        sock.close()
+
+
+def _tracker_pid() -> int | None:
+    """The multiprocessing resource tracker this process started, if one runs."""
+    return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
+def _stop_tracker(pid: int) -> None:
+    """End the resource tracker a pool started: it exits once every holder of its pipe closed it (the
+    workers are gone; this closes ours). If it outlives `KILL_WAIT_S`, another process still uses it."""
+    tracker = resource_tracker._resource_tracker
+    with tracker._lock:
+        if tracker._pid != pid:
+            return  # restarted meanwhile: not the one the pool started
+        os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return  # reaped elsewhere
+        time.sleep(0.05)
