@@ -308,8 +308,8 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
         if path is None:
             raise ConfigError(f"{run_dir} has no checkpoint", fix="train the run for at least one step first")
         return path
-    text = str(checkpoint)
-    candidates = [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
+    text = str(checkpoint).strip()
+    candidates = [] if not text else [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
     for path in candidates:
         if path.is_dir():
             return path
