@@ -8,6 +8,7 @@
     rlgraph train CONFIG [-o key=value ...]            a run on your model, data and rewards (docs/training.md)
     rlgraph train CONFIG --runtime spmd --nproc 2      the same, on 2 worker processes (= -o runtime.runtime=...)
     rlgraph train --resume RUN_DIR                     continue a run exactly where its last checkpoint left it
+    rlgraph train --resume RUN_DIR --checkpoint 300    ... from an older checkpoint (the later ones are deleted)
     rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
     rlgraph plot RUN_DIR                               PNG curves of a run's metrics
     rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side

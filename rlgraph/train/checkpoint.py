@@ -80,8 +80,12 @@ def save_checkpoint(run_dir: str | Path, step: int, state: ExecutorState | Local
     run_dir = Path(run_dir)
     try:
         final = _save(run_dir, step, state, extra)
-        _write_json_atomic(run_dir / "latest", {"path": final.name, "step": step})
     except OSError as error:
+        raise _save_failed(error, run_dir) from error
+    try:
+        _write_json_atomic(run_dir / "latest", {"path": final.name, "step": step})
+    except OSError as error:  # `latest` still names the previous one: a step-* past it would be a stray branch
+        shutil.rmtree(final, ignore_errors=True)
         raise _save_failed(error, run_dir) from error
     return final
 

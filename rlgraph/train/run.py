@@ -132,6 +132,10 @@ def _resume_point(run_dir: Path, chosen: str | int | None) -> Path:
         raise ConfigError(f"--resume {run_dir}: no checkpoint there (no 'latest' file)",
                           fix="start the run without --resume, or point at a run directory that has step-* checkpoints")
     path = resolve_checkpoint(run_dir, chosen)
+    if path.parent.resolve() != run_dir.resolve():  # a resume continues this run's own history
+        raise ConfigError(f"--checkpoint {chosen}: {path} is not a checkpoint of {run_dir}",
+                          fix="name one of the run's step-* checkpoints (or its step number); to start from another "
+                              "run's weights, export it and point model.path at the export")
     problem = intact_checkpoint(path)
     if problem is None:
         return path

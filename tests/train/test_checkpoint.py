@@ -135,20 +135,27 @@ def test_non_finite_weights_are_refused_naming_the_role_tensor_and_file(value, t
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
                                    PermissionError(errno.EACCES, "Permission denied"),
                                    OSError(errno.EROFS, "Read-only file system")])
-@pytest.mark.parametrize("where", ["weights", "meta"])
+@pytest.mark.parametrize("where", ["weights", "meta", "latest"])
 def test_a_failed_save_names_path_and_cause_and_keeps_the_previous_checkpoint(error, where, tmp_path, monkeypatch):
     import rlgraph.train.checkpoint as checkpoint
     from rlgraph.testing import tiny_executor
     from rlgraph.train.checkpoint import CheckpointSaveError, read_checkpoint, save_checkpoint
 
     first = save_checkpoint(tmp_path, 1, tiny_executor(optimizer="adamw", seed=1), {})
+    calls = []
+
     def failing(*args, **kwargs):
+        calls.append(args)
+        if where == "latest" and len(calls) == 1:  # meta.json's fsync passes, the one of `latest` fails
+            return checkpoint_os.fsync(*args)
         error.filename = args[1] if where == "weights" else None
         raise error
 
+    checkpoint_os = checkpoint.os
+
     if where == "weights":  # the first file of the checkpoint
         monkeypatch.setattr(checkpoint, "save_file", failing)
-    else:  # the last one: meta.json, after the weights were written
+    else:  # the last one (meta.json, after the weights were written) or `latest` once the directory is in place
         monkeypatch.setattr(checkpoint, "os", _Patched(checkpoint.os, failing))
     with pytest.raises(CheckpointSaveError) as raised:
         save_checkpoint(tmp_path, 2, tiny_executor(optimizer="adamw", seed=3), {})

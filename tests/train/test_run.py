@@ -559,6 +559,9 @@ def test_a_bad_resume_checkpoint_is_refused_listing_the_runs_checkpoints(full_ru
     copy = copy_run(run_dir, tmp_path)
     with pytest.raises(ConfigError, match=f"{expected}.*\n  fix: one of step-000003, step-000004"):
         train(load_run_config(copy, ["train.steps=5"]), resume=True, checkpoint=chosen)
+    other = run_dir / "step-000003"  # a checkpoint of another run directory
+    with pytest.raises(ConfigError, match="is not a checkpoint of"):
+        train(load_run_config(copy, ["train.steps=5"]), resume=True, checkpoint=str(other))
     with pytest.raises(ConfigError, match="only taken with --resume"):
         train(load_run_config(copy, ["train.steps=5"]), checkpoint="3")
 
