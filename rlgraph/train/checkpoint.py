@@ -45,7 +45,6 @@ def file_sha256(path: Path) -> str:
 
 def _save_failed(error: OSError, run_dir: Path) -> CheckpointSaveError:
     """The OSError of a save as a CheckpointSaveError saying which file, why, and what to do."""
-    where = error.filename or run_dir
     causes = {errno.ENOSPC: ("the disk is full (ENOSPC)", f"free space on the file system of {run_dir}, or lower "
                              "checkpoint.keep_last, then resume"),
               errno.EDQUOT: ("the disk quota is exceeded (EDQUOT)", f"free space in your quota for {run_dir}, then resume"),
@@ -53,8 +52,9 @@ def _save_failed(error: OSError, run_dir: Path) -> CheckpointSaveError:
               errno.EPERM: ("operation not permitted (EPERM)", f"make {run_dir} writable by this user, or choose another run_dir"),
               errno.EROFS: ("the file system is read-only (EROFS)", "remount it read-write, or choose another run_dir")}
     cause, fix = causes.get(error.errno, (f"{type(error).__name__}: {error.strerror or error}", f"check {run_dir}"))
-    return CheckpointSaveError(f"cannot write checkpoint file {where}: {cause}; the checkpoint was not saved and "
-                               f"{run_dir / 'latest'} still names the previous one", fix=fix)
+    what = f"checkpoint file {error.filename}" if error.filename else f"a checkpoint in {run_dir}"
+    return CheckpointSaveError(f"cannot write {what}: {cause}; the checkpoint was not saved and "
+                               f"{run_dir / 'latest'} still names the previous one (if any)", fix=fix)
 
 
 def _write_json_atomic(path: Path, payload: Any) -> None:
