@@ -8,6 +8,7 @@
     rlgraph train CONFIG [-o key=value ...]            a run on your model, data and rewards (docs/training.md)
     rlgraph train CONFIG --runtime spmd --nproc 2      the same, on 2 worker processes (= -o runtime.runtime=...)
     rlgraph train --resume RUN_DIR                     continue a run exactly where its last checkpoint left it
+    rlgraph train --resume RUN_DIR --checkpoint 300    ... from an older checkpoint (the later ones are deleted)
     rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
     rlgraph plot RUN_DIR                               PNG curves of a run's metrics
     rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side
@@ -86,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. -o train.steps=10 -o optimizer.lr=1e-5")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    train.add_argument("--checkpoint", metavar="STEP",
+                       help="with --resume: start from this step number or step-* directory (later ones are deleted)")
     train.add_argument("--dry-run", action="store_true", help="print the compiled plan and memory per rank, then exit")
     # shorthands for -o runtime.<key>=...; None: the config's value
     train.add_argument("--runtime", choices=("local", "spmd", "ray"), help="= -o runtime.runtime=...: local, spmd or ray")
@@ -216,7 +219,7 @@ def _train(args) -> int:
     if args.dry_run:
         dry_run(config)
         return 0
-    result = train(config, resume=bool(args.resume))
+    result = train(config, resume=bool(args.resume), checkpoint=args.checkpoint)
     shown = (f"; held-out accuracy {result.eval_before:.1%} -> {result.eval_after:.1%}"
              if result.eval_before is not None and result.eval_after is not None else "")
     print(f"run {result.run_dir}: {result.steps} steps in {result.seconds:.0f} s{shown}")

@@ -4,10 +4,13 @@ A checkpoint is a directory `step-<k>/` holding every trainable role's weights (
 its optimizer state, the executor's shuffling RNG and sampling stream, the data sampler's
 position and the run's counters. It is written to a temporary sibling and renamed into place, and `latest` is replaced
 atomically after that, so a crash leaves either the old or the new checkpoint, never half of one.
+meta.json holds the sha256 of every other file, checked on load: a flipped bit is refused, not trained on.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -23,14 +26,48 @@ from rlgraph.backends.local.executor import CheckpointMismatch, LocalExecutor
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.ir.errors import ConfigError
 
+_HASH_CHUNK = 1 << 20  # 1 MiB reads: the hash streams, a multi-GB weight file never sits in memory twice
+
+
+class CheckpointSaveError(ConfigError):
+    """A checkpoint could not be written (disk full, no permission, read-only file system); names the
+    path, the cause and the fix. The previous checkpoint and `latest` are left as they were."""
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of `path`'s bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _save_failed(error: OSError, run_dir: Path) -> CheckpointSaveError:
+    """The OSError of a save as a CheckpointSaveError saying which file, why, and what to do."""
+    causes = {errno.ENOSPC: ("the disk is full (ENOSPC)", f"free space on the file system of {run_dir}, or lower "
+                             "checkpoint.keep_last, then resume"),
+              errno.EDQUOT: ("the disk quota is exceeded (EDQUOT)", f"free space in your quota for {run_dir}, then resume"),
+              errno.EACCES: ("permission denied (EACCES)", f"make {run_dir} writable by this user, or choose another run_dir"),
+              errno.EPERM: ("operation not permitted (EPERM)", f"make {run_dir} writable by this user, or choose another run_dir"),
+              errno.EROFS: ("the file system is read-only (EROFS)", "remount it read-write, or choose another run_dir")}
+    cause, fix = causes.get(error.errno, (f"{type(error).__name__}: {error.strerror or error}", f"check {run_dir}"))
+    what = f"checkpoint file {error.filename}" if error.filename else f"a checkpoint in {run_dir}"
+    return CheckpointSaveError(f"cannot write {what}: {cause}; the checkpoint was not saved and "
+                               f"{run_dir / 'latest'} still names the previous one (if any)", fix=fix)
+
 
 def _write_json_atomic(path: Path, payload: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(payload, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a full disk leaves no half-written sibling behind
+        raise
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: ExecutorState | LocalExecutor, extra: dict[str, Any]) -> Path:
@@ -41,6 +78,20 @@ def save_checkpoint(run_dir: str | Path, step: int, state: ExecutorState | Local
     if not isinstance(state, ExecutorState):
         state = state.export_state()
     run_dir = Path(run_dir)
+    try:
+        final = _save(run_dir, step, state, extra)
+    except OSError as error:
+        raise _save_failed(error, run_dir) from error
+    try:
+        _write_json_atomic(run_dir / "latest", {"path": final.name, "step": step})
+    except OSError as error:  # `latest` still names the previous one: a step-* past it would be a stray branch
+        shutil.rmtree(final, ignore_errors=True)
+        raise _save_failed(error, run_dir) from error
+    return final
+
+
+def _save(run_dir: Path, step: int, state: ExecutorState, extra: dict[str, Any]) -> Path:
+    """Write the files to a temporary directory, their checksums into meta.json, then rename it into place."""
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".step-{step:06d}."))
@@ -52,15 +103,15 @@ def save_checkpoint(run_dir: str | Path, step: int, state: ExecutorState | Local
                 torch.save(dict(held.optimizer), tmp / f"{role}.optim.pt")
             roles[role] = {"version": held.version, "optimizer": held.optimizer_kind}
         torch.save({"generator": state.shuffle_rng, "sampling": dict(state.sampling), "extra": extra}, tmp / "run_state.pt")
+        sha256 = {file.name: file_sha256(file) for file in sorted(tmp.iterdir())}
         _write_json_atomic(tmp / "meta.json", {"step": step, "versions": {r: v["version"] for r, v in roles.items()},
-                                               "roles": roles})
+                                               "roles": roles, "sha256": sha256})
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_json_atomic(run_dir / "latest", {"path": final.name, "step": step})
     return final
 
 
@@ -150,6 +201,7 @@ def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any
     meta = _read(path / "meta.json", lambda file: json.loads(file.read_text()), "JSON")
     if not isinstance(meta, dict) or not isinstance(meta.get("versions"), dict) or "step" not in meta:
         raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'} lacks 'step' or 'versions': not a rlgraph checkpoint")
+    verify_checksums(path, meta)
     roles = {}
     for role, version in meta["versions"].items():
         kind = meta.get("roles", {}).get(role, {}).get("optimizer")
@@ -158,9 +210,58 @@ def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any
         if kind is None and optimizer is not None:  # written before the optimizer kind was recorded
             kind = "AdamW" if any("exp_avg" in s for s in optimizer.get("state", {}).values()) else "SGD"
         weights = _read(path / f"{role}.safetensors", lambda file: load_file(str(file)), "safetensors weights")
+        _refuse_non_finite(weights, role, path / f"{role}.safetensors")
         roles[role] = RoleState(weights, optimizer, kind, version)
     run_state = _read(path / "run_state.pt", _tensors, "the run state")
     return ExecutorState(roles, run_state["generator"], run_state["sampling"]), meta["step"], run_state["extra"]
+
+
+def verify_checksums(path: Path, meta: dict[str, Any]) -> None:
+    """Refuse a file of checkpoint `path` whose bytes are not those its save hashed into meta.json.
+    A checkpoint written before checksums were recorded loads unverified, with a warning."""
+    sha256 = meta.get("sha256")
+    if sha256 is None:
+        warnings.warn(f"checkpoint {path} was written before checksums were recorded: its files are not verified",
+                      stacklevel=3)
+        return
+    if not isinstance(sha256, dict):
+        raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'}: 'sha256' is {str(sha256)[:60]!r}, not a "
+                                 "mapping of file names to checksums; the checkpoint is damaged")
+    for name, expected in sorted(sha256.items()):
+        file = path / str(name)
+        if Path(str(name)).name != name or not file.is_file():
+            raise CheckpointMismatch(f"checkpoint file {file} is missing: the checkpoint is incomplete or damaged")
+        if file_sha256(file) != expected:
+            raise CheckpointMismatch(f"checkpoint file {file} is damaged: its sha256 is not the one recorded when it was "
+                                     "saved (a flipped bit, a partial copy or an edit); it is not loaded")
+
+
+def _refuse_non_finite(weights: dict[str, torch.Tensor], role: str, file: Path) -> None:
+    """NaN/inf weights would train on as a 'gradient norm is nan' steps later: refuse them at load."""
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            count = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointMismatch(f"checkpoint file {file}: role {role!r} tensor {name!r} holds {count} non-finite "
+                                     f"value(s) (NaN/inf) of {tensor.numel()}; the checkpoint is damaged or the run "
+                                     "diverged before it was saved, so it is not loaded")
+
+
+def intact_checkpoint(path: Path) -> str | None:
+    """None when checkpoint `path` reads whole (checksums, every file, finite weights), else what is wrong."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            read_checkpoint(path)
+    except CheckpointMismatch as error:
+        return str(error)
+    return None
+
+
+def newest_intact(run_dir: Path, below: Path | None = None) -> Path | None:
+    """The newest step-* checkpoint of `run_dir` (older than `below`, when given) that reads whole."""
+    steps = sorted((p for p in run_dir.glob("step-*") if p.is_dir() and (below is None or p.name < below.name)),
+                   reverse=True)
+    return next((p for p in steps if intact_checkpoint(p) is None), None)
 
 
 def read_extra(path: str | Path) -> dict[str, Any]:
@@ -190,6 +291,19 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path:
     model.load_state_dict(weights, strict=False)
 
 
+def abandon_later_checkpoints(run_dir: Path, start: Path) -> list[Path]:
+    """A resume from `start`, older than the run's newest checkpoints, abandons their branch: `latest`
+    names `start` first (a crash then never resumes the abandoned branch), then the later step-*
+    checkpoints are deleted; returns them."""
+    later = sorted(p for p in run_dir.glob("step-*") if p.is_dir() and p.name > start.name)
+    if start.parent.resolve() != run_dir.resolve() or not later:
+        return []
+    _write_json_atomic(run_dir / "latest", {"path": start.name, "step": int(start.name.split("-")[1])})
+    for path in later:
+        shutil.rmtree(path)
+    return later
+
+
 def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     """The checkpoint `checkpoint` names: None (the latest), a step number, a step-* name of the run,
     or a path; a ConfigError listing the run's checkpoints when there is no such one."""
@@ -198,8 +312,8 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
         if path is None:
             raise ConfigError(f"{run_dir} has no checkpoint", fix="train the run for at least one step first")
         return path
-    text = str(checkpoint)
-    candidates = [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
+    text = str(checkpoint).strip()
+    candidates = [] if not text else [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
     for path in candidates:
         if path.is_dir():
             return path

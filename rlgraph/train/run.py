@@ -24,7 +24,9 @@ from rich.console import Console
 
 from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.ir.errors import ConfigError
-from rlgraph.train.checkpoint import latest_checkpoint
+from rlgraph.train.checkpoint import (
+    abandon_later_checkpoints, intact_checkpoint, latest_checkpoint, newest_intact, resolve_checkpoint,
+)
 from rlgraph.train.config import TrainConfig, load_config
 from rlgraph.train.roles import (  # noqa: F401 - public here too, where callers import them
     BASE_FILE, add_rl_roles, build_policy, build_roles, checkpoint_policy, lr_factor, rebase_lora,
@@ -57,16 +59,18 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
     return setup
 
 
-def train(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> RunResult:
-    """Run `config` in `config.directory`; with `resume`, continue from its latest checkpoint."""
+def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | None = None,
+          console: Console | None = None) -> RunResult:
+    """Run `config` in `config.directory`; with `resume`, continue from its latest checkpoint, or from
+    `checkpoint` (a step number or step-* name), whose later checkpoints are then deleted."""
     from rlgraph.train.logging import SAMPLES_FILE, MetricLogger, SampleLog, make_sinks
 
     console = console or Console()
     run_dir = config.directory
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        raise ConfigError(f"--resume {run_dir}: no checkpoint there (no 'latest' file)",
-                          fix="start the run without --resume, or point at a run directory that has step-* checkpoints")
+    if checkpoint is not None and not resume:
+        raise ConfigError(f"--checkpoint {checkpoint}: a checkpoint to start from is only taken with --resume",
+                          fix=f"rlgraph train --resume {run_dir} --checkpoint {checkpoint}")
+    checkpoint = _resume_point(run_dir, checkpoint) if resume else None
     if not resume and latest_checkpoint(run_dir) is not None:
         raise ConfigError(f"run directory {run_dir} already holds checkpoints",
                           fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
@@ -95,6 +99,8 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
     session.reset_optimizer()
     trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
     if checkpoint is not None:
+        for gone in abandon_later_checkpoints(run_dir, checkpoint):
+            console.print(f"deleted {gone.name}: a later checkpoint of the branch this resume from {checkpoint.name} abandons")
         trainer.resume(checkpoint)
         console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
     sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
@@ -116,6 +122,29 @@ def train(config: TrainConfig, *, resume: bool = False, console: Console | None 
 
         plot_run(run_dir)
     return result
+
+
+def _resume_point(run_dir: Path, chosen: str | int | None) -> Path:
+    """The checkpoint a resume starts from (`chosen`, or the latest), read whole first: a damaged one
+    (checksum, unreadable file, non-finite weights) is refused, naming the newest intact one to pass
+    with --checkpoint; there is no silent fallback, the user decides to lose the steps after it."""
+    if chosen is None and latest_checkpoint(run_dir) is None:
+        raise ConfigError(f"--resume {run_dir}: no checkpoint there (no 'latest' file)",
+                          fix="start the run without --resume, or point at a run directory that has step-* checkpoints")
+    path = resolve_checkpoint(run_dir, chosen)
+    if path.parent.resolve() != run_dir.resolve():  # a resume continues this run's own history
+        raise ConfigError(f"--checkpoint {chosen}: {path} is not a checkpoint of {run_dir}",
+                          fix="name one of the run's step-* checkpoints (or its step number); to start from another "
+                              "run's weights, export it and point model.path at the export")
+    problem = intact_checkpoint(path)
+    if problem is None:
+        return path
+    intact = newest_intact(run_dir, below=path)
+    which = "the latest checkpoint" if chosen is None else f"--checkpoint {chosen}:"
+    fix = (f"resume from the newest intact checkpoint: rlgraph train --resume {run_dir} --checkpoint {intact.name} "
+           "(the later steps are trained again)" if intact is not None
+           else "no intact checkpoint is left in the run: start a new run (model.path can point at an export)")
+    raise ConfigError(f"--resume {run_dir}: {which} {path.name} is damaged: {problem}", fix=fix)
 
 
 def _warn_tokenizer(setup: Setup, console: Console) -> None:

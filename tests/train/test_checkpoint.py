@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 
@@ -82,3 +83,96 @@ def test_a_checkpoint_of_another_shape_or_optimizer_is_refused_before_anything_c
         load_checkpoint(path, tiny_executor(optimizer="adamw"))
     with pytest.raises(CheckpointMismatch, match="has no role 'critic'"):
         load_checkpoint(path, tiny_executor(roles=("policy", "critic")))
+
+
+def _saved(tmp_path, step=3, **kwargs):
+    from rlgraph.testing import tiny_executor
+    from rlgraph.train.checkpoint import save_checkpoint
+
+    return save_checkpoint(tmp_path, step, tiny_executor(optimizer="adamw", seed=1, **kwargs), {})
+
+
+def test_a_flipped_bit_inside_tensor_data_is_refused_naming_the_file(tmp_path):
+    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.train.checkpoint import read_checkpoint
+
+    path = _saved(tmp_path)
+    target = path / "policy.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-7] ^= 0x04  # a bit of the last tensor's data: the header still parses, the file still loads
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointMismatch, match=r"policy\.safetensors is damaged: its sha256"):
+        read_checkpoint(path)
+
+
+def test_a_checkpoint_without_checksums_loads_unverified_with_a_warning(tmp_path):
+    from rlgraph.train.checkpoint import read_checkpoint
+
+    path = _saved(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    assert set(meta["sha256"]) == {"policy.safetensors", "policy.optim.pt", "run_state.pt"}
+    del meta["sha256"]  # as checkpoints were written before checksums
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="not verified"):
+        assert read_checkpoint(path)[1] == 3
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_naming_the_role_tensor_and_file(value, tmp_path):
+    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.testing import tiny_executor
+    from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
+
+    saved = tiny_executor(optimizer="adamw", seed=1)
+    name, tensor = next((k, v) for k, v in saved.models["policy"].model.state_dict().items() if ".layers." in k)  # not tied
+    with torch.no_grad():
+        tensor.view(-1)[0] = value
+    path = save_checkpoint(tmp_path, 1, saved, {})  # saved as is: the checksums are right, the values are not
+    with pytest.raises(CheckpointMismatch, match=rf"policy\.safetensors: role 'policy' tensor '{name}' holds 1 non-finite"):
+        load_checkpoint(path, tiny_executor(optimizer="adamw", seed=2))
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   PermissionError(errno.EACCES, "Permission denied"),
+                                   OSError(errno.EROFS, "Read-only file system")])
+@pytest.mark.parametrize("where", ["weights", "meta", "latest"])
+def test_a_failed_save_names_path_and_cause_and_keeps_the_previous_checkpoint(error, where, tmp_path, monkeypatch):
+    import rlgraph.train.checkpoint as checkpoint
+    from rlgraph.testing import tiny_executor
+    from rlgraph.train.checkpoint import CheckpointSaveError, read_checkpoint, save_checkpoint
+
+    first = save_checkpoint(tmp_path, 1, tiny_executor(optimizer="adamw", seed=1), {})
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if where == "latest" and len(calls) == 1:  # meta.json's fsync passes, the one of `latest` fails
+            return checkpoint_os.fsync(*args)
+        error.filename = args[1] if where == "weights" else None
+        raise error
+
+    checkpoint_os = checkpoint.os
+
+    if where == "weights":  # the first file of the checkpoint
+        monkeypatch.setattr(checkpoint, "save_file", failing)
+    else:  # the last one (meta.json, after the weights were written) or `latest` once the directory is in place
+        monkeypatch.setattr(checkpoint, "os", _Patched(checkpoint.os, failing))
+    with pytest.raises(CheckpointSaveError) as raised:
+        save_checkpoint(tmp_path, 2, tiny_executor(optimizer="adamw", seed=3), {})
+    text = str(raised.value)
+    assert errno.errorcode[error.errno] in text and "fix:" in text and str(tmp_path) in text
+    if where == "weights":
+        assert "policy.safetensors" in text
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]  # no partial directory or temp file
+    assert latest_checkpoint(tmp_path) == first and read_checkpoint(first)[1] == 1
+
+
+class _Patched:
+    """`os` with one function (fsync) replaced: the meta.json write fails after the weights were written."""
+
+    def __init__(self, module, fsync):
+        self._module, self.fsync = module, fsync
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)

@@ -211,7 +211,7 @@ def test_a_truncated_checkpoint_is_refused(full_run, tmp_path):
     weights = latest_checkpoint(copy) / "policy.safetensors"
     weights.write_bytes(weights.read_bytes()[: 100])
     config = load_run_config(copy, ["train.steps=5"])
-    with pytest.raises(CheckpointMismatch, match="policy.safetensors cannot be read"):
+    with pytest.raises(ConfigError, match=r"step-000004 is damaged: .*policy\.safetensors is damaged"):
         train(config, resume=True)
 
 
@@ -525,3 +525,80 @@ def test_a_lora_warm_start_becomes_the_base_and_the_kl_reference(tmp_path):
     (run_dir / "base.safetensors").unlink()
     with pytest.raises(CheckpointMismatch, match="base.safetensors is gone"):
         train(load_run_config(run_dir, ["train.steps=4"]), resume=True)
+
+
+def test_resume_from_an_older_checkpoint_follows_the_uninterrupted_run(full_run, tmp_path):
+    """Every step checkpointed (keep_last 4): resumed from step 2 of a finished 4-step run, the run
+    trains steps 3-4 again to the same metrics and weights, and the abandoned branch is gone."""
+    straight, _ = make_config(tmp_path, "straight", ["checkpoint.keep_last=4"])
+    train(straight)
+    copy = Path(shutil.copytree(tmp_path / "straight", tmp_path / "again"))
+    assert train(load_run_config(copy), resume=True, checkpoint="2").steps == 4
+    assert_same_run(tmp_path / "straight", copy)  # metrics.jsonl cut back to step 2, then the same rows
+    samples = [(tmp_path / "straight" / "samples.jsonl").read_text(), (copy / "samples.jsonl").read_text()]
+    assert samples[0] == samples[1] and '"step": 4' in samples[0]  # cut back too: no step-3/4 lines twice
+    assert sorted(p.name for p in copy.glob("step-*")) == [f"step-00000{k}" for k in range(1, 5)]
+
+
+def test_resume_from_an_older_checkpoint_deletes_the_abandoned_branch_first(full_run, tmp_path):
+    from rlgraph.train.checkpoint import abandon_later_checkpoints
+
+    run_dir, _, _ = full_run
+    copy = copy_run(run_dir, tmp_path)
+    gone = abandon_later_checkpoints(copy, copy / "step-000003")
+    assert [p.name for p in gone] == ["step-000004"] and latest_checkpoint(copy).name == "step-000003"
+    assert sorted(p.name for p in copy.glob("step-*")) == ["step-000003"]
+    assert abandon_later_checkpoints(copy, copy / "step-000003") == []  # nothing later: nothing changes
+
+
+@pytest.mark.parametrize("chosen, expected", [("7", "no such checkpoint"), ("step-000001", "no such checkpoint"),
+                                              ("../full", "no such checkpoint"),
+                                              ("", "no such checkpoint")])
+def test_a_bad_resume_checkpoint_is_refused_listing_the_runs_checkpoints(full_run, tmp_path, chosen, expected):
+    run_dir, _, _ = full_run
+    copy = copy_run(run_dir, tmp_path)
+    with pytest.raises(ConfigError, match=f"{expected}.*\n  fix: one of step-000003, step-000004"):
+        train(load_run_config(copy, ["train.steps=5"]), resume=True, checkpoint=chosen)
+    other = run_dir / "step-000003"  # a checkpoint of another run directory
+    with pytest.raises(ConfigError, match="is not a checkpoint of"):
+        train(load_run_config(copy, ["train.steps=5"]), resume=True, checkpoint=str(other))
+    with pytest.raises(ConfigError, match="only taken with --resume"):
+        train(load_run_config(copy, ["train.steps=5"]), checkpoint="3")
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "nan", "unreadable"])
+def test_a_damaged_latest_checkpoint_names_the_newest_intact_one(full_run, tmp_path, damage):
+    from safetensors.torch import save_file
+
+    run_dir, _, _ = full_run
+    copy = copy_run(run_dir, tmp_path)
+    weights = copy / "step-000004" / "policy.safetensors"
+    if damage == "bitflip":
+        data = bytearray(weights.read_bytes())
+        data[-5] ^= 0x10
+        weights.write_bytes(bytes(data))
+    elif damage == "nan":  # saved with NaN and checksummed as such: only the values say it
+        tensors = load_file(str(weights))
+        name = next(k for k in tensors if ".layers." in k)
+        tensors[name].view(-1)[0] = float("nan")
+        save_file(tensors, str(weights))
+        meta = json.loads((weights.parent / "meta.json").read_text())
+        meta["sha256"]["policy.safetensors"] = __import__("hashlib").sha256(weights.read_bytes()).hexdigest()
+        (weights.parent / "meta.json").write_text(json.dumps(meta))
+    else:
+        (copy / "step-000004" / "run_state.pt").write_bytes(b"")
+    config = load_run_config(copy, ["train.steps=5"])
+    with pytest.raises(ConfigError, match=r"latest checkpoint step-000004 is damaged.*\n  fix: .*--checkpoint step-000003"):
+        train(config, resume=True)
+    assert (copy / "step-000004").is_dir() and latest_checkpoint(copy).name == "step-000004"  # nothing was touched
+
+
+def test_the_cli_resumes_from_a_chosen_checkpoint_and_names_a_bad_one(full_run, tmp_path, capsys):
+    from rlgraph.cli import main
+
+    run_dir, _, _ = full_run
+    copy = copy_run(run_dir, tmp_path)
+    assert main(["train", "--resume", str(copy), "--checkpoint", "abc"]) == 1
+    assert "--checkpoint 'abc': no such checkpoint" in capsys.readouterr().err
+    assert main(["train", "--resume", str(copy), "--checkpoint", "3"]) == 0
+    assert_same_run(run_dir, copy)  # steps 4 trained again from step 3: the same run
