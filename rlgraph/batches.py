@@ -12,7 +12,9 @@ Conventions (symbolic dims as in DESIGN.md):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -58,6 +60,20 @@ def _first_appearance(group: torch.Tensor) -> torch.Tensor:
 
 def _positions(prompts: Prompts) -> torch.Tensor:
     return torch.arange(prompts.ids.shape[0] if prompts.ids.dim() else 0, device=prompts.ids.device)
+
+
+# Rollouts made from checked Rollouts (rows selected, responses padded, parts concatenated, a device
+# move) skip the value checks: each costs host syncs, and a training step makes ~10 such batches.
+_DERIVED: contextvars.ContextVar[bool] = contextvars.ContextVar("rlgraph_derived_rollouts", default=False)
+
+
+@contextlib.contextmanager
+def _derived() -> Iterator[None]:
+    token = _DERIVED.set(True)
+    try:
+        yield
+    finally:
+        _DERIVED.reset(token)
 
 
 def _first_row(bad: torch.Tensor) -> int:
@@ -177,7 +193,8 @@ class Rollouts:
                 f"{tuple(self.response_ids.shape)}, {tuple(self.mask.shape)}, {tuple(self.logprobs.shape)}"
             )
         _check_meta(self.meta, rows, "Rollouts")
-        _check_rollout_values(self)
+        if not _DERIVED.get():  # rows taken, padded or moved from checked rollouts keep their values
+            _check_rollout_values(self)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -185,10 +202,11 @@ class Rollouts:
     def select(self, index: Sequence[int] | torch.Tensor) -> Rollouts:
         """Rows `index` (for mini/micro-batching and data-parallel scatter)."""
         index = torch.as_tensor(index, dtype=torch.long)
-        return Rollouts(
-            self.prompt_ids[index], self.prompt_mask[index], self.response_ids[index], self.mask[index],
-            self.logprobs[index], self.group[index], _take(self.meta, index.tolist()),
-        )
+        with _derived():
+            return Rollouts(
+                self.prompt_ids[index], self.prompt_mask[index], self.response_ids[index], self.mask[index],
+                self.logprobs[index], self.group[index], _take(self.meta, index.tolist()),
+            )
 
     def pad_responses(self, steps: int, *, pad_id: int = 0) -> Rollouts:
         """The same rollouts with responses right-padded to `steps` tokens (mask False, log-prob 0)."""
@@ -196,8 +214,9 @@ class Rollouts:
             raise ValueError(f"Rollouts.pad_responses: responses have {self.response_ids.shape[1]} tokens, more than {steps}")
         if steps == self.response_ids.shape[1]:
             return self
-        return attrs.evolve(self, response_ids=_pad(self.response_ids, steps, pad_id), mask=_pad(self.mask, steps, False),
-                            logprobs=_pad(self.logprobs, steps, 0.0))
+        with _derived():  # the added columns are masked out
+            return attrs.evolve(self, response_ids=_pad(self.response_ids, steps, pad_id),
+                                mask=_pad(self.mask, steps, False), logprobs=_pad(self.logprobs, steps, 0.0))
 
     @staticmethod
     def concat(parts: Sequence[Rollouts], *, pad_id: int = 0) -> Rollouts:
@@ -220,7 +239,8 @@ class Rollouts:
         for part in parts:
             groups.append(_first_appearance(part.group) + offset)  # [R]
             offset += len(torch.unique(part.group))
-        return Rollouts(
+        with _derived():  # checked parts, their padding masked out
+            return Rollouts(
             torch.cat([_pad(part.prompt_ids, width, pad_id, left=True) for part in parts]),          # [N, P]
             torch.cat([_pad(part.prompt_mask, width, False, left=True) for part in parts]),          # [N, P]
             torch.cat([_pad(part.response_ids, steps, pad_id) for part in parts]),                  # [N, T]
@@ -228,7 +248,7 @@ class Rollouts:
             torch.cat([_pad(part.logprobs, steps, 0.0) for part in parts]),                         # [N, T]
             torch.cat(groups),                                                                      # [N]
             {key: [value for part in parts for value in part.meta[key]] for key in keys},
-        )
+            )
 
     @staticmethod
     def from_demonstrations(prompts: Prompts, response_ids: torch.Tensor, mask: torch.Tensor) -> Rollouts:
@@ -266,8 +286,9 @@ def to_device(value: Any, device: torch.device | str) -> Any:
         return value.to(device)
     if isinstance(value, (Prompts, Rollouts)):
         tensors = {field.name: getattr(value, field.name) for field in attrs.fields(type(value))}
-        return attrs.evolve(value, **{name: tensor.to(device) for name, tensor in tensors.items()
-                                      if isinstance(tensor, torch.Tensor)})
+        with _derived():  # the same values on another device: checked where they were made
+            return attrs.evolve(value, **{name: tensor.to(device) for name, tensor in tensors.items()
+                                          if isinstance(tensor, torch.Tensor)})
     if type(value) in (tuple, list):  # not namedtuples: their fields are positional arguments
         return type(value)(to_device(item, device) for item in value)
     if type(value) is dict:

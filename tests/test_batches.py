@@ -93,3 +93,22 @@ def test_to_device_on_the_device_already_copies_nothing():
     batch = prompts(2)
     same = to_device(batch, torch.device("cpu"))
     assert all(getattr(same, name) is getattr(batch, name) for name in ("ids", "mask", "index"))
+
+
+def test_rollouts_made_from_checked_rollouts_skip_the_value_checks(monkeypatch):
+    """The value checks (finite log-probs at real tokens, group ids) cost host syncs; rows selected,
+    responses padded, parts concatenated or moved to a device keep values that were checked when
+    they were made, so only a batch built from new tensors is checked."""
+    import rlgraph.batches as batches
+
+    calls = []
+    check = batches._check_rollout_values
+    monkeypatch.setattr(batches, "_check_rollout_values", lambda ro: (calls.append(len(ro)), check(ro)))
+    ro = rollouts([0, 0, 1, 1], steps=3, width=2)
+    assert calls == [4]  # a new batch is checked
+    derived = [ro.select([0, 2]), ro.pad_responses(5), Rollouts.concat([ro, ro]), to_device(ro, "cpu")]
+    assert calls == [4] and [len(r) for r in derived] == [2, 4, 8, 4]
+    bad = ro.logprobs.clone()
+    bad[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="sample 1, token 0"):
+        Rollouts(ro.prompt_ids, ro.prompt_mask, ro.response_ids, torch.ones_like(ro.mask), bad, ro.group)
