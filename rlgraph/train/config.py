@@ -159,7 +159,7 @@ class TrainConfig(Section):
     data: DataSection
     rewards: list[RewardSection] = Field(min_length=1)
     reward_on_error: Literal["fail", "zero"] = "fail"  # a reward that raises, times out, returns NaN or a wrong shape
-    reward_timeout_s: float | None = Field(None, gt=0)
+    reward_timeout_s: float | None = Field(600.0, gt=0)  # one term's call on one batch; null: no limit (a hung reward hangs the run)
     rollout: RolloutSection = RolloutSection()
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()

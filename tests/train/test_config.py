@@ -135,3 +135,16 @@ def test_rollout_takes_top_p_and_stop_strings(tmp_path):
 def test_bad_rollout_values_name_the_key(tmp_path, override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(write(tmp_path, MINIMAL), [override])
+
+
+def test_a_reward_call_has_a_time_limit_by_default_and_null_lifts_it(tmp_path):
+    """A hung reward must not hang the run silently (issue 25): one term's call on one batch fails,
+    by `reward_on_error`, after 600 s unless the config says otherwise."""
+    assert TrainConfig.model_fields["reward_timeout_s"].default == 600.0
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {train: t.jsonl}\nrewards: [{name: math}]\ntrain: {steps: 1}\nreward_timeout_s: null\n")
+    assert load_config(path).reward_timeout_s is None
+    for bad in ("0", "-1", "soon"):
+        path.write_text(f"data: {{train: t.jsonl}}\nrewards: [{{name: math}}]\ntrain: {{steps: 1}}\nreward_timeout_s: {bad}\n")
+        with pytest.raises(ConfigError, match="reward_timeout_s"):
+            load_config(path)
