@@ -25,15 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams  # noqa: E402
 from rlgraph.backends.local.logprobs import sequence_logprobs  # noqa: E402
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer  # noqa: E402
-from rlgraph.batches import Prompts  # noqa: E402
+from decode import prompts  # noqa: E402 - benchmarks/decode.py: the same arithmetic prompts
 
 
 def rollouts(model, tokenizer, rows: int, tokens: int):
-    texts = [f"{i % 100}+{(7 * i) % 100}=" for i in range(rows)]
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
-    prompts = Prompts(enc["input_ids"], enc["attention_mask"].bool(), {"text": texts})
     generator = NativeGenerator(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return generator.generate(prompts, 1, SamplingParams(temperature=1.0, max_new_tokens=tokens), seed=0)
+    return generator.generate(prompts(tokenizer, rows), 1, SamplingParams(temperature=1.0, max_new_tokens=tokens), seed=0)
 
 
 def step(model, batch, advantages: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
