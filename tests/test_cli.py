@@ -167,9 +167,9 @@ def test_plan_names_the_engines_there_are(capsys, engine, hint):
 
 @pytest.mark.parametrize(("placement", "message"), [
     ("colocated:tpp=2", "rlgraph plan: --placement 'colocated:tpp=2': unknown option 'tpp'; did you mean 'tp'? "
-                        "(colocated takes fsdp, tp, offload, checkpointing, cpu_offload)"),
+                        "(colocated takes fsdp, tp, offload, checkpointing, cpu_offload, grad_sync)"),
     ("colocated:offlaod=False", "unknown option 'offlaod'; did you mean 'offload'?"),
-    ("colocated:engine=vllm", "unknown option 'engine' (colocated takes fsdp, tp, offload, checkpointing, cpu_offload)"),
+    ("colocated:engine=vllm", "unknown option 'engine' (colocated takes fsdp, tp, offload, checkpointing, cpu_offload, grad_sync)"),
     ("colocated:tp=[1", "--placement colocated: tp=[1: '[1' is not a value"),
     ("split:policy", "--placement split: 'policy' must be written key=value"),
 ])

@@ -54,6 +54,9 @@ class UpdateConfig:
     temperature: float = 1.0
     shuffle: bool = False
     on_nonfinite: str = "raise"  # or "skip": a mini-batch with a NaN/inf gradient norm is dropped and counted
+    # Set by the plan (`TrainLayout.grad_sync_last`), not the algorithm: reduce gradients across
+    # ranks on the last micro-batch of each optimizer step only.
+    grad_sync_last: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.on_nonfinite not in ("raise", "skip"):

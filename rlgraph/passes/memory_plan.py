@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from rlgraph.ir import specs as S
@@ -55,15 +56,23 @@ def state_on_host(group: Group, mesh: Mesh) -> bool:
     return group.train is not None and group.train.cpu_offload and mesh.device != "cpu"
 
 
-def _train_config(node, group: Group, options: CompileOptions, rows: int, seq: int) -> M.TrainMemoryConfig:
-    """How `group` trains for the `update` node `node` on `rows` rows per rank of `seq` tokens."""
+def micro_batching(node, rows: int) -> tuple[int, int]:
+    """(rows per micro-batch, micro-batches per optimizer step) of the `update` node `node` on
+    `rows` rows per rank: what the executor's accumulation loop runs."""
     per_mini = -(-rows // node.kwargs["minibatches"])
     micro = min(node.kwargs["micro_batch_size"] or per_mini, per_mini)
+    return micro, -(-per_mini // micro)
+
+
+def _train_config(node, group: Group, options: CompileOptions, rows: int, seq: int) -> M.TrainMemoryConfig:
+    """How `group` trains for the `update` node `node` on `rows` rows per rank of `seq` tokens."""
+    micro, count = micro_batching(node, rows)
     dtype, offloaded = param_dtype(options.mesh), state_on_host(group, options.mesh)
     return M.TrainMemoryConfig(
         param_dtype=dtype, mixed_precision=dtype != torch.float32, fsdp_shards=group.train.fsdp,
         checkpointing=group.train.checkpointing, micro_batch_tokens=micro * seq, seq_len=seq,
         offload_params=offloaded, offload_optimizer=offloaded, lora=options.lora.get(node.args[0].meta["spec"].role),
+        unsharded_grads=group.train.grad_sync_last and count > 1,
     )
 
 
@@ -166,6 +175,31 @@ def plan_memory(program: Program, groups: Sequence[Group],
     _check_host(groups, host, options.mesh)  # after the devices: a device that cannot fit is the first thing to fix
     memory = {name: {phase: breakdown.as_dict() for phase, breakdown in phases.items()} for name, phases in per_group.items()}
     return memory, {name: need.as_dict() for name, need in host.items()}
+
+
+def defer_grad_sync(program: Program, groups: Sequence[Group], options: CompileOptions) -> tuple[Group, ...]:
+    """`groups` with `grad_sync_last` on every FSDP-sharded trainer that accumulates over several
+    micro-batches, where the unsharded gradient that costs fits in memory the plan reserves for its
+    ranks anyway: their train phase stays at or below the largest phase peak they had before (the
+    generator's KV cache on colocated ranks, typically). Reduce-scattering once per optimizer step
+    instead of once per micro-batch saves a third of the per-micro-batch FSDP traffic, but holding
+    a full fp32 gradient per rank is often the largest buffer of the step: it is never bought with
+    memory the plan did not already need. Under `cpu_offload` the device has no room by construction."""
+    sizes = options.concrete(program.hparams.get("n"))
+    chosen = list(groups)
+    for index, group in enumerate(groups):
+        layout = group.train
+        if layout is None or layout.fsdp < 2 or layout.cpu_offload:
+            continue
+        updates = [node for node in _primitives(program, group) if primitive_name(node) == "update"]
+        if not any(micro_batching(node, -(-batch_rows(node, sizes) // group.dp))[1] > 1 for node in updates):
+            continue
+        sharing = [other for other in groups if set(other.ranks) & set(group.ranks)]
+        reserved = max(need.total for other in sharing for need in _phase_memory(program, other, options, groups).values())
+        deferred = attrs.evolve(group, train=attrs.evolve(layout, grad_sync_last=True))
+        if _phase_memory(program, deferred, options, groups)["train"].total <= reserved:
+            chosen[index] = deferred
+    return tuple(chosen)
 
 
 def _moment_text(moment: str, phases: dict[str, M.MemoryBreakdown], offload: bool) -> str:

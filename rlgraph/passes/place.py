@@ -13,7 +13,9 @@ node's host memory) raises `PlacementError` naming the role, the rank, what it n
 has. A layout no executor can run (tensor parallel generation on the native engine, which runs
 tp=1 only), or an option of the wrong type (`cpu_offload="yes"`), raises `PlacementConfigError`
 naming the option to change.
-A placement's `cpu_offload` reaches the train layout of every group that trains.
+A placement's `cpu_offload` reaches the train layout of every group that trains. An FSDP trainer
+that accumulates over several micro-batches syncs its gradients once, after the last one, where
+the memory model says the unsharded gradient that needs still fits (`TrainLayout.grad_sync_last`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 import attrs
 
 from rlgraph.ir.errors import did_you_mean
+from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.tracing import DEFAULT_ROLES
 from rlgraph.passes.options import CompileOptions, PlacementConfigError, check_engine
@@ -56,14 +59,25 @@ def _check_flag(option: str, value: object, where: str, fix: str) -> None:
         raise PlacementConfigError(f"{where}: {option} must be True or False, got {value!r}\n  fix: {fix}")
 
 
+GRAD_SYNC = ("auto", "each", "last")
+
+
+def _check_grad_sync(value: object, where: str) -> None:
+    if not isinstance(value, str) or value not in GRAD_SYNC:
+        raise PlacementConfigError(
+            f"{where}: grad_sync must be one of {', '.join(map(repr, GRAD_SYNC))}, got {value!r}\n  fix: 'each' "
+            "reduce-scatters every micro-batch's gradients, 'last' once per optimizer step (one unsharded gradient "
+            "per rank), 'auto' picks 'last' where that fits in memory the plan reserves anyway")
+
+
 def _layouts(name: str, ranks: tuple[int, ...], phases: set[str], tp: int, fsdp: int | None, ckpt: bool,
-             cpu_offload: bool = False) -> Group:
+             cpu_offload: bool = False, grad_sync: str = "auto") -> Group:
     size = len(ranks)
     train = generate = None
     if "train" in phases:
         shard = size if fsdp is None else fsdp  # not `fsdp or size`: fsdp=0 is a mistake, refused below
         _check_divides("fsdp", shard, size, name)
-        train = TrainLayout(shard, size // shard, ckpt, cpu_offload)
+        train = TrainLayout(shard, size // shard, ckpt, cpu_offload, grad_sync_last=grad_sync == "last")
     if "generate" in phases:
         _check_divides("tp", tp, size, name)
         generate = GenerateLayout(tp, size // tp)
@@ -74,8 +88,9 @@ def _colocated(used: dict[str, set[str]], placement: Colocated, size: int) -> li
     ranks = tuple(range(size))
     _check_flag("cpu_offload", placement.cpu_offload, "rg.colocated",
                 "rg.colocated(cpu_offload=True) (--placement colocated:cpu_offload=True), or False")
-    return [_layouts(role, ranks, phases, placement.tp, placement.fsdp, placement.checkpointing, placement.cpu_offload)
-            for role, phases in sorted(used.items())]
+    _check_grad_sync(placement.grad_sync, "rg.colocated")
+    return [_layouts(role, ranks, phases, placement.tp, placement.fsdp, placement.checkpointing, placement.cpu_offload,
+                     placement.grad_sync) for role, phases in sorted(used.items())]
 
 
 def _split(used: dict[str, set[str]], placement: Split, size: int) -> list[Group]:
@@ -89,8 +104,9 @@ def _split(used: dict[str, set[str]], placement: Split, size: int) -> list[Group
         )
     _check_flag("cpu_offload", placement.cpu_offload, "rg.split",
                 "rg.split({...}, cpu_offload=True) (--placement split:...,cpu_offload=True), or False")
-    return [_layouts(role, assigned[role], used[role], placement.tp, None, placement.checkpointing, placement.cpu_offload)
-            for role in sorted(used)]
+    _check_grad_sync(placement.grad_sync, "rg.split")
+    return [_layouts(role, assigned[role], used[role], placement.tp, None, placement.checkpointing, placement.cpu_offload,
+                     placement.grad_sync) for role in sorted(used)]
 
 
 def _check_split_names(used: dict[str, set[str]], placement: Split) -> None:
@@ -202,13 +218,20 @@ def check_model_roles(program: Program, options: CompileOptions) -> None:
 
 
 def place(program: Program, options: CompileOptions) -> Program:
-    from rlgraph.passes.memory_plan import plan_memory  # the memory model is its own module
+    from rlgraph.passes.memory_plan import defer_grad_sync, plan_memory  # the memory model is its own module
 
     check_model_roles(program, options)
     groups = resolve_groups(program, options)
-    memory, host_memory = plan_memory(program, groups, options)
+    memory, host_memory = plan_memory(program, groups, options)  # a placement that cannot fit is refused as given
+    deferred = defer_grad_sync(program, groups, options) if getattr(options.placement, "grad_sync", "each") == "auto" else groups
+    if deferred != groups:
+        groups, (memory, host_memory) = deferred, plan_memory(program, deferred, options)
     out, _ = copy_program(program, annotations={**program.annotations, "groups": groups, "memory": memory,
                                                 "host_memory": host_memory})
+    deferring = {group.name for group in groups if group.train is not None and group.train.grad_sync_last}
+    for node in out.graph.nodes:  # the executor reads it with the update's other settings
+        if primitive_name(node) == "update" and node.meta.get("role") in deferring:
+            node.meta["grad_sync_last"] = True
     return out.verify(after="place")
 
 

@@ -15,8 +15,9 @@ Steps run one after another, so the step time is the sum over steps. Per kind of
 - **train / infer**: `flops / (ranks * peak * train_efficiency)` (4/3 of it for a trainer with
   activation checkpointing, which recomputes the forward), overlapped with FSDP's traffic
   (all-gather forward, all-gather backward, reduce-scatter gradients of the full parameters, per
-  micro-batch, `(s-1)/s` of it per rank over the link the shard group crosses; with replicas, a
-  ring all-reduce of the gradient shards per optimizer step); the slower wins.
+  micro-batch, the reduce-scatter once per optimizer step under `grad_sync_last`; `(s-1)/s` of it
+  per rank over the link the shard group crosses; with replicas, a ring all-reduce of the gradient
+  shards per optimizer step); the slower wins.
 - **collectives**: `latency + bytes * factor / (link bandwidth * link_efficiency)`; the link is
   NVLink when both ends lie in one node (`Mesh.node_of`), the network otherwise, the host link to
   and from the controller. `factor` is the algorithm's: 1 for a point-to-point copy, scatter or
@@ -187,16 +188,19 @@ def _compute(stage, group, plan, hw: HardwareProfile) -> tuple[float, str]:
     params = phases.get("train", phases.get(stage.phase, {})).get("params", 0) * shards  # full parameter bytes
     match = _MICRO.search(stage.detail)
     micro = math.prod(int(x) for x in match.groups()) if match else 1
-    passes = 3 if stage.phase == "train" else 1  # all-gather fwd + bwd, reduce-scatter; forward only: one all-gather
+    steps = math.prod(int(x) for x in match.groups()[:2]) if match else 1  # optimizer steps
+    # Per micro-batch: an all-gather forward and one backward; the gradients' reduce-scatter runs per
+    # micro-batch, or once per optimizer step under `grad_sync_last`. Forward only: one all-gather.
+    deferred = stage.phase == "train" and group.train is not None and group.train.grad_sync_last
+    collectives = (2 * micro + (steps if deferred else micro)) if stage.phase == "train" else micro
     comm = 0.0
     if shards > 1 and params:
         bandwidth, _ = link(plan.mesh, group.ranks[:shards], group.ranks[:shards], hw)
-        comm = passes * micro * collective_seconds("all_gather", params, shards, bandwidth, hw)
+        comm = collectives * collective_seconds("all_gather", params, shards, bandwidth, hw)
     replicas = group.train.dp if group.train and stage.phase == "train" else 1
     if replicas > 1 and params:  # HSDP: each optimizer step all-reduces the gradient shards across replicas
         peers = group.ranks[::shards]
         bandwidth, _ = link(plan.mesh, peers, peers, hw)
-        steps = math.prod(int(x) for x in match.groups()[:2]) if match else 1
         comm += steps * collective_seconds("all_reduce", params / shards, replicas, bandwidth, hw)
     why = "compute" if compute >= comm else "FSDP traffic"
     return hw.stage_overhead_s + max(compute, comm), why

@@ -168,6 +168,9 @@ class TrainMemoryConfig:
     `AdamW(fused=True)`, which needs no parameter-sized temporary (torch's default is `foreach`).
     `lora`: train LoRA adapters over a frozen base (`lora_state`): the base weights are held in
     `param_dtype` only; gradients, AdamW moments and master weights are the adapters'.
+    `unsharded_grads`: gradients accumulate unsharded over the micro-batches and are reduce-scattered
+    once per optimizer step (`TrainLayout.grad_sync_last`); each rank then also holds the trained
+    parameters' full gradient, in fp32 under mixed precision (FSDP2 upcasts it to the reduce dtype).
     """
 
     param_dtype: torch.dtype = torch.bfloat16
@@ -182,6 +185,7 @@ class TrainMemoryConfig:
     fused_optimizer: bool = False
     logit_chunk_tokens: int = attrs.field(default=LOGIT_CHUNK_TOKENS, validator=_at_least_one)
     lora: LoraShape | None = None
+    unsharded_grads: bool = False
 
     @classmethod
     def for_device(cls, device: str, **overrides: object) -> TrainMemoryConfig:
@@ -204,7 +208,8 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
       layer backward  every layer's saved activations (+ one recomputed layer when
                       checkpointing) and the gradients of one layer's activations
       optimizer step  one parameter-sized temporary of `foreach` AdamW (none when fused)
-    With FSDP both backward moments also hold two all-gathered units and one unit's gradients;
+    With FSDP both backward moments also hold two all-gathered units and one unit's gradients
+    (and, with `unsharded_grads`, the whole accumulated gradient, until the last micro-batch's reduce-scatter);
     offloaded, also those units' shards copied in from the host and one unit's sharded gradients
     on their way back. What is offloaded is 0 here (`train_host_memory` counts it).
     """
@@ -216,6 +221,8 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
     stored = tokens * shape.layers * (e * shape.hidden if cfg.checkpointing else per_layer)
     # Under LoRA a unit's gradients are its adapters' (counted in the state), not a unit's worth.
     gathered = _fsdp_gather_bytes(shape, e, grads=cfg.lora is None) if shards > 1 or cfg.offload_params else 0
+    if cfg.unsharded_grads:  # the accumulated full gradient: alive through the backwards, freed by the reduce-scatter
+        gathered += trainable_params(shape, cfg) * (4 if cfg.has_master_weights else e)
     if cfg.offload_params:
         shard_bytes = 4 if cfg.has_master_weights else e  # FSDP2 keeps fp32 shards and reduces in fp32 under mixed precision
         gathered += _offload_staging_bytes(shape, shards, shard_bytes, units=3)  # 2 units' parameter shards, 1 unit's gradients
@@ -441,7 +448,8 @@ _FIXES = {
     "activations": "enable activation checkpointing (checkpointing=True) or use a smaller micro-batch (micro_batch_size=...)",
     "logits": "use a smaller log-prob chunk or fewer tokens per micro-batch",
     "kv_cache": "use more tensor parallelism for generation (tp=...), fewer sequences per generation batch, or shorter sequences",
-    "workspace": "use a smaller micro-batch (micro_batch_size=...); with FSDP, more shards shrink the optimizer step",
+    "workspace": "use a smaller micro-batch (micro_batch_size=...); with FSDP, more shards shrink the optimizer step"
+                 " (and grad_sync='each' drops the unsharded gradient that 'last' accumulates)",
 }
 _FIX_OF = {"params": "state", "grads": "state", "optimizer": "state", "master_weights": "state",
            "activations": "activations", "logits": "logits", "kv_cache": "kv_cache", "workspace": "workspace"}

@@ -107,16 +107,23 @@ class TrainLayout:
     backward) FSDP2 copies its shard to the device, the device holds the unsharded unit while it
     computes, the backward copies each sharded gradient back to the host, and the optimizer step
     runs on the CPU.
+
+    `grad_sync_last`: with several micro-batches per optimizer step, gradients accumulate unsharded
+    on every rank and are reduce-scattered once, after the last micro-batch (FSDP2's
+    `set_requires_gradient_sync`), instead of once per micro-batch. It costs one unsharded gradient
+    per rank, so `place` turns it on only where the memory model says that still fits.
     """
 
     fsdp: int
     dp: int = 1
     checkpointing: bool = True
     cpu_offload: bool = False
+    grad_sync_last: bool = False
 
     def __str__(self) -> str:
         return (f"fsdp2 shard={self.fsdp}" + (f" replicate={self.dp}" if self.dp > 1 else "")
-                + (" ckpt" if self.checkpointing else "") + (" cpu_offload" if self.cpu_offload else ""))
+                + (" ckpt" if self.checkpointing else "") + (" cpu_offload" if self.cpu_offload else "")
+                + (" grad-sync=last-micro" if self.grad_sync_last else ""))
 
 
 @attrs.frozen
@@ -162,24 +169,30 @@ class Group:
 class Colocated:
     """Every role on every rank, time-shared (verl's hybrid engine); `offload` moves the generating
     trainer's optimizer state off the device between phases; `cpu_offload` keeps every training
-    role's state in host memory throughout (`TrainLayout.cpu_offload`)."""
+    role's state in host memory throughout (`TrainLayout.cpu_offload`); `grad_sync` when FSDP2
+    reduce-scatters the gradients of an accumulation: "each" micro-batch, once after the "last"
+    (`TrainLayout.grad_sync_last`: costs an unsharded gradient per rank), or "auto" (the last where
+    that fits in memory the plan reserves anyway)."""
 
     fsdp: int | None = None
     tp: int = 1
     offload: bool = True
     checkpointing: bool = True
     cpu_offload: bool = False
+    grad_sync: str = "auto"
 
 
 @attrs.frozen
 class Split:
     """Disjoint rank sets per group: `{"policy": 4, "rollout": 4}`; a group may name another to share it.
-    `cpu_offload`: every training group keeps its state in host memory (`TrainLayout.cpu_offload`)."""
+    `cpu_offload`: every training group keeps its state in host memory (`TrainLayout.cpu_offload`);
+    `grad_sync` as in `Colocated`."""
 
     groups: Mapping[str, int | Sequence[int] | str]
     tp: int = 1
     checkpointing: bool = True
     cpu_offload: bool = False
+    grad_sync: str = "auto"
 
 
 @attrs.frozen
@@ -193,13 +206,13 @@ Placement = Colocated | Split | Explicit
 
 
 def colocated(*, fsdp: int | None = None, tp: int = 1, offload: bool = True, checkpointing: bool = True,
-              cpu_offload: bool = False) -> Colocated:
-    return Colocated(fsdp, tp, offload, checkpointing, cpu_offload)
+              cpu_offload: bool = False, grad_sync: str = "auto") -> Colocated:
+    return Colocated(fsdp, tp, offload, checkpointing, cpu_offload, grad_sync)
 
 
 def split(groups: Mapping[str, int | Sequence[int] | str], *, tp: int = 1, checkpointing: bool = True,
-          cpu_offload: bool = False) -> Split:
-    return Split(dict(groups), tp, checkpointing, cpu_offload)
+          cpu_offload: bool = False, grad_sync: str = "auto") -> Split:
+    return Split(dict(groups), tp, checkpointing, cpu_offload, grad_sync)
 
 
 def explicit(*groups: Group) -> Explicit:
@@ -228,7 +241,7 @@ def parse_placement(text: str, where: str = "--placement") -> Placement | str:
                                   f"(colocated takes {', '.join(known)})", fix=f"use {PLACEMENT_FORMS}")
         return colocated(**fields)
     if kind == "split":
-        options = {key: fields.pop(key) for key in ("tp", "checkpointing", "cpu_offload") if key in fields}
+        options = {key: fields.pop(key) for key in ("tp", "checkpointing", "cpu_offload", "grad_sync") if key in fields}
         return split(fields, **options)  # every other key names a group
     raise ConfigError(f"{where} {text!r}: unknown placement {kind!r}{did_you_mean(kind, ['auto', 'colocated', 'split'])}",
                       fix=f"use {PLACEMENT_FORMS}")

@@ -148,7 +148,8 @@ class Interpreter:
             # The loss runs where the executor trains: its captured values and batch go there too.
             device = self.executor.device
             batch, captured = to_device(batch, device), to_device(captured, device)
-            config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"})
+            config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"},
+                                  grad_sync_last=node.meta.get("grad_sync_last", False))
             loss_fn = make_loss_fn(node.meta["program"], batch, captured)
             return self.executor.update(model, batch, loss_fn, config)
         return getattr(self.executor, name)(*args, **kwargs)

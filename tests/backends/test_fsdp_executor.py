@@ -33,3 +33,29 @@ def test_every_fsdp2_unit_of_a_cpu_offload_role_gets_the_cpu_offload_policy(gloo
 
 def test_without_cpu_offload_no_unit_offloads(gloo):
     assert not any(isinstance(_offload_policy(unit), CPUOffloadPolicy) for unit in _policy_units(cpu_offload=False))
+
+
+def _sync_calls(grad_sync: str, micro_batch_size: int | None) -> tuple[list[bool], dict[str, float]]:
+    """The `set_requires_gradient_sync` flags one GRPO step sets before each micro-batch's backward."""
+    from rlgraph.runtime.plan_runner import PlanRunner
+    from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
+
+    compiled = rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(checkpointing=False, grad_sync=grad_sync),
+                          sizes={"B": 4, "P": 8, "T": 4}, n=4, max_new_tokens=4, micro_batch_size=micro_batch_size)
+    world = WorldSpec({"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": length_parity_reward}, max_new_tokens=4)
+    executor = world.build(0, compiled.plan, torch.device("cpu"))
+    root = executor.models["policy"].model
+    calls: list[bool] = []
+    original = root.set_requires_gradient_sync
+    root.set_requires_gradient_sync = lambda sync, **kw: (calls.append(sync), original(sync, **kw))[1]
+    metrics = PlanRunner(compiled, executor).run(tiny_prompts(4))[1]
+    return calls, metrics
+
+
+def test_gradients_sync_once_per_optimizer_step_under_grad_sync_last(gloo):
+    last, last_metrics = _sync_calls("last", micro_batch_size=4)  # 16 rows: 4 micro-batches
+    assert last == [False, False, False, True]
+    each, each_metrics = _sync_calls("each", micro_batch_size=4)
+    assert each == [True] * 4
+    # One rank: the same gradient sums either way (the sharded and unsharded paths add in the same order)
+    assert last_metrics["policy/grad_norm"] == each_metrics["policy/grad_norm"] > 0

@@ -179,3 +179,55 @@ def test_cpu_offload_on_a_cpu_mesh_keeps_the_state_in_the_device_figures():
     resident, offloaded = compile_grpo().plan, compile_grpo(placement=rg.colocated(cpu_offload=True)).plan
     assert offloaded.memory == resident.memory and offloaded.host_memory == {}
     assert "cpu_offload: on a cpu mesh the training state is in host memory already" in offloaded.as_text()
+
+
+# -- grad_sync: when FSDP2 reduce-scatters an accumulation's gradients ----------------------------
+def _train_layout_and_memory(grad_sync: str, models=None, mesh="cpu:2", sizes=SIZES, n=2):
+    compiled = rg.compile(grpo, mesh=mesh, placement=rg.colocated(grad_sync=grad_sync), models=models or {},
+                          sizes=sizes, n=n, micro_batch_size=1)
+    return compiled.plan.group("policy").train, compiled.plan.memory["policy"]["train"], compiled
+
+
+def test_grad_sync_last_costs_exactly_one_unsharded_fp32_gradient_and_shows_in_the_plan():
+    from rlgraph.passes.memory_plan import model_shape
+
+    each, each_memory, _ = _train_layout_and_memory("each")
+    last, last_memory, compiled = _train_layout_and_memory("last")
+    assert (each.grad_sync_last, last.grad_sync_last) == (False, True)
+    assert "grad-sync=last-micro" in compiled.plan.as_text()
+    # fp32 on a cpu mesh: 4 bytes for every trained parameter, unsharded, held through the backwards
+    extra = 4 * model_shape(compiled.options, "policy").n_params
+    assert last_memory["workspace"] - each_memory["workspace"] == extra
+    assert last_memory["total"] - each_memory["total"] == extra
+    update = next(node for node in compiled.program.graph.nodes if node.name.startswith("update"))
+    assert update.meta["grad_sync_last"] is True  # what the executor reads with the update's settings
+
+
+def test_auto_defers_the_sync_only_into_memory_the_plan_reserves_anyway():
+    big = {"B": 64, "P": 512, "T": 8192}  # the generator's KV cache is the ranks' peak: the gradient fits under it
+    layout, memory, compiled = _train_layout_and_memory("auto", {"policy": "qwen2.5-0.5b"}, "h100:8", big, 8)
+    assert layout.grad_sync_last and memory["total"] <= compiled.plan.memory["policy"]["generate"]["total"]
+    short = {"B": 64, "P": 512, "T": 2048}  # training is the peak: deferring would raise it, so auto does not
+    assert not _train_layout_and_memory("auto", {"policy": "qwen2.5-0.5b"}, "h100:8", short, 8)[0].grad_sync_last
+    assert not _train_layout_and_memory("auto")[0].grad_sync_last  # the tiny model: training is its peak too
+
+
+def test_grad_sync_last_cuts_the_estimated_fsdp_traffic():
+    # 4 nodes: the shard group crosses the network and training is bound by FSDP traffic. 512 rows over
+    # 32 ranks: 16 micro-batches of 1 row, 3 collectives each -> 2 each + 1 per step: 48 -> 33 (0.69x).
+    def train_seconds(sync: str) -> float:
+        compiled = rg.compile(grpo, mesh="4x8:h100", placement=rg.colocated(grad_sync=sync, checkpointing=False),
+                              models={"policy": "qwen2.5-0.5b"}, sizes={"B": 64, "P": 512, "T": 512}, n=8, micro_batch_size=1)
+        (step,) = [step for step in compiled.cost_analysis().steps if step.phase == "train"]
+        assert step.why == "FSDP traffic"
+        return step.seconds
+
+    assert train_seconds("last") < 0.75 * train_seconds("each")
+
+
+@pytest.mark.parametrize("bad", ["every", True, None])
+def test_a_bad_grad_sync_names_the_choices(bad):
+    with pytest.raises(PlacementConfigError, match=r"grad_sync must be one of 'auto', 'each', 'last'"):
+        compile_grpo(placement=rg.colocated(grad_sync=bad))
+    with pytest.raises(PlacementConfigError, match=r"rg.split: grad_sync"):
+        compile_grpo(placement=rg.split({"policy": 1, "rollout": 1, "ref": "policy"}, grad_sync=bad))

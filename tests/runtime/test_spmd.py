@@ -85,6 +85,16 @@ def test_grpo_on_two_fsdp_ranks_matches_local_with_and_without_micro_batches():
         assert sum(r["local_numel"] for r in reports.values()) == reports[0]["global_numel"]
 
 
+def test_gradients_reduced_once_per_step_on_two_fsdp_ranks_match_local():
+    # grad_sync="last": FSDP2 accumulates the first micro-batches' gradients unsharded on each rank and
+    # reduce-scatters their sum once; the sum is the same, so local's training is matched as before.
+    world = attrs.evolve(_world(), fsdp_unit_params=0)
+    compiled = _compile("grpo", placement=rg.colocated(offload=False, checkpointing=False, grad_sync="last"), n=4,
+                        micro_batch_size=2)
+    assert str(compiled.plan.group("policy").train) == "fsdp2 shard=2 grad-sync=last-micro"
+    _matches_local(compiled, world, tiny_prompts(4))
+
+
 def test_grpo_with_cpu_offload_on_two_fsdp_ranks_matches_local():
     # FSDP2's CPUOffloadPolicy runs on gloo: shards, gradients and AdamW state in host memory, the step on
     # the CPU. On a CPU device its copies to "the device" move nothing, but the offloading path is the one taken.

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 # The builders and the shard helpers are re-exported: callers have imported them from here.
@@ -91,6 +92,12 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
         reduced = values.to(self._comm_device())
         dist.all_reduce(reduced, group=self.role_groups[role])
         return reduced.to(values.device)
+
+    def _grad_sync(self, worker: LMWorker, sync: bool) -> None:
+        # Without sync FSDP2 accumulates the micro-batch's gradients unsharded; set on every
+        # micro-batch, so an update that failed midway never leaves the next one unsynced.
+        if isinstance(worker.model, FSDPModule):
+            worker.model.set_requires_gradient_sync(sync)
 
     def _clip_grads(self, worker: LMWorker, clip: float) -> float:
         """The global gradient norm from the local shards (one all-reduce), then a local rescale:

@@ -224,6 +224,10 @@ class LocalExecutor:
         """Sum over the role's data-parallel ranks; one process holds every row."""
         return values
 
+    def _grad_sync(self, worker: LMWorker, sync: bool) -> None:
+        """Before a micro-batch's backward: whether its gradients are reduced across ranks now
+        (every micro-batch, or only the last under `grad_sync_last`); one process has nothing to reduce."""
+
     def _clip_grads(self, worker: LMWorker, clip: float) -> float:
         """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping."""
         return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
@@ -245,24 +249,28 @@ class LocalExecutor:
             order = torch.randperm(len(batch), generator=self.generator) if config.shuffle else torch.arange(len(batch))
             for index, minibatch in enumerate(split_rows(order, parts=config.minibatches)):
                 optimizer.zero_grad(set_to_none=True)
-                bad_rows: list[int] = []
                 counts = self._all_reduce_sum(role, torch.stack(global_counts(batch.mask[minibatch.to(batch.mask.device)])))
                 step: dict[str, torch.Tensor] = {}
-                for micro in split_rows(minibatch, size=config.micro_batch_size or len(minibatch)):
+                micros = split_rows(minibatch, size=config.micro_batch_size or len(minibatch))
+                finite: list[torch.Tensor] = []  # per micro-batch, on the device: read only if the step fails
+                for position, micro in enumerate(micros):
                     with self._autocast():  # the forward only: the loss math and backward stay out of autocast
                         output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
                                                         with_entropy=wants_entropy)
                     loss, metrics = loss_fn(micro, LossCounts(counts[0], counts[1]), output, entropy)
-                    if not bool(torch.isfinite(loss.detach())):
-                        bad_rows.extend(micro.tolist())
+                    finite.append(torch.isfinite(loss.detach()))
+                    self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
                     loss.backward()
                     for key, value in {"loss": loss, **metrics}.items():
                         step[key] = step.get(key, 0.0) + value.detach().double()
-                summed = self._all_reduce_sum(role, torch.stack(list(step.values())).cpu()) if step else torch.zeros(0)
+                # The statistics are summed over ranks where they are; one copy to the host after the step.
+                summed = self._all_reduce_sum(role, torch.stack(list(step.values()))) if step else torch.zeros(0)
                 clip = config.grad_clip if config.grad_clip is not None else float("inf")
-                grad_norm = self._clip_grads(worker, clip)  # global: every rank takes the same decision below
+                # The step's one host sync: the global norm decides, on every rank alike, whether to step.
+                grad_norm = self._clip_grads(worker, clip)
                 if not math.isfinite(grad_norm):
                     optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights
+                    bad_rows = [row for micro, ok in zip(micros, torch.stack(finite).tolist()) if not ok for row in micro.tolist()]
                     self._refuse_nonfinite(role, worker, config, grad_norm, epoch, index, bad_rows)
                     skipped += 1
                     continue
