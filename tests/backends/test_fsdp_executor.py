@@ -59,3 +59,16 @@ def test_gradients_sync_once_per_optimizer_step_under_grad_sync_last(gloo):
     assert each == [True] * 4
     # One rank: the same gradient sums either way (the sharded and unsharded paths add in the same order)
     assert last_metrics["policy/grad_norm"] == each_metrics["policy/grad_norm"] > 0
+
+
+def test_weights_gathered_in_the_engines_dtype_equal_the_full_weights_cast(gloo):
+    # A weight sync moves the engine's dtype (bf16 on CUDA): casting the shards before the all-gather
+    # must give exactly the cast full tensors (a cast is elementwise), at half the bytes.
+    from rlgraph.backends.fsdp.shards import engine_dtype, gather_full
+
+    params = list(_policy_units(cpu_offload=False)[-1].parameters())
+    gathered = gather_full(params, torch.bfloat16)
+    for param, full in zip(params, gathered):
+        assert full.dtype == torch.bfloat16
+        assert torch.equal(full, param.full_tensor().detach().to(torch.bfloat16))
+    assert (engine_dtype(torch.device("cuda")), engine_dtype(torch.device("cpu"))) == (torch.bfloat16, torch.float32)

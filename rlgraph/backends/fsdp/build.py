@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rlgraph.backends.fsdp.loading import fill_shards, missing_names, parameters_on_meta
-from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, role_module
+from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, engine_dtype, role_module
 from rlgraph.backends.fsdp.sync import sync_ranks
 from rlgraph.backends.local.executor import LMWorker, RewardWorker
 from rlgraph.backends.vllm.engine import VLLMEngine
@@ -147,8 +147,7 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
         return VLLMEngine.build(source, role=served, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id, rank=rank, seed=world.seed, load_format="dummy",
                                 tensor_parallel_size=group.generate.tp)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return spec.build_module(tokenizer, dtype, merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
+    return spec.build_module(tokenizer, engine_dtype(device), merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
 
 
 def _empty_module(spec: Any, tokenizer: Any) -> tuple[torch.nn.Module | None, Any]:

@@ -48,12 +48,20 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
-def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
+def engine_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a generation engine holds its weights in, and so the dtype a weight sync moves:
+    bf16 on CUDA (the fp32 master shards are cast before they are gathered: half the bytes), fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def gather_full(params: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """The full tensors of FSDP2-sharded parameters (dim-0 shards on a 1-D mesh) with one
-    all-gather for the whole list, instead of one `full_tensor()` collective per parameter."""
+    all-gather for the whole list, instead of one `full_tensor()` collective per parameter.
+    `dtype`: cast the local shards before the all-gather (a cast is elementwise, so gathering
+    cast shards gives exactly the cast full tensors, for fewer bytes on the wire)."""
     sharded = [p for p in params if isinstance(p, DTensor)]
     if not sharded:
-        return [p.detach() for p in params]
+        return [p.detach() if dtype is None else p.detach().to(dtype) for p in params]
     mesh = sharded[0].device_mesh
     mesh = mesh["shard"] if mesh.ndim > 1 else mesh  # HSDP: every replica holds all the shards
     ranks = mesh.size()
@@ -61,6 +69,7 @@ def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
     for p in sharded:
         per_rank = -(-p.shape[0] // ranks)  # torch.chunk's shard rows; the last shards may be shorter or empty
         local = p.to_local().detach().reshape(-1)
+        local = local if dtype is None else local.to(dtype)
         width = per_rank * math.prod(p.shape[1:])
         locals_.append(torch.nn.functional.pad(local, (0, width - local.numel())))
         rows.append(per_rank)
@@ -73,7 +82,7 @@ def gather_full(params: list[torch.Tensor]) -> list[torch.Tensor]:
         block = gathered[:, offset:offset + piece.numel()].reshape(ranks * per_rank, *p.shape[1:])
         fulls[id(p)] = block[:p.shape[0]]  # drop the padding of the last shards
         offset += piece.numel()
-    return [fulls[id(p)] if id(p) in fulls else p.detach() for p in params]
+    return [fulls[id(p)] if id(p) in fulls else p.detach() if dtype is None else p.detach().to(dtype) for p in params]
 
 
 def shard_rows(full: torch.Tensor, position: int, ways: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlgraph.backends.fsdp.shards import gather_full, role_module
+from rlgraph.backends.fsdp.shards import engine_dtype, gather_full, role_module
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.engine import VLLMEngine
 
@@ -69,11 +69,13 @@ class WeightSync:
                 engine_params[name].copy_(full)
 
     def _buckets(self, role: str, route: Any) -> Iterator[list[tuple[str, Any]]]:
-        """The trained model's parameters in order, grouped into buckets of <= `route.bucket_bytes` (fp32);
-        a LoRA layer's base weight and adapters are never split (they merge into one tensor)."""
+        """The trained model's parameters in order, grouped into buckets of <= `route.bucket_bytes` as
+        they travel (the engine's dtype); a LoRA layer's base weight and adapters are never split
+        (they merge into one tensor)."""
         bucket, size = [], 0
+        element = engine_dtype(self.device).itemsize
         for layer in _merge_units(role_module(self.models[role]).named_parameters()):
-            nbytes = sum(param.numel() for _, param in layer) * 4
+            nbytes = sum(param.numel() for _, param in layer) * element
             if bucket and size + nbytes > route.bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
@@ -91,25 +93,29 @@ class WeightSync:
         return [(plain_name(name), tuple(param.shape)) for name, param in bucket if plain_name(name) is not None]
 
     def _served_bucket(self, role: str, bucket: list[tuple[str, Any]]) -> list[torch.Tensor]:
-        """`bucket`'s full tensors (one all-gather) as the engine takes them: a LoRA role's merged."""
-        fulls = gather_full([param for _, param in bucket])
+        """`bucket`'s full tensors (one all-gather) as the engine takes them, in its dtype: a LoRA
+        role's merged first, in fp32 (base + scaled B A), then cast."""
+        dtype = engine_dtype(self.device)
         if role not in self.adapters:
-            return fulls
+            return gather_full([param for _, param in bucket], dtype)
         from rlgraph.backends.lora import merge_adapters
 
+        fulls = gather_full([param for _, param in bucket])
         with torch.no_grad():
-            return list(merge_adapters(dict(zip([name for name, _ in bucket], fulls)), self.adapters[role]).values())
+            merged = merge_adapters(dict(zip([name for name, _ in bucket], fulls)), self.adapters[role]).values()
+            return [full.to(dtype) for full in merged]
 
     def _broadcast_bucket(self, names_shapes, fulls, route, group) -> list[torch.Tensor] | None:
-        """The trainer's first rank sends one flat fp32 bucket to the generating ranks."""
+        """The trainer's first rank sends one flat bucket, in the engine's dtype, to the generating ranks."""
         if self.rank not in sync_ranks(route.src, route.dst):
             return fulls
         shapes = [shape for _, shape in names_shapes]
         sizes = [torch.Size(shape).numel() for shape in shapes]
+        dtype = engine_dtype(self.device)
         if self.rank == route.src[0]:
-            flat = torch.cat([full.float().reshape(-1) for full in fulls]).to(self._comm_device())
+            flat = torch.cat([full.to(dtype).reshape(-1) for full in fulls]).to(self._comm_device())
         else:
-            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self._comm_device())
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self._comm_device())
         dist.broadcast(flat, src=route.src[0], group=group)
         return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
 
