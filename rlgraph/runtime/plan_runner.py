@@ -113,6 +113,14 @@ class PlanRunner(Interpreter):
         self.transport.restore_state(state, where)
         self.versions.clear()  # asked again of the ranks
 
+    def write_state(self, directory: str) -> dict[str, Any] | None:
+        """Each rank writes its own rows of a checkpoint into `directory` (None: one process, write it whole)."""
+        return self.transport.write_state(directory)
+
+    def read_state(self, directory: str, roles: Any, shuffle_rng: Any, sampling: Any, where: str = "the checkpoint") -> None:
+        self.transport.read_state(directory, roles, shuffle_rng, sampling, where)
+        self.versions.clear()
+
     # -- inputs and outputs --------------------------------------------------------------------
     def _bind(self, lowered: Any, batch: Any) -> dict[fx.Node, Any]:
         """The controller's inputs, and each rank's model versions sent to the workers."""

@@ -266,6 +266,18 @@ class WorkerPool(Transport):
         """Every rank loads its shards of `state` (each checks the whole state before touching anything)."""
         self._all(range(self.world), "import_state", state, where)
 
+    def write_state(self, directory: str) -> dict[str, Any] | None:
+        """Every rank writes its own rows into `directory` (nothing is gathered or piped but a few
+        numbers); the roles as the checkpoint's meta records them, and the random streams."""
+        parts = self._all(range(self.world), "write_parts", directory)
+        roles = {role: held for part in parts.values() for role, held in part["roles"].items()}
+        return {"roles": roles, "shuffle_rng": parts[0]["shuffle_rng"], "sampling": parts[0]["sampling"]}
+
+    def read_state(self, directory: str, roles: Mapping[str, Any], shuffle_rng: Any, sampling: Mapping[str, Any],
+                   where: str = "the checkpoint") -> None:
+        """Every rank reads its own rows of a checkpoint in parts (each checks all it holds first)."""
+        self._all(range(self.world), "read_parts", directory, roles, shuffle_rng, sampling, where)
+
     def close(self) -> None:
         """Stop every worker (idempotent)."""
         if self._closed:

@@ -22,6 +22,7 @@ of them (tests/runtime/test_transport.py checks the signatures):
 | `set_learning_rate(role, lr)` | every rank training `role` sets its optimizer's learning rate |
 | `pull_state(role)` | `role`'s full weights, on the CPU |
 | `checkpoint_state()` / `restore_state(state, where)` | the full `ExecutorState`, out of or into the ranks |
+| `write_state(directory)` / `read_state(directory, roles, shuffle_rng, sampling, where)` | each rank writes, or reads, its own rows of a checkpoint in parts (`rlgraph.backends.state_files`); `write_state` answers None where the ranks have no parts (one process: the full form is written) |
 | `close()` | stop the workers (idempotent) |
 
 `LocalTransport` runs every rank in this process with one `Worker`: a layout's pieces are all the
@@ -121,6 +122,13 @@ class Transport(abc.ABC):
     def restore_state(self, state: ExecutorState, where: str = "the checkpoint") -> None: ...
 
     @abc.abstractmethod
+    def write_state(self, directory: str) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    def read_state(self, directory: str, roles: Mapping[str, Any], shuffle_rng: Any, sampling: Mapping[str, Any],
+                   where: str = "the checkpoint") -> None: ...
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
@@ -188,6 +196,21 @@ class LocalTransport(Transport):
         return self.executor.export_state()
 
     def restore_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
+        self.executor.import_state(state, where)
+
+    def write_state(self, directory: str) -> dict[str, Any] | None:
+        return None  # one process holds every role whole: the checkpoint is written in the full form
+
+    def read_state(self, directory: str, roles: Mapping[str, Any], shuffle_rng: Any, sampling: Mapping[str, Any],
+                   where: str = "the checkpoint") -> None:
+        """One process holds every role whole: the parts put together (a checkpoint of any rank count)."""
+        from pathlib import Path
+
+        from rlgraph.backends.state_files import full_state, refuse_non_finite
+
+        state = full_state(Path(directory), roles, shuffle_rng, sampling)
+        for role, held in state.roles.items():
+            refuse_non_finite(held.model, role, where)
         self.executor.import_state(state, where)
 
     def close(self) -> None:

@@ -103,6 +103,12 @@ class Worker:
     def import_state(self, state: Any, where: str) -> None:
         self.executor.import_state(state, where)
 
+    def write_parts(self, directory: str) -> dict[str, Any]:
+        return self.executor.write_parts(directory)
+
+    def read_parts(self, directory: str, roles: Any, shuffle_rng: Any, sampling: Any, where: str) -> None:
+        self.executor.read_parts(directory, roles, shuffle_rng, sampling, where)
+
 
 def serve(worker: Worker, command: str, args: tuple) -> tuple[str, Any]:
     """Run one command: `("ok", (result, seconds))`, or `("error", (type, message, traceback))`.

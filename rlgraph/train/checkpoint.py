@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlgraph.backends.local.executor import CheckpointMismatch, LocalExecutor
+from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.backends.protocols import ExecutorState, RoleState
+from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite
 from rlgraph.ir.errors import ConfigError
 
 _HASH_CHUNK = 1 << 20  # 1 MiB reads: the hash streams, a multi-GB weight file never sits in memory twice
@@ -70,12 +71,14 @@ def _write_json_atomic(path: Path, payload: Any) -> None:
         raise
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: ExecutorState | LocalExecutor, extra: dict[str, Any]) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, state: Any, extra: dict[str, Any]) -> Path:
     """Write `run_dir/step-<step>` atomically and point `run_dir/latest` at it.
 
-    `state` is an `ExecutorState` (from any runtime: `interpreter.export_state()`) or a local executor.
+    `state` is an `ExecutorState`, a local executor, or a plan runner. A runner whose ranks hold
+    FSDP2 shards (spmd, Ray) has each rank write its own rows (`rlgraph.backends.state_files`):
+    nothing is gathered; any other is asked for the full state, written one file per role.
     """
-    if not isinstance(state, ExecutorState):
+    if not isinstance(state, ExecutorState) and not hasattr(state, "write_state"):
         state = state.export_state()
     run_dir = Path(run_dir)
     try:
@@ -90,19 +93,19 @@ def save_checkpoint(run_dir: str | Path, step: int, state: ExecutorState | Local
     return final
 
 
-def _save(run_dir: Path, step: int, state: ExecutorState, extra: dict[str, Any]) -> Path:
+def _save(run_dir: Path, step: int, state: Any, extra: dict[str, Any]) -> Path:
     """Write the files to a temporary directory, their checksums into meta.json, then rename it into place."""
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".step-{step:06d}."))
     try:
-        roles = {}
-        for role, held in state.roles.items():
-            save_file(_untie({k: v.contiguous() for k, v in held.model.items()}), str(tmp / f"{role}.safetensors"))
-            if held.optimizer is not None:
-                torch.save(dict(held.optimizer), tmp / f"{role}.optim.pt")
-            roles[role] = {"version": held.version, "optimizer": held.optimizer_kind}
-        torch.save({"generator": state.shuffle_rng, "sampling": dict(state.sampling), "extra": extra}, tmp / "run_state.pt")
+        written = None if isinstance(state, ExecutorState) else state.write_state(str(tmp))
+        if written is None:  # one process: the full form
+            full = state if isinstance(state, ExecutorState) else state.export_state()
+            written = {"roles": _write_full(tmp, full), "shuffle_rng": full.shuffle_rng, "sampling": full.sampling}
+        roles = written["roles"]
+        torch.save({"generator": written["shuffle_rng"], "sampling": dict(written["sampling"]), "extra": extra},
+                   tmp / "run_state.pt")
         sha256 = {file.name: file_sha256(file) for file in sorted(tmp.iterdir())}
         _write_json_atomic(tmp / "meta.json", {"step": step, "versions": {r: v["version"] for r, v in roles.items()},
                                                "roles": roles, "sha256": sha256})
@@ -113,6 +116,17 @@ def _save(run_dir: Path, step: int, state: ExecutorState, extra: dict[str, Any])
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _write_full(directory: Path, state: ExecutorState) -> dict[str, dict[str, Any]]:
+    """Each role whole: `role.safetensors` and `role.optim.pt`; the roles as meta.json records them."""
+    roles = {}
+    for role, held in state.roles.items():
+        save_file(_untie({k: v.contiguous() for k, v in held.model.items()}), str(directory / f"{role}.safetensors"))
+        if held.optimizer is not None:
+            torch.save(dict(held.optimizer), directory / f"{role}.optim.pt")
+        roles[role] = {"version": held.version, "optimizer": held.optimizer_kind}
+    return roles
 
 
 def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -195,13 +209,34 @@ def _tensors(path: Path) -> Any:
     return torch.load(path, weights_only=True, map_location="cpu")
 
 
-def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any]]:
-    """(state, step, extra) of the checkpoint in `path`, every file read and checked before anything is used."""
-    path = Path(path)
+def _meta(path: Path) -> dict[str, Any]:
     meta = _read(path / "meta.json", lambda file: json.loads(file.read_text()), "JSON")
     if not isinstance(meta, dict) or not isinstance(meta.get("versions"), dict) or "step" not in meta:
         raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'} lacks 'step' or 'versions': not a rlgraph checkpoint")
+    return meta
+
+
+def _in_parts(meta: dict[str, Any]) -> bool:
+    """Whether the checkpoint was written by its ranks, each role in parts (`rlgraph.backends.state_files`)."""
+    return any(isinstance(held, dict) and "parts" in held for held in meta.get("roles", {}).values())
+
+
+def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any]]:
+    """(state, step, extra) of the checkpoint in `path`, every file read and checked before anything is used.
+    A checkpoint in parts is put together whole (any runtime, any rank count can load it)."""
+    path = Path(path)
+    meta = _meta(path)
     verify_checksums(path, meta)
+    run_state = _read(path / "run_state.pt", _tensors, "the run state")
+    if _in_parts(meta):
+        try:
+            state = full_state(path, meta["roles"], run_state["generator"], run_state["sampling"])
+        except (OSError, KeyError, ValueError, RuntimeError) as error:
+            raise CheckpointMismatch(f"checkpoint {path}: its parts cannot be read ({type(error).__name__}: "
+                                     f"{str(error)[:200]}); it is incomplete or damaged") from None
+        for role, held in state.roles.items():
+            refuse_non_finite(held.model, role, f"checkpoint {path}")
+        return state, meta["step"], run_state["extra"]
     roles = {}
     for role, version in meta["versions"].items():
         kind = meta.get("roles", {}).get(role, {}).get("optimizer")
@@ -210,9 +245,8 @@ def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any
         if kind is None and optimizer is not None:  # written before the optimizer kind was recorded
             kind = "AdamW" if any("exp_avg" in s for s in optimizer.get("state", {}).values()) else "SGD"
         weights = _read(path / f"{role}.safetensors", lambda file: load_file(str(file)), "safetensors weights")
-        _refuse_non_finite(weights, role, path / f"{role}.safetensors")
+        refuse_non_finite(weights, role, f"checkpoint file {path / f'{role}.safetensors'}")
         roles[role] = RoleState(weights, optimizer, kind, version)
-    run_state = _read(path / "run_state.pt", _tensors, "the run state")
     return ExecutorState(roles, run_state["generator"], run_state["sampling"]), meta["step"], run_state["extra"]
 
 
@@ -236,25 +270,33 @@ def verify_checksums(path: Path, meta: dict[str, Any]) -> None:
                                      "saved (a flipped bit, a partial copy or an edit); it is not loaded")
 
 
-def _refuse_non_finite(weights: dict[str, torch.Tensor], role: str, file: Path) -> None:
-    """NaN/inf weights would train on as a 'gradient norm is nan' steps later: refuse them at load."""
-    for name, tensor in weights.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            count = int((~torch.isfinite(tensor)).sum())
-            raise CheckpointMismatch(f"checkpoint file {file}: role {role!r} tensor {name!r} holds {count} non-finite "
-                                     f"value(s) (NaN/inf) of {tensor.numel()}; the checkpoint is damaged or the run "
-                                     "diverged before it was saved, so it is not loaded")
-
-
 def intact_checkpoint(path: Path) -> str | None:
-    """None when checkpoint `path` reads whole (checksums, every file, finite weights), else what is wrong."""
+    """None when checkpoint `path` reads whole (checksums, every file, finite weights), else what is wrong.
+    A checkpoint in parts is checked one part file at a time, never put together."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            read_checkpoint(path)
+            meta = _meta(path)
+            if not _in_parts(meta):
+                read_checkpoint(path)
+                return None
+            verify_checksums(path, meta)
+            _read(path / "run_state.pt", _tensors, "the run state")
+            for role, held in meta["roles"].items():
+                _check_parts(path, role, held["parts"])
     except CheckpointMismatch as error:
         return str(error)
     return None
+
+
+def _check_parts(path: Path, role: str, parts: int) -> None:
+    try:
+        check_parts(path, role, parts)
+    except CheckpointMismatch:
+        raise
+    except Exception as error:  # noqa: BLE001 - a truncated or foreign part file
+        raise CheckpointMismatch(f"checkpoint {path}: a part of role {role!r} cannot be read ({type(error).__name__}: "
+                                 f"{str(error)[:200]}); it is incomplete or damaged") from None
 
 
 def newest_intact(run_dir: Path, below: Path | None = None) -> Path | None:
@@ -271,7 +313,16 @@ def read_extra(path: str | Path) -> dict[str, Any]:
 
 def load_checkpoint(path: str | Path, executor: Any) -> dict[str, Any]:
     """Restore weights, optimizer states, versions and RNG into `executor` (or anything with
-    `import_state`: an interpreter, a plan runner); returns `{"step": k, **extra}`."""
+    `import_state`: an interpreter, a plan runner); returns `{"step": k, **extra}`. A checkpoint in
+    parts loads into a runner rank by rank, each reading only its rows (`read_state`)."""
+    path = Path(path)
+    meta = _meta(path)
+    if _in_parts(meta) and hasattr(executor, "read_state"):
+        verify_checksums(path, meta)
+        run_state = _read(path / "run_state.pt", _tensors, "the run state")
+        executor.read_state(str(path), meta["roles"], run_state["generator"], run_state["sampling"],
+                            where=f"checkpoint {path}")
+        return {"step": meta["step"], **run_state["extra"]}
     state, step, extra = read_checkpoint(path)
     executor.import_state(state, where=f"checkpoint {path}")
     return {"step": step, **extra}

@@ -70,7 +70,7 @@ class Trainer:
                  "carried": dict(self.interpreter.carried),  # state.carry values (e.g. an adaptive KL coefficient)
                  "torch_rng": torch.get_rng_state(),
                  "user": self.extra_state() if self.extra_state is not None else {}}
-        path = save_checkpoint(self.run_dir, self.step, self.interpreter.export_state(), extra)
+        path = save_checkpoint(self.run_dir, self.step, self.interpreter, extra)  # spmd/Ray ranks write their own rows
         if self.keep_last:
             prune_checkpoints(self.run_dir, self.keep_last)
         return path

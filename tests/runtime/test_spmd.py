@@ -12,6 +12,7 @@ import time
 
 import attrs
 import pytest
+import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
@@ -181,8 +182,11 @@ def test_a_worker_killed_mid_step_is_reported_with_the_step_and_the_rank():
     assert "plan step [" in message
 
 
-def test_a_spmd_checkpoint_resumes_exactly_on_spmd_and_on_local(tmp_path):
-    from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
+@pytest.mark.parametrize("form", ["parts", "full"])
+def test_a_spmd_checkpoint_resumes_exactly_on_spmd_and_on_local(tmp_path, form):
+    # "parts": each rank writes its own rows (what `rlgraph train` does on spmd/Ray); "full": the whole
+    # state gathered to the controller first. Both resume exactly on spmd and load on one process.
+    from rlgraph.train.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 
     lr = 1e-3
     world = _world(policy=RoleSpec(optimizer="adamw", lr=lr))  # Adam moments: the sharded state must round-trip
@@ -191,7 +195,21 @@ def test_a_spmd_checkpoint_resumes_exactly_on_spmd_and_on_local(tmp_path):
     with SpmdTransport(compiled.plan, world, device="cpu") as transport:
         runner = PlanRunner(compiled, transport, controller=world.controller())
         runner.run(first)
-        path = save_checkpoint(tmp_path, 1, runner.export_state(), {})
+        sent, all_ranks = [], transport._all
+        transport._all = lambda ranks, command, *args, **kw: (sent.append(command), all_ranks(ranks, command, *args, **kw))[1]
+        path = save_checkpoint(tmp_path, 1, runner if form == "parts" else runner.export_state(), {})
+        transport._all = all_ranks
+        if form == "parts":  # nothing gathered: no rank built the full state, nothing but numbers came back
+            assert sent == ["write_parts"]
+            assert sorted(file.name for file in path.glob("policy.*")) == [
+                "policy.optim.part-0-of-2.pt", "policy.optim.part-1-of-2.pt",
+                "policy.part-0-of-2.safetensors", "policy.part-1-of-2.safetensors"]
+            whole, gathered = read_checkpoint(path)[0].roles["policy"], runner.export_state().roles["policy"]
+            assert whole.model.keys() == gathered.model.keys()
+            assert all(torch.equal(whole.model[name], gathered.model[name]) for name in gathered.model)
+            moments = [(whole.optimizer["state"][i][key], gathered.optimizer["state"][i][key])
+                       for i in gathered.optimizer["state"] for key in ("exp_avg", "exp_avg_sq")]
+            assert all(torch.equal(a, b) for a, b in moments)
         uninterrupted = runner.run(second)[1]
         final = transport.pull_state("policy")
     assert_spmd_resume_is_exact(compiled, world, path, second, uninterrupted, final)  # the same runtime: exact

@@ -69,7 +69,9 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 
 def policy_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(latest_checkpoint(run_dir) / "policy.safetensors"))
+    from rlgraph.train.checkpoint import read_checkpoint
+
+    return dict(read_checkpoint(latest_checkpoint(run_dir))[0].roles["policy"].model)  # whole, or its ranks' parts
 
 
 def assert_same_run(a: Path, b: Path) -> None:

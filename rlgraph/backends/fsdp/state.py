@@ -10,6 +10,7 @@ the whole state and keeps its shards. A LoRA role's part holds the adapters only
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -21,6 +22,9 @@ from rlgraph.backends.fsdp.shards import role_module, shard_rows
 from rlgraph.backends.local.executor import LMWorker, _optimizer_kind, check_role_state, checkpoint_weights
 from rlgraph.backends.local.generation import SamplingStream
 from rlgraph.backends.protocols import ExecutorState, RoleState
+from rlgraph.backends.state_files import (chunk_rows, merge_optimizer_states, optimizer_file, read_full_optimizer,
+                                          read_optimizer_part, read_rows, refuse_non_finite, tensor_names,
+                                          write_part)
 from rlgraph.batches import to_device
 from rlgraph.ir.errors import RLGraphError
 
@@ -79,6 +83,66 @@ class ShardedState:
         self.generator.set_state(state.shuffle_rng)
         self.sampling = SamplingStream(**state.sampling)
 
+    # -- checkpoints in parts: each rank writes and reads its own rows (`rlgraph.backends.state_files`)
+    def write_parts(self, directory: str) -> dict[str, Any]:
+        """Write this rank's rows of every role it holds into `directory` (no collective, no gather;
+        under HSDP only the first replica writes: the others hold the same shards). Returns what
+        the checkpoint's meta needs: per role written, its version, optimizer kind and part count;
+        and the random streams."""
+        directory = Path(directory)
+        roles = {}
+        for role, worker in self.models.items():
+            if min(dist.get_process_group_ranks(self.role_groups[role])) not in dist.get_process_group_ranks(self.shard_groups[role]):
+                continue  # a later HSDP replica
+            position, ways = self._position(role)
+            names = self._checkpointed(role)
+            state = {name: value for name, value in role_module(worker).state_dict().items() if name in names}
+            rows = _untied({name: value.to_local() for name, value in state.items() if isinstance(value, DTensor)})
+            whole = {name: value for name, value in state.items() if not isinstance(value, DTensor)}
+            write_part(directory, role, position, ways, rows, whole, {name: tuple(value.shape) for name, value in state.items()})
+            if worker.optimizer is not None:
+                torch.save(to_device(worker.optimizer.state_dict(), torch.device("cpu")),
+                           directory / optimizer_file(role, position, ways))
+            roles[role] = {"version": worker.version, "optimizer": _optimizer_kind(worker.optimizer), "parts": ways}
+        return {"roles": roles, "shuffle_rng": self.generator.get_state(), "sampling": attrs.asdict(self.sampling)}
+
+    def read_parts(self, directory: str, roles: Mapping[str, Mapping[str, Any]], shuffle_rng: torch.Tensor,
+                   sampling: Mapping[str, Any], where: str = "the checkpoint") -> None:
+        """Load this rank's rows of a checkpoint written in parts, by any number of ranks: every role
+        is read and checked (names, shapes, optimizer, finite values) before anything is changed."""
+        directory = Path(directory)
+        layout = ExecutorState({role: RoleState({name: torch.empty(shape, device="meta") for name, shape in
+                                                 tensor_names(directory, role, held["parts"]).items()},
+                                                None, held["optimizer"], held["version"]) for role, held in roles.items()},
+                               shuffle_rng, dict(sampling))
+        kept = {role: {name: value for name, value in role_module(worker).state_dict().items()
+                       if name in self._checkpointed(role)} for role, worker in self.models.items()}
+        loaded = {}
+        for role, worker in self.models.items():
+            check_role_state(role, kept[role], _optimizer_kind(worker.optimizer), layout, where)
+            parts, (position, ways) = roles[role]["parts"], self._position(role)
+            rows = read_rows(directory, role, parts, {name: chunk_rows(param.shape[0], position, ways)
+                                                      if isinstance(param, DTensor) else None
+                                                      for name, param in kept[role].items()})
+            refuse_non_finite(rows, role, f"{where} ({directory})")
+            optimizer = None
+            if worker.optimizer is not None:  # a rank of the same layout reads its own part only
+                optimizer = (read_optimizer_part(directory, role, position, parts) if parts == ways else
+                             _shard_optimizer_state(read_full_optimizer(directory, role, parts), worker.optimizer.params,
+                                                    position, ways))
+            loaded[role] = rows, optimizer
+        for role, worker in self.models.items():
+            rows, optimizer = loaded[role]
+            with torch.no_grad():
+                for name, param in kept[role].items():
+                    target = param.to_local() if isinstance(param, DTensor) else param
+                    target.copy_(rows[name].to(target.device, target.dtype))
+            if optimizer is not None:
+                worker.optimizer.load_state_dict(optimizer)
+            worker.version = roles[role]["version"]
+        self.generator.set_state(shuffle_rng)
+        self.sampling = SamplingStream(**sampling)
+
     def _position(self, role: str) -> tuple[int, int]:
         ranks = sorted(dist.get_process_group_ranks(self.shard_groups[role]))
         return ranks.index(self.rank), len(ranks)
@@ -94,16 +158,14 @@ def _shard_optimizer_state(full: Mapping[str, Any], params: list[torch.Tensor], 
     return {"state": state, "param_groups": full["param_groups"]}
 
 
-def merge_optimizer_states(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The full optimizer state dict from the ranks' shard states, in rank order (dim-0 shards
-    concatenate; scalars such as `step` are the same on every rank)."""
-    state = {}
-    for index, entries in parts[0]["state"].items():
-        state[index] = {key: torch.cat([part["state"][index][key] for part in parts])
-                        if isinstance(value, torch.Tensor) and value.dim() > 0 else value
-                        for key, value in entries.items()}
-    return {"state": state, "param_groups": parts[0]["param_groups"]}
-
+def _untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (a tied embedding's shard): copy the later names."""
+    seen: set[int] = set()
+    out = {}
+    for name, value in tensors.items():
+        out[name] = value.clone() if value.data_ptr() in seen and value.numel() else value
+        seen.add(value.data_ptr())
+    return out
 
 
 def merge_rank_states(parts: Mapping[int, Mapping[str, Any]]) -> ExecutorState:
