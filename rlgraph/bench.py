@@ -43,6 +43,7 @@ import attrs
 import torch
 
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
+from rlgraph.backends.world import make_optimizer
 from rlgraph.backends.local.generation import lean_decoding
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer, tiny_config
 from rlgraph.batches import Rollouts
@@ -121,7 +122,7 @@ class RlgraphSide:
         self.tokenizer = load_tokenizer(model_dir)
         model = build_causal_lm(model_dir, tokenizer=self.tokenizer)
         reference = copy.deepcopy(model).requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=True)
+        optimizer = make_optimizer("adamw", model.parameters(), config.lr, weight_decay=0.0, fused=True)
         self.executor = LocalExecutor({"policy": LMWorker(model, optimizer), "ref": LMWorker(reference)},
                                       {"reward": RewardWorker(exact_match)}, self.tokenizer,
                                       max_new_tokens=config.max_new_tokens, seed=config.seed)

@@ -126,13 +126,23 @@ class RoleSpec:
         return plain
 
     def build_optimizer(self, parameters: Any) -> torch.optim.Optimizer | None:
-        """Over the parameters that require grad (LoRA: the adapters)."""
-        parameters = [p for p in parameters if p.requires_grad]
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(parameters, lr=self.lr, **self.optimizer_options)
-        if self.optimizer == "adamw":
-            return torch.optim.AdamW(parameters, lr=self.lr, **self.optimizer_options)
-        return None
+        """Over the parameters that require grad (LoRA: the adapters); None for a frozen role."""
+        return None if self.optimizer is None else make_optimizer(self.optimizer, parameters, self.lr, **self.optimizer_options)
+
+
+def make_optimizer(name: str, parameters: Any, lr: float, **options: Any) -> torch.optim.Optimizer:
+    """The one optimizer factory of every runtime and entry point (`rlgraph train`, the demo, the
+    bench, the workers' `RoleSpec`, `rlgraph.testing`): `name` "sgd" or "adamw" over the parameters
+    that require grad (LoRA: the adapters), `options` its keyword arguments. AdamW is the fused
+    kernel (one call for every tensor; what the memory model assumes) where torch has it for the
+    parameters, unless `fused` is given."""
+    params = [p for p in parameters if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, **options)
+    if name == "adamw":
+        options.setdefault("fused", all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params) or None)
+        return torch.optim.AdamW(params, lr=lr, **options)
+    raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {name!r}")
 
 
 @attrs.frozen

@@ -49,11 +49,11 @@ def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: floa
 
 
 def _optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(module.parameters(), lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(module.parameters(), lr=lr)
-    raise ValueError(f"tiny_executor: optimizer must be 'sgd' or 'adamw', got {name!r}")
+    from rlgraph.backends.world import make_optimizer
+
+    if name not in ("sgd", "adamw"):
+        raise ValueError(f"tiny_executor: optimizer must be 'sgd' or 'adamw', got {name!r}")
+    return make_optimizer(name, module.parameters(), lr)
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data import arithmetic
 from rlgraph.rewards import exact_match
 from rlgraph.api import compile as compile_algorithm
-from rlgraph.backends.world import WorldSpec
+from rlgraph.backends.world import WorldSpec, make_optimizer
 from rlgraph.plan.hardware import detect_device_kind
 from rlgraph.plan.mesh import Mesh, colocated
 from rlgraph.runtime.spmd import SpmdTransport, resolve_device
@@ -92,7 +92,7 @@ def build_roles(config: DemoConfig) -> tuple[LocalExecutor, Any]:
     device = resolve_device(config.device)
     tokenizer = load_tokenizer()
     model = build_causal_lm(tokenizer=tokenizer, seed=config.seed).to(device)  # built on the CPU: same weights anywhere
-    policy = LMWorker(model, torch.optim.AdamW(model.parameters(), lr=config.sft_lr))
+    policy = LMWorker(model, make_optimizer("adamw", model.parameters(), config.sft_lr))
     executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(exact_match)}, tokenizer,
                              max_new_tokens=config.max_new_tokens, seed=config.seed, device=device)
     return executor, tokenizer
@@ -108,7 +108,7 @@ def add_critic(executor: LocalExecutor, config: DemoConfig) -> None:
     """PPO's critic: the warm-started policy's backbone (as verl initialises it) plus a value head."""
     critic = build_critic(tokenizer=executor.tokenizer, seed=config.seed + 1).to(executor.device)
     critic.backbone.load_state_dict(executor.models["policy"].model.state_dict())
-    executor.models["critic"] = LMWorker(critic, torch.optim.AdamW(critic.parameters(), lr=config.critic_lr), kind="critic")
+    executor.models["critic"] = LMWorker(critic, make_optimizer("adamw", critic.parameters(), config.critic_lr), kind="critic")
 
 
 def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) -> DemoResult:
@@ -203,7 +203,7 @@ def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, c
     # RL runs the compiled plan, not the eager interpreter: the plan is the truth.
     compiled = compile_rl(config, device, ranks=config.nproc if remote else 1)
     roles = {node.target for node in compiled.source.inputs}
-    executor.models["policy"].optimizer = torch.optim.AdamW(executor.models["policy"].model.parameters(), lr=config.rl_lr)
+    executor.models["policy"].optimizer = make_optimizer("adamw", executor.models["policy"].model.parameters(), config.rl_lr)
     if "critic" in roles:
         add_critic(executor, config)
     if "ref" in roles:

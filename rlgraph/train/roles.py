@@ -114,14 +114,12 @@ def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
 
 
 def role_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """Over the parameters that train (LoRA: the adapters only). AdamW is the fused kernel (one
-    call for every tensor; what the memory model assumes) where torch has it for the parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """The config's optimizer over the parameters that train (LoRA: the adapters only)."""
+    from rlgraph.backends.world import make_optimizer
+
     opt = config.optimizer
-    if opt.name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=opt.weight_decay)
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params) or None
-    return torch.optim.AdamW(params, lr=lr, betas=opt.betas, weight_decay=opt.weight_decay, fused=fused)
+    options = {"weight_decay": opt.weight_decay} if opt.name == "sgd" else {"betas": opt.betas, "weight_decay": opt.weight_decay}
+    return make_optimizer(opt.name, model.parameters(), lr, **options)
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:
