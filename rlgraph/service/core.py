@@ -73,7 +73,7 @@ class Service:
     def create_model(self, owner: str, model_id: str, base_model: str, lora: LoraSpec) -> str:
         self.check_base_model(base_model)
         if model_id in self.tenants:
-            raise CallError(f"model {model_id!r} exists", field="model_seq_id", status=409)
+            raise CallError(f"model {model_id!r} exists", field="model_seq_id")
         self._adapters += 1
         adapter = f"t{self._adapters}"
         params = self.base.add_adapter(adapter, lora)

@@ -57,7 +57,7 @@ class Store:
         self.claim(model_id, owner)
         target = self._run(model_id) / kind / f"{name}.pt"
         if target.exists() and not overwrite:
-            raise CallError(f"a state named {name!r} exists for this model", field="path", status=409,
+            raise CallError(f"a state named {name!r} exists for this model", field="path", status=400,
                             fix="pick another name, or save_state(name, overwrite=True)")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".tmp")
