@@ -145,7 +145,6 @@ def build_app(service: Service, keys: Collection[str] | None) -> FastAPI:
     from rlgraph.service.openai import add_openai_routes
 
     add_openai_routes(app, server)
-    app.add_event_handler("shutdown", server.scheduler.close)
     return app
 
 
@@ -360,8 +359,9 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
                               top_k=p.top_k, top_p=p.top_p)
         call = lambda: service.sample(owner, body.sampling_session_id, prompt, body.num_samples, params,  # noqa: E731
                                       prompt_logprobs=bool(body.prompt_logprobs))
-        return server.submit(body.sampling_session_id, call, wire.sample_response,
-                             key=(body.sampling_session_id, "sample", body.seq_id) if body.seq_id is not None else None)
+        answer = server.submit(body.sampling_session_id, call, wire.sample_response,
+                               key=(body.sampling_session_id, "sample", body.seq_id) if body.seq_id is not None else None)
+        return {**answer, "sample_sequence_ids": [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]}
 
 
 def datum_of(datum: Any) -> Datum:
