@@ -2,10 +2,10 @@
 notebooks, and the identical-results check against the HTTP server).
 
     service = LocalServiceClient("tiny", state_dir="states")
-    training = service.create_lora_training_client("tiny", rank=8)
+    training = service.create_lora_training_client("tiny", rank=8).result()
     training.forward_backward(data, "cross_entropy").result()      # Tinker Datum or rlgraph Datum
     training.optim_step({"learning_rate": 1e-4}).result()          # or tinker.types.AdamParams
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     sampler.sample(prompt, num_samples=4, sampling_params=SampleParams(max_tokens=8)).result()
 
 Calls return futures (`.result()`), run on the same scheduler as the server's (fair, ordered),
@@ -107,31 +107,37 @@ class LocalServiceClient:
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True,
-                                    train_unembed: bool = True) -> LocalTrainingClient:
+                                    train_unembed: bool = True) -> Future:
         model_id = f"{self.session}:train:{next(self._models)}"
         lora = LoraSpec(rank=rank, seed=0 if seed is None else seed, train_attn=train_attn, train_mlp=train_mlp,
                         train_unembed=train_unembed)
-        self._submit(model_id, lambda: self.service.create_model(self.owner, model_id, base_model, lora)).result()
-        return LocalTrainingClient(self, model_id)
 
-    def create_training_client_from_state(self, path: str) -> LocalTrainingClient:
+        def call() -> LocalTrainingClient:
+            self.service.create_model(self.owner, model_id, base_model, lora)
+            return LocalTrainingClient(self, model_id)
+        return self._submit(model_id, call)
+
+    def create_training_client_from_state(self, path: str) -> Future:
         return self._from_state(path, optimizer=False)
 
-    def create_training_client_from_state_with_optimizer(self, path: str) -> LocalTrainingClient:
+    def create_training_client_from_state_with_optimizer(self, path: str) -> Future:
         return self._from_state(path, optimizer=True)
 
-    def _from_state(self, path: str, *, optimizer: bool) -> LocalTrainingClient:
+    def _from_state(self, path: str, *, optimizer: bool) -> Future:
         model_id = f"{self.session}:train:{next(self._models)}"
-        call = lambda: self.service.create_from_state(self.owner, model_id, path, optimizer=optimizer)  # noqa: E731
-        self._submit(model_id, call).result()
-        return LocalTrainingClient(self, model_id)
 
-    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> LocalSamplingClient:
+        def call() -> LocalTrainingClient:
+            self.service.create_from_state(self.owner, model_id, path, optimizer=optimizer)
+            return LocalTrainingClient(self, model_id)
+        return self._submit(model_id, call)
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> Future:
         sampler_id = f"{self.session}:sample:{next(self._samplers)}"
-        call = lambda: self.service.create_sampler(self.owner, sampler_id, model_path=model_path,  # noqa: E731
-                                                   base_model=base_model)
-        self._submit(sampler_id, call).result()
-        return LocalSamplingClient(self, sampler_id)
+
+        def call() -> LocalSamplingClient:
+            self.service.create_sampler(self.owner, sampler_id, model_path=model_path, base_model=base_model)
+            return LocalSamplingClient(self, sampler_id)
+        return self._submit(sampler_id, call)
 
 
 class LocalTrainingClient:
@@ -179,10 +185,13 @@ class LocalTrainingClient:
         call = lambda: PathResult(self.service.save_for_sampler(self.client.owner, self.model_id, sampler_id, name)[0])  # noqa: E731
         return self._submit(call)
 
-    def save_weights_and_get_sampling_client(self) -> LocalSamplingClient:
+    def save_weights_and_get_sampling_client(self) -> Future:
         sampler_id = f"{self.client.session}:sample:{next(self.client._samplers)}"
-        self._submit(lambda: self.service.save_for_sampler(self.client.owner, self.model_id, sampler_id)).result()
-        return LocalSamplingClient(self.client, sampler_id)
+
+        def call() -> LocalSamplingClient:
+            self.service.save_for_sampler(self.client.owner, self.model_id, sampler_id)
+            return LocalSamplingClient(self.client, sampler_id)
+        return self._submit(call)
 
     def get_info(self) -> dict[str, Any]:
         return self.service.info(self.client.owner, self.model_id)

@@ -44,7 +44,7 @@ class Limits:
 
 def check_tokens(tokens: object, field: str, limits: Limits, *, room: int = 0) -> list[int]:
     """`tokens` as a list of ids in the vocabulary, at most `max_tokens - room` long."""
-    if isinstance(tokens, torch.Tensor):
+    if hasattr(tokens, "tolist"):  # a tensor or a numpy array (the SDK's TensorData.to_numpy())
         tokens = tokens.tolist()
     if not isinstance(tokens, (list, tuple)) or not tokens:
         raise CallError(f"needs a non-empty list of token ids, got {_short(tokens)}", field=field)
