@@ -325,6 +325,7 @@ def check_sample(params: SampleParams, num_samples: object, prompt_length: int, 
                         field="sampling_params.max_tokens", status=413, fix=f"max_tokens <= {min(room, limits.max_new_tokens)}")
     if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, int)):
         raise CallError(f"must be an integer, got {params.seed!r}", field="sampling_params.seed")
+    _stop(params.stop)
     return steps
 
 

@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 
 from rlgraph.service import wire
-from rlgraph.service.core import SampleParams, Service, check_adam
-from rlgraph.service.datums import Datum, check_datums
+from rlgraph.service.core import SampleParams, Service, check_adam, check_sample
+from rlgraph.service.datums import Datum, check_datums, check_tokens
 from rlgraph.service.errors import CallError, not_found
 from rlgraph.service.losses import check_loss
 from rlgraph.service.scheduler import Scheduler
-from rlgraph.service.tenants import LoraSpec
+from rlgraph.service.tenants import LoraSpec, check_name
 
 PROTO = "application/x-protobuf"
 MAX_BODY = 16 * 1024 * 1024
@@ -284,7 +284,7 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         owner = server.owner(request)
         body = parse(types.SaveWeightsRequest, await json_body(request))
         service.tenant(owner, body.model_id)
-        name = body.path or f"state-{uuid.uuid4().hex[:8]}"
+        name = check_name(body.path or f"state-{uuid.uuid4().hex[:8]}", "path")
         call = lambda: service.save_state(owner, body.model_id, name, overwrite=body.overwrite)  # noqa: E731
         return server.submit(body.model_id, call, lambda path: {"path": path, "type": "save_weights"},
                              key=(body.model_id, body.seq_id), model_id=body.model_id)
@@ -298,11 +298,13 @@ def _training_routes(app: FastAPI, server: Server) -> None:
             if body.base_model is not None:
                 service.check_base_model(body.base_model)
             model_id = f"{body.session_id}:train:{body.model_seq_id}"
+            service.store.check(owner, body.path, kinds=("weights",))
             call = lambda: service.create_from_state(owner, model_id, body.path, optimizer=body.optimizer)  # noqa: E731
             key = (model_id, "create")
         else:
             model_id = body.model_id
             service.tenant(owner, model_id)
+            service.store.check(owner, body.path, kinds=("weights",))
             call = lambda: service.load_state(owner, model_id, body.path, optimizer=body.optimizer)  # noqa: E731
             key = (model_id, body.seq_id)
         return server.submit(model_id, call, lambda _: {"path": body.path, "model_id": model_id, "type": "load_weights"},
@@ -317,6 +319,8 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         owner = server.owner(request)
         body = parse(types.SaveWeightsForSamplerRequest, await json_body(request))
         service.tenant(owner, body.model_id)
+        if body.path is not None:
+            check_name(body.path, "path")
         session = body.model_id.split(":train:")[0]
         sampler_id = f"{session}:sample:{body.sampling_session_seq_id if body.path is None else uuid.uuid4().hex[:8]}"
         call = lambda: service.save_for_sampler(owner, body.model_id, sampler_id, body.path)  # noqa: E731
@@ -330,6 +334,8 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         body = parse(types.CreateSamplingSessionRequest, await json_body(request))
         server.session(owner, body.session_id)
         sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+        if body.model_path is not None:
+            service.store.check(owner, body.model_path, "model_path")
         if sampler_id not in service.samplers:
             await server.run(sampler_id, lambda: service.create_sampler(owner, sampler_id, model_path=body.model_path,
                                                                         base_model=body.base_model))
@@ -357,6 +363,7 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         p = body.sampling_params
         params = SampleParams(max_tokens=p.max_tokens, seed=p.seed, stop=p.stop, temperature=p.temperature,
                               top_k=p.top_k, top_p=p.top_p)
+        check_sample(params, body.num_samples, len(check_tokens(prompt, "prompt", service.limits)), service.limits)
         call = lambda: service.sample(owner, body.sampling_session_id, prompt, body.num_samples, params,  # noqa: E731
                                       prompt_logprobs=bool(body.prompt_logprobs))
         answer = server.submit(body.sampling_session_id, call, wire.sample_response,

@@ -65,17 +65,21 @@ class Store:
         os.replace(tmp, target)
         return tinker_path(model_id, kind, name)
 
-    def load(self, owner: str, path: object, field: str = "path", kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
-        """The payload at `path` if `owner` saved it; 404 otherwise (also for another key's path)."""
+    def check(self, owner: str, path: object, field: str = "path", kinds: tuple[str, ...] = KINDS) -> Path:
+        """The file of `path` if `owner` saved it; 404 otherwise (also for another key's path)."""
         match = PATH.match(path) if isinstance(path, str) else None
         if match is None or match["kind"] not in kinds:
-            raise CallError(f"{path!r} is not a saved-state path", field=field,
+            raise CallError(f"{path!r} is not a saved-state path of kind {' or '.join(kinds)}", field=field,
                             fix="pass the path save_state returned: tinker://<model_id>/weights/<name>")
         check_name(match["name"], field)
         target = self._run(match["model"]) / match["kind"] / f"{match['name']}.pt"
         if self.owner(match["model"]) != owner or not target.is_file():
             raise not_found("saved state", path, field)
-        return torch.load(target, map_location="cpu", weights_only=True)
+        return target
+
+    def load(self, owner: str, path: object, field: str = "path", kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+        """The payload at `path` if `owner` saved it (tensors and plain data only)."""
+        return torch.load(self.check(owner, path, field, kinds), map_location="cpu", weights_only=True)
 
 
 def _write_atomic(target: Path, data: bytes) -> None:
