@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from rlgraph.service.core import SampleParams
-from rlgraph.service.errors import CallError
+from rlgraph.service.errors import CallError, not_found
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
                  "stop", "seed", "logprobs", "top_logprobs", "stream", "user"}
@@ -37,7 +37,8 @@ def add_openai_routes(app: FastAPI, server: Any) -> None:
             sampler_id = f"openai:{owner}:{model}"
             kwargs = {"model_path": model}
         else:
-            service.sampler(owner, model)  # another key's session reads as not found
+            if model not in service.samplers or service.samplers[model].owner != owner:
+                raise not_found("sampler", model, "model")  # another key's session reads as missing
             return model
         if sampler_id not in service.samplers:
             await server.run(sampler_id, lambda: service.create_sampler(owner, sampler_id, **kwargs))
