@@ -107,11 +107,11 @@ def warm_base(directory: str, *, steps: int = 300, seed: int = 0) -> str:
     return directory
 
 
-def run(service, base_model: str, *, rl_steps: int = 60, prompts: int = 16, n: int = 8, lr: float = 2e-3,
-        seed: int = 0, log=print) -> dict[str, float]:
-    """GRPO on a fresh LoRA tenant of `base_model`; held-out accuracy before and after."""
+def run(service, base_model: str, *, rl_steps: int = 60, prompts: int = 16, n: int = 8, lr: float = 3e-4,
+        seed: int = 0, test_size: int = 100, log=print) -> dict[str, object]:
+    """GRPO on a fresh LoRA tenant of `base_model`; held-out accuracy before and after, each step's reward."""
     splits = arithmetic.make_splits(seed=seed)
-    test, train = list(splits.test[:100]), list(splits.train)
+    test, train = list(splits.test[:test_size]), list(splits.train)
     training = service.create_lora_training_client(base_model=base_model, rank=16, seed=seed).result()
     tokenizer = training.get_tokenizer()
     shuffle = random.Random(seed)
@@ -119,15 +119,17 @@ def run(service, base_model: str, *, rl_steps: int = 60, prompts: int = 16, n: i
     sampler = training.save_weights_and_get_sampling_client().result()
     before = accuracy(sampler, tokenizer, test)
     log(f"held-out accuracy before RL: {before:.1%}")
+    rewards = []
     for step in range(rl_steps):
         reward = grpo_step(training, sampler, tokenizer, shuffle.sample(train, prompts), n=n, lr=lr, step=step)
+        rewards.append(reward)
         sampler = training.save_weights_and_get_sampling_client().result()
         if step % 10 == 0:
             log(f"GRPO step {step}: reward {reward:.2f} ({time.perf_counter() - start:.0f} s)")
     after = accuracy(sampler, tokenizer, test)
     log(f"after {rl_steps} GRPO steps ({time.perf_counter() - start:.0f} s): held-out accuracy {after:.1%} "
         f"(before {before:.1%})")
-    return {"before": before, "after": after}
+    return {"before": before, "after": after, "rewards": rewards}
 
 
 def main() -> None:
