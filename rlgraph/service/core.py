@@ -26,7 +26,7 @@ from rlgraph.backends.protocols import UpdateConfig
 from rlgraph.service.datums import Datum, Limits, check_datums, check_tokens, to_prompts, to_rollouts
 from rlgraph.service.errors import CallError, not_found
 from rlgraph.service.losses import check_loss, make_loss
-from rlgraph.service.store import Store, tinker_path
+from rlgraph.service.store import Store
 from rlgraph.service.tenants import Accumulating, BaseModel, LoraSpec, Sampler, Tenant
 
 ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)

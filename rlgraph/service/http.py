@@ -30,7 +30,7 @@ from tinker import types
 
 from rlgraph.service import wire
 from rlgraph.service.core import SampleParams, Service, check_adam, check_sample
-from rlgraph.service.datums import Datum, check_datums, check_tokens
+from rlgraph.service.datums import check_datums, check_tokens
 from rlgraph.service.errors import CallError, not_found
 from rlgraph.service.losses import check_loss
 from rlgraph.service.scheduler import Scheduler
@@ -140,7 +140,9 @@ def build_app(service: Service, keys: Collection[str] | None) -> FastAPI:
         return await call_next(request)
 
     _session_routes(app, server)
+    _future_routes(app, server)
     _training_routes(app, server)
+    _state_routes(app, server)
     _sampling_routes(app, server)
     from rlgraph.service.openai import add_openai_routes
 
@@ -198,6 +200,9 @@ def _session_routes(app: FastAPI, server: Server) -> None:
         return {"supported_models": [{"model_name": service.base.name, "max_context_length": service.limits.max_tokens,
                                       "trainable": True, "sampleable": True}]}
 
+
+
+def _future_routes(app: FastAPI, server: Server) -> None:
     @app.post("/api/v1/retrieve_future")
     async def retrieve(request: Request) -> Response:
         server.owner(request)
@@ -278,6 +283,11 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         call = lambda: service.optim_step(owner, model_id, adam)  # noqa: E731
         return server.submit(model_id, call, lambda metrics: {"metrics": metrics}, key=(model_id, seq_id),
                              model_id=model_id)
+
+
+
+def _state_routes(app: FastAPI, server: Server) -> None:
+    service = server.service
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict:
@@ -370,8 +380,3 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
                                key=(body.sampling_session_id, "sample", body.seq_id) if body.seq_id is not None else None)
         return {**answer, "sample_sequence_ids": [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]}
 
-
-def datum_of(datum: Any) -> Datum:
-    """A tinker `Datum` (SDK type) as the core's."""
-    return Datum(tokens_of(datum.model_input, "model_input"),
-                 {name: value.to_numpy() for name, value in datum.loss_fn_inputs.items()})
