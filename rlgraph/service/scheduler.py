@@ -37,7 +37,6 @@ class Scheduler:
         self._counter = itertools.count()
         self._lock = threading.Condition()
         self._closed = False
-        self.ran: collections.deque[str] = collections.deque(maxlen=KEEP_RESULTS)  # queue names in the order their calls ran (fairness tests read it)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -88,9 +87,8 @@ class Scheduler:
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
-            queue, request_id, call = job
+            _, request_id, call = job
             future = self._futures[request_id]
-            self.ran.append(queue)
             try:
                 future.set_result(call())
             except BaseException as error:  # the error is the call's result; the worker goes on

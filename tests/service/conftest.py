@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-tinker = pytest.importorskip("tinker")  # the `service` extra
+try:
+    import tinker  # the `service` extra; the modules that drive the SDK skip without it
+except ImportError:  # pragma: no cover - make installs the extra
+    tinker = None
 
 KEY_A = "tml-" + "a" * 32
 KEY_B = "tml-" + "b" * 32

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import httpx
 import pytest
+
+pytest.importorskip("tinker")
 
 from tests.service.conftest import KEY_A, KEY_B, datum, tinker
 
@@ -147,3 +150,22 @@ def test_bad_optimizer_sampling_and_model_requests_name_the_field(server, client
                     f"Content-Length: {10**9}\r\n\r\n{{}}".encode())
         assert raw.recv(4096).startswith(b"HTTP/1.1 413")
     assert server.healthy()
+
+
+def test_a_retried_call_is_applied_once_even_when_its_client_went_away(server, client_a):
+    """The SDK retries a call whose reply it lost with the same seq_id; the server answers with the
+    first call's request id and applies the update once. The first reply is never read (the client
+    hung up), yet the call runs: its acknowledgement was the promise."""
+    training = client_a.create_lora_training_client(base_model="tiny", rank=4).result()
+    tenant = server.service.tenants[training.model_id]
+    body = {"model_id": training.model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:  # send, then hang up
+        payload = json.dumps(body).encode()
+        raw.sendall(f"POST /api/v1/optim_step HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY_A}\r\nContent-Type: "
+                    f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        raw.recv(4096)
+    retried = post(server, "optim_step", body, KEY_A).json()
+    again = post(server, "optim_step", body, KEY_A).json()
+    assert retried["request_id"] == again["request_id"]
+    result = post(server, "retrieve_future", {"request_id": retried["request_id"]}, KEY_A).json()
+    assert result["metrics"]["step:max"] == 1.0 and tenant.steps == 1

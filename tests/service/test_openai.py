@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+pytest.importorskip("tinker")
+
 from tests.service.conftest import KEY_A, KEY_B, tinker
 
 types = tinker.types

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 import torch
+
+pytest.importorskip("tinker")
 
 from tests.service.conftest import KEY_A, KEY_B, RunningServer, datum, tinker
 

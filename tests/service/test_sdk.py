@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+pytest.importorskip("tinker")
+
 from tests.service.conftest import datum, tinker
 
 types = tinker.types

@@ -55,6 +55,7 @@ def test_the_command_refuses_to_start_without_keys(tmp_path):
 
 
 def test_the_command_serves_the_sdk(tmp_path):
+    pytest.importorskip("tinker")
     keys = tmp_path / "keys"
     keys.write_text(KEY_A + "\n")
     port = free_port()
