@@ -12,6 +12,7 @@
     rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
     rlgraph plot RUN_DIR                               PNG curves of a run's metrics
     rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side
+    rlgraph serve --keys FILE --state-dir DIR          a Tinker-compatible training server (docs/service.md)
 
 A value of -p or -o is read as YAML (1e-3 is a float, [a, b] a list, 'quoted' text a string).
 Hyper-parameters that name an estimator or a loss take any registered name, e.g.
