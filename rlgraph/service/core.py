@@ -74,6 +74,10 @@ class Service:
         self.check_base_model(base_model)
         if model_id in self.tenants:
             raise CallError(f"model {model_id!r} exists", field="model_seq_id")
+        held = sum(tenant.owner == owner for tenant in self.tenants.values())
+        if held >= self.limits.max_models:
+            raise CallError(f"this API key holds {held} training models, the server's limit", field="base_model",
+                            fix="save_state what you need and let old clients go (a server restart drops live models)")
         self._adapters += 1
         adapter = f"t{self._adapters}"
         params = self.base.add_adapter(adapter, lora)
@@ -196,12 +200,20 @@ class Service:
             path = self.store.save(owner, model_id, "sampler_weights", name,
                                    {"adapter": tensors, "lora": attrs.asdict(tenant.lora)}, overwrite=True)
         self._add_sampler(owner, sampler_id, tensors, tenant.lora, path)
+        tenant.snapshots.append(sampler_id)
+        while len(tenant.snapshots) > self.limits.kept_snapshots:  # an RL loop makes one a step
+            self.drop_sampler(tenant.snapshots.pop(0))
         return path, sampler_id
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        sampler = self.samplers.pop(sampler_id, None)
+        if sampler is not None and sampler.adapter is not None:
+            self.base.delete_adapter(sampler.adapter)
 
     def create_sampler(self, owner: str, sampler_id: str, *, model_path: str | None = None,
                        base_model: str | None = None) -> str:
         if model_path is None:
-            self.check_base_model(base_model)
+            self.check_base_model(base_model, "base_model")
             executor = self.base.executor([], None, seed=0, max_new_tokens=self.limits.max_new_tokens)
             self.samplers[sampler_id] = Sampler(sampler_id, owner, None, executor)
             return sampler_id
@@ -211,6 +223,10 @@ class Service:
 
     def _add_sampler(self, owner: str, sampler_id: str, tensors: Mapping[str, torch.Tensor], lora: LoraSpec,
                      path: str | None) -> None:
+        held = sum(sampler.owner == owner for sampler in self.samplers.values())
+        if held >= self.limits.max_samplers:
+            raise CallError(f"this API key holds {held} samplers, the server's limit", field="sampling_session_id",
+                            fix="reuse a sampling client; a training model keeps only its newest snapshots")
         self._adapters += 1
         adapter = f"s{self._adapters}"
         self.base.add_adapter(adapter, lora)

@@ -33,13 +33,18 @@ class Datum:
 @attrs.frozen
 class Limits:
     """What one call may hold: `max_datums` per forward/backward, `max_tokens` per sequence (the
-    model's context), `max_samples` per sample call, `max_new_tokens` per sampled sequence."""
+    model's context), `max_samples` per sample call, `max_new_tokens` per sampled sequence; and what
+    a key may hold: `max_models` training models, `max_samplers` samplers; a training model keeps its
+    `kept_snapshots` newest sampler snapshots (an RL loop makes one a step; older ones are dropped)."""
 
     vocab_size: int
     max_tokens: int
     max_datums: int = 256
     max_samples: int = 64
     max_new_tokens: int = 256
+    max_models: int = 32
+    max_samplers: int = 64
+    kept_snapshots: int = 4
 
 
 def check_tokens(tokens: object, field: str, limits: Limits, *, room: int = 0) -> list[int]:

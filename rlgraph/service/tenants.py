@@ -105,6 +105,7 @@ class Tenant:
     executor: TenantExecutor
     optimizer: torch.optim.AdamW
     steps: int = 0
+    snapshots: list[str] = attrs.field(factory=list)  # its sampler ids, oldest first
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

@@ -136,3 +136,31 @@ def test_bad_adam_params_name_the_key(local):
         with pytest.raises(CallError) as error:
             training.optim_step(adam).result()
         assert error.value.field == field
+
+
+def test_a_model_keeps_its_newest_snapshots_and_a_key_its_quota(tmp_path):
+    from rlgraph.service.core import SampleParams, Service
+    from rlgraph.service.datums import Limits
+
+    service = Service("tiny", state_dir=tmp_path)
+    service.limits = Limits(service.base.vocab_size, service.base.context, max_models=2, max_samplers=5,
+                            kept_snapshots=2)
+    client = LocalServiceClient(service=service, state_dir=tmp_path)
+    try:
+        training = client.create_lora_training_client("tiny", rank=4).result()
+        samplers = [training.save_weights_and_get_sampling_client().result() for _ in range(4)]
+        adapters = set(service.base.module.peft_config)
+        assert len(adapters) == 1 + 2  # the tenant's and its two newest snapshots: old ones are freed
+        for old in samplers[:2]:
+            with pytest.raises(CallError) as error:
+                old.sample([1, 5], 1, SampleParams(max_tokens=1)).result()
+            assert error.value.status == 404
+        assert len(samplers[-1].sample([1, 5], 1, SampleParams(max_tokens=1)).result().sequences) == 1
+        client.create_lora_training_client("tiny", rank=4).result()
+        with pytest.raises(CallError, match="holds 2 training models") as error:
+            client.create_lora_training_client("tiny", rank=4).result()
+        assert error.value.field == "base_model"
+        other = LocalServiceClient(service=service, scheduler=client.scheduler, state_dir=tmp_path, owner="other")
+        other.create_lora_training_client("tiny", rank=4).result()  # the quota is per key
+    finally:
+        client.scheduler.close()
