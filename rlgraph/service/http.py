@@ -17,6 +17,7 @@ models, samplers and saved states it created (`owner` = a digest of the key; key
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import uuid
 from collections.abc import Callable, Collection
@@ -33,7 +34,7 @@ from rlgraph.service.core import SampleParams, Service, check_adam, check_sample
 from rlgraph.service.datums import check_datums, check_tokens
 from rlgraph.service.errors import CallError, not_found
 from rlgraph.service.losses import check_loss
-from rlgraph.service.scheduler import Scheduler
+from rlgraph.service.scheduler import KEEP_RESULTS, Scheduler
 from rlgraph.service.tenants import LoraSpec, check_name
 
 PROTO = "application/x-protobuf"
@@ -54,7 +55,8 @@ class Server:
         self.scheduler = Scheduler()
         self.owners = None if keys is None else {owner_of(key) for key in keys}
         self.sessions: dict[str, str] = {}  # session id -> owner
-        self.encoders: dict[str, Callable[[Any], Any]] = {}  # request id -> result encoder
+        # request id -> (its owner, its result's encoder); the oldest go as the scheduler forgets results
+        self.requests: collections.OrderedDict[str, tuple[str, Callable[[Any], Any]]] = collections.OrderedDict()
 
     def owner(self, request: Request) -> str:
         key = request.headers.get("x-api-key")
@@ -73,11 +75,22 @@ class Server:
             raise not_found("session", str(session_id), "session_id")
         return session_id
 
-    def submit(self, queue: str, call: Callable[[], Any], encode: Callable[[Any], Any], *,
+    def submit(self, owner: str, queue: str, call: Callable[[], Any], encode: Callable[[Any], Any], *,
                key: Any = None, model_id: str | None = None) -> dict[str, Any]:
         request_id = self.scheduler.submit(queue, call, key=key)
-        self.encoders[request_id] = encode
+        self.requests[request_id] = (owner, encode)
+        while len(self.requests) > 2 * KEEP_RESULTS:
+            self.requests.popitem(last=False)
         return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
+
+    def request(self, owner: str, request_id: object) -> tuple[Any, Callable[[Any], Any]]:
+        """The future and encoder of `owner`'s call `request_id`; another key's reads as not found."""
+        held = self.requests.get(request_id) if isinstance(request_id, str) else None
+        future = self.scheduler.future(request_id) if held is not None and held[0] == owner else None
+        if future is None:
+            raise CallError(f"no call {request_id!r} for this API key (unknown, another key's, or its result was "
+                            "dropped)", field="request_id", status=404)
+        return future, held[1]
 
     async def run(self, queue: str, call: Callable[[], Any]) -> Any:
         """Queue `call` and wait for it (calls whose answer the SDK expects inline)."""
@@ -205,12 +218,9 @@ def _session_routes(app: FastAPI, server: Server) -> None:
 def _future_routes(app: FastAPI, server: Server) -> None:
     @app.post("/api/v1/retrieve_future")
     async def retrieve(request: Request) -> Response:
-        server.owner(request)
+        owner = server.owner(request)
         body = parse(types.FutureRetrieveRequest, await json_body(request))
-        future = server.scheduler.future(body.request_id)
-        if future is None:
-            raise CallError(f"no call {body.request_id!r} (unknown, or its result was dropped)", field="request_id",
-                            status=404)
+        future, encode = server.request(owner, body.request_id)
         try:
             result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), POLL_SECONDS)
         except asyncio.TimeoutError:
@@ -220,7 +230,7 @@ def _future_routes(app: FastAPI, server: Server) -> None:
         except Exception as error:  # a bug or a resource failure of the server: said as such, no traceback
             return JSONResponse({"error": f"the server failed this call: {type(error).__name__}: {error}",
                                  "category": "server"})
-        encoded = server.encoders[body.request_id](result)
+        encoded = encode(result)
         if isinstance(encoded, bytes):
             return Response(encoded, media_type=PROTO)
         return JSONResponse(encoded)
@@ -243,7 +253,7 @@ def _training_routes(app: FastAPI, server: Server) -> None:
                         train_mlp=config.train_mlp, train_unembed=config.train_unembed)
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
         call = lambda: service.create_model(owner, model_id, body.base_model, lora)  # noqa: E731
-        return server.submit(model_id, call, lambda mid: {"model_id": mid, "type": "create_model"},
+        return server.submit(owner, model_id, call, lambda mid: {"model_id": mid, "type": "create_model"},
                              key=(model_id, "create"), model_id=model_id)
 
     @app.post("/api/v1/get_info")
@@ -265,7 +275,7 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         check_datums(body["data"], body["loss_fn"], service.limits)  # a bad batch is a 400 now, not a failed future
         call = lambda: service.forward(owner, model_id, body["data"], body["loss_fn"], config,  # noqa: E731
                                        backward=not body["forward_only"])
-        return server.submit(model_id, call, wire.forward_backward_output, key=(model_id, body["seq_id"]),
+        return server.submit(owner, model_id, call, wire.forward_backward_output, key=(model_id, body["seq_id"]),
                              model_id=model_id)
 
     @app.post("/api/v1/optim_step")
@@ -281,7 +291,7 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         service.tenant(owner, model_id)
         check_adam(adam)
         call = lambda: service.optim_step(owner, model_id, adam)  # noqa: E731
-        return server.submit(model_id, call, lambda metrics: {"metrics": metrics}, key=(model_id, seq_id),
+        return server.submit(owner, model_id, call, lambda metrics: {"metrics": metrics}, key=(model_id, seq_id),
                              model_id=model_id)
 
 
@@ -296,7 +306,7 @@ def _state_routes(app: FastAPI, server: Server) -> None:
         service.tenant(owner, body.model_id)
         name = check_name(body.path or f"state-{uuid.uuid4().hex[:8]}", "path")
         call = lambda: service.save_state(owner, body.model_id, name, overwrite=body.overwrite)  # noqa: E731
-        return server.submit(body.model_id, call, lambda path: {"path": path, "type": "save_weights"},
+        return server.submit(owner, body.model_id, call, lambda path: {"path": path, "type": "save_weights"},
                              key=(body.model_id, body.seq_id), model_id=body.model_id)
 
     @app.post("/api/v1/load_weights")
@@ -317,7 +327,7 @@ def _state_routes(app: FastAPI, server: Server) -> None:
             service.store.check(owner, body.path, kinds=("weights",))
             call = lambda: service.load_state(owner, model_id, body.path, optimizer=body.optimizer)  # noqa: E731
             key = (model_id, body.seq_id)
-        return server.submit(model_id, call, lambda _: {"path": body.path, "model_id": model_id, "type": "load_weights"},
+        return server.submit(owner, model_id, call, lambda _: {"path": body.path, "model_id": model_id, "type": "load_weights"},
                              key=key, model_id=model_id)
 
 
@@ -336,7 +346,7 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         call = lambda: service.save_for_sampler(owner, body.model_id, sampler_id, body.path)  # noqa: E731
         encode = lambda result: {"path": result[0], "sampling_session_id": result[1],  # noqa: E731
                                  "type": "save_weights_for_sampler"}
-        return server.submit(body.model_id, call, encode, key=(body.model_id, body.seq_id), model_id=body.model_id)
+        return server.submit(owner, body.model_id, call, encode, key=(body.model_id, body.seq_id), model_id=body.model_id)
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict:
@@ -376,7 +386,7 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         check_sample(params, body.num_samples, len(check_tokens(prompt, "prompt", service.limits)), service.limits)
         call = lambda: service.sample(owner, body.sampling_session_id, prompt, body.num_samples, params,  # noqa: E731
                                       prompt_logprobs=bool(body.prompt_logprobs))
-        answer = server.submit(body.sampling_session_id, call, wire.sample_response,
+        answer = server.submit(owner, body.sampling_session_id, call, wire.sample_response,
                                key=(body.sampling_session_id, "sample", body.seq_id) if body.seq_id is not None else None)
         return {**answer, "sample_sequence_ids": [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]}
 

@@ -169,3 +169,5 @@ def test_a_retried_call_is_applied_once_even_when_its_client_went_away(server, c
     assert retried["request_id"] == again["request_id"]
     result = post(server, "retrieve_future", {"request_id": retried["request_id"]}, KEY_A).json()
     assert result["metrics"]["step:max"] == 1.0 and tenant.steps == 1
+    stolen = post(server, "retrieve_future", {"request_id": retried["request_id"]}, KEY_B)  # another key's result
+    assert stolen.status_code == 404 and stolen.json()["field"] == "request_id"
