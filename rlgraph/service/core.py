@@ -110,12 +110,11 @@ class Service:
         config = check_loss(loss_fn, loss_fn_config)
         checked = check_datums(data, loss_fn, self.limits)
         rollouts, batch = to_rollouts(checked, self.base.tokenizer.pad_token_id)
-        loss = make_loss(loss_fn, config, batch)
         executor = tenant.executor
         with self.base.active(tenant.adapter):
             if not backward:
                 lp = executor.logprobs(executor.current("policy"), rollouts)  # [N, T]
-                value, per_token = loss(lp)
+                value, per_token = make_loss(loss_fn, config, batch)(lp)
                 return _fb_result(checked, lp, per_token, value)
             seen: dict[str, torch.Tensor] = {}
 
@@ -127,6 +126,8 @@ class Service:
             saved = [None if p.grad is None else p.grad.clone() for p in tenant.params]
             try:
                 executor.update(executor.current("policy"), rollouts, loss_closure, UpdateConfig(grad_clip=None))
+                if not bool(torch.isfinite(seen["value"])):  # an inf loss whose gradient stayed finite
+                    raise NonFiniteUpdate(f"the loss is {float(seen['value'])}")
             except NonFiniteUpdate:
                 _restore_grads(tenant.params, saved)
                 raise CallError("the loss or its gradient is not finite (NaN or inf); this call changed nothing",
