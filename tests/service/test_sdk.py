@@ -144,3 +144,17 @@ def test_in_process_and_http_clients_give_identical_results(client_a, tmp_path):
         local.scheduler.close()
     over_http = run_loop(client_a, lambda training: training.get_tokenizer())
     assert in_process == over_http  # same code, same inputs, one thread each: identical, not close
+
+
+def test_forward_backward_custom_runs_the_users_loss_through_the_server(client_a):
+    """The SDK computes a custom loss client-side from `forward`'s log-probs and sends its gradient
+    back as cross_entropy weights; the sum of -log-probs is cross_entropy with weights 1."""
+    training = client_a.create_lora_training_client(base_model="tiny", rank=4).result()
+    data = [datum(training.get_tokenizer(), text) for text in TEXTS[:2]]
+    reference = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    def negative_log_likelihood(batch, logprobs_list):
+        loss = sum(-lp.sum() for lp in logprobs_list)
+        return loss, {"nll": float(loss.detach())}
+    result = training.forward_backward_custom(data, negative_log_likelihood).result()
+    assert result.metrics["nll"] == pytest.approx(reference, rel=1e-6)  # the same fp32 sum, another order
