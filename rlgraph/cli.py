@@ -152,6 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--runtime", default="local", help="local (spmd and ray are not served yet)")
+    serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda is untested)")
     serve.add_argument("--keys", help="a file of API keys, one a line (or $RLGRAPH_SERVE_KEYS, comma-separated)")
     serve.add_argument("--state-dir", required=True, help="where saved states live (they survive a restart)")
     serve.add_argument("--insecure-local", action="store_true", help="serve without keys, on a loopback host only")
@@ -188,7 +189,7 @@ def _serve(args) -> int:
     from rlgraph.service.serve import serve
 
     serve(args.model, host=args.host, port=args.port, state_dir=args.state_dir, keys_file=args.keys,
-          insecure_local=args.insecure_local, runtime=args.runtime)
+          insecure_local=args.insecure_local, runtime=args.runtime, device=args.device)
     return 0
 
 

@@ -54,8 +54,9 @@ class Sequence_:
 class Service:
     """One base model (`"tiny"` or a local HF directory) and its tenants; saved states in `state_dir`."""
 
-    def __init__(self, model: str = "tiny", *, state_dir: str | Path, limits: Limits | None = None, seed: int = 0):
-        self.base = BaseModel.build(model, seed=seed)
+    def __init__(self, model: str = "tiny", *, state_dir: str | Path, limits: Limits | None = None, seed: int = 0,
+                 device: str = "cpu"):
+        self.base = BaseModel.build(model, seed=seed, device=device)
         self.limits = limits or Limits(self.base.vocab_size, self.base.context)
         self.store = Store(state_dir)
         self.public_name = str(self.base.tokenizer_dir)  # what get_tokenizer loads: a local directory, offline

@@ -15,6 +15,8 @@ import ipaddress
 import os
 from pathlib import Path
 
+import torch
+
 from rlgraph.errors import ConfigError
 
 KEYS_ENV = "RLGRAPH_SERVE_KEYS"
@@ -46,7 +48,9 @@ def read_keys(path: str | None, environ: dict[str, str] | None = None) -> set[st
     return {key for _, key in entries}
 
 
-def check_options(host: str, port: int, runtime: str, keys: set[str] | None, insecure_local: bool) -> None:
+def check_options(host: str, port: int, runtime: str, keys: set[str] | None, insecure_local: bool,
+                  device: str = "cpu", state_dir: str | None = None) -> str:
+    """Refuse bad options naming the flag; returns the device to serve on."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port", fix="--port 8000 (0 picks a free one)")
     if runtime != "local":
@@ -61,6 +65,16 @@ def check_options(host: str, port: int, runtime: str, keys: set[str] | None, ins
     if insecure_local and not _loopback(host):
         raise ConfigError(f"--insecure-local serves without keys, so only on a loopback host, not --host {host}",
                           fix="--host 127.0.0.1, or give --keys")
+    if state_dir is not None and Path(state_dir).exists() and not Path(state_dir).is_dir():
+        raise ConfigError(f"--state-dir {state_dir} is a file; saved states need a directory",
+                          fix="--state-dir a new or existing directory")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"--device {device!r} is not cpu, cuda, cuda:N or auto", fix="--device cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: torch sees no CUDA GPU here", fix="--device cpu (or auto)")
+    return device
 
 
 def _loopback(host: str) -> bool:
@@ -73,7 +87,7 @@ def _loopback(host: str) -> bool:
 
 
 def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | None, insecure_local: bool,
-          runtime: str = "local") -> None:
+          runtime: str = "local", device: str = "cpu") -> None:
     """Check the options, build the service and run uvicorn until interrupted."""
     import uvicorn
 
@@ -81,8 +95,8 @@ def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | 
     from rlgraph.service.http import build_app
 
     keys = read_keys(keys_file)
-    check_options(host, port, runtime, keys, insecure_local)
-    service = Service(model, state_dir=state_dir)
+    device = check_options(host, port, runtime, keys, insecure_local, device, state_dir)
+    service = Service(model, state_dir=state_dir, device=device)
     app = build_app(service, keys)
     print(f"rlgraph serve: {service.base.name} on http://{host}:{port} ({len(keys or ())} keys; states in {state_dir})")
     try:

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor
+from rlgraph.backends.local.executor import LMWorker, LocalExecutor, require_device
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.service.errors import CallError
 
@@ -126,9 +126,11 @@ class Sampler:
 class BaseModel:
     """One base model, its tokenizer, and the adapters of every tenant and sampler snapshot."""
 
-    def __init__(self, name: str, module: torch.nn.Module, tokenizer: Any, *, tokenizer_dir: Path):
+    def __init__(self, name: str, module: torch.nn.Module, tokenizer: Any, *, tokenizer_dir: Path,
+                 device: torch.device = torch.device("cpu")):
         self.name = name
-        self.module = module  # the plain model until the first adapter, then the PeftModel around it
+        self.device = device
+        self.module = module.to(device)  # the plain model until the first adapter, then the PeftModel around it
         self.tokenizer = tokenizer
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = int(module.get_input_embeddings().num_embeddings)
@@ -137,21 +139,24 @@ class BaseModel:
             param.requires_grad_(False)  # the base never trains; only adapters do
 
     @classmethod
-    def build(cls, source: str = "tiny", *, seed: int = 0) -> BaseModel:
+    def build(cls, source: str = "tiny", *, seed: int = 0, device: str = "cpu") -> BaseModel:
         """`tiny` (the shipped tiny Qwen2 and character tokenizer) or a local Hugging Face directory
-        holding the model and its tokenizer."""
+        holding the model and its tokenizer, on `device` (built on the CPU: the same weights anywhere).
+        On CUDA the executors run the forwards under bf16 autocast (untested: no GPU here)."""
         from rlgraph.backends.local.models import ASSETS
 
+        place = require_device(device)
         if source == "tiny":
             tokenizer = load_tokenizer()
             return cls("tiny", build_causal_lm(tokenizer=tokenizer, seed=seed), tokenizer,
-                       tokenizer_dir=Path(ASSETS).resolve() / "char_tokenizer")
+                       tokenizer_dir=Path(ASSETS).resolve() / "char_tokenizer", device=place)
         path = Path(source).expanduser().resolve()
         if not (path / "config.json").is_file():
             raise CallError(f"{source!r} is neither 'tiny' nor a model directory with a config.json", field="--model",
                             fix="--model tiny, or --model /path/to/hf_model (config, weights and tokenizer files)")
         tokenizer = load_tokenizer(path)
-        return cls(str(path), build_causal_lm(path, tokenizer=tokenizer, seed=seed), tokenizer, tokenizer_dir=path)
+        return cls(str(path), build_causal_lm(path, tokenizer=tokenizer, seed=seed), tokenizer, tokenizer_dir=path,
+                   device=place)
 
     def add_adapter(self, adapter: str, lora: LoraSpec) -> list[torch.nn.Parameter]:
         """A fresh adapter named `adapter` (B = 0: it computes what the base computes); its parameters."""
@@ -208,7 +213,7 @@ class BaseModel:
                  max_new_tokens: int) -> TenantExecutor:
         worker = LMWorker(self.module, optimizer)
         return TenantExecutor({"policy": worker}, {}, self.tokenizer, max_new_tokens=max_new_tokens, seed=seed,
-                              params=params)
+                              params=params, device=self.device)
 
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from rlgraph.errors import ConfigError
 from rlgraph.service.serve import check_options, read_keys
@@ -46,6 +47,29 @@ def test_bad_keys_files_are_refused_naming_the_line(tmp_path, content, message):
 def test_bad_serve_options_are_refused(host, port, runtime, keys, insecure, message):
     with pytest.raises(ConfigError, match=message):
         check_options(host, port, runtime, keys, insecure)
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "is not cpu, cuda"), ("gpu:0", "is not cpu, cuda"),
+                                             ("cuda", "no CUDA GPU")])
+def test_bad_devices_and_state_dirs_are_refused(tmp_path, device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match=message):
+        check_options("127.0.0.1", 8000, "local", {KEY_A}, False, device)
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_options("127.0.0.1", 8000, "local", {KEY_A}, False, "cpu", str(file))
+
+
+def test_a_model_that_is_not_a_directory_is_refused_naming_the_flag(tmp_path):
+    from rlgraph.service.errors import CallError
+    from rlgraph.service.tenants import BaseModel
+
+    for source in (str(tmp_path / "missing"), str(tmp_path), "llama"):
+        with pytest.raises(CallError, match="neither 'tiny' nor a model directory") as error:
+            BaseModel.build(source)
+        assert error.value.field == "--model"
 
 
 def test_the_command_refuses_to_start_without_keys(tmp_path):
