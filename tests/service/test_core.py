@@ -164,3 +164,25 @@ def test_a_model_keeps_its_newest_snapshots_and_a_key_its_quota(tmp_path):
         other.create_lora_training_client("tiny", rank=4).result()  # the quota is per key
     finally:
         client.scheduler.close()
+
+
+def test_sampling_stops_at_a_stop_token_or_string_and_says_so(local):
+    from rlgraph.service.core import SampleParams
+
+    training = local.create_lora_training_client("tiny", rank=4).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    tokenizer = local.service.base.tokenizer
+    prompt = tokenizer.encode("12+7=")
+    free = sampler.sample(prompt, 1, SampleParams(max_tokens=4, temperature=0.0)).result().sequences[0]
+    assert free.stop_reason == ("stop" if free.tokens[-1] == tokenizer.eos_token_id else "length")
+    second = free.tokens[1]
+    by_id = sampler.sample(prompt, 1, SampleParams(max_tokens=4, temperature=0.0, stop=[second])).result().sequences[0]
+    cut = free.tokens[:free.tokens.index(second) + 1]  # greedy: the same path, cut after the id's first occurrence
+    assert (by_id.tokens, by_id.stop_reason) == (cut, "stop")
+    text = tokenizer.decode([second])
+    by_text = sampler.sample(prompt, 1, SampleParams(max_tokens=4, temperature=0.0, stop=text)).result().sequences[0]
+    assert (by_text.tokens, by_text.stop_reason) == (cut, "stop")
+    for bad in ([""], [1.5], {"a": 1}):
+        with pytest.raises(CallError) as error:
+            sampler.sample(prompt, 1, SampleParams(max_tokens=2, stop=bad)).result()
+        assert error.value.field == "sampling_params.stop"
