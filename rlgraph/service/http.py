@@ -160,6 +160,13 @@ def build_app(service: Service, keys: Collection[str] | None) -> FastAPI:
     from rlgraph.service.openai import add_openai_routes
 
     add_openai_routes(app, server)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def unsupported(path: str, request: Request) -> JSONResponse:  # after every real route
+        server.owner(request)
+        return JSONResponse({"error": f"rlgraph serve does not support {request.method} /{path} (docs/service.md lists "
+                                      "the calls it serves and those it does not)", "field": f"/{path}",
+                             "category": "user"}, status_code=404)
     return app
 
 

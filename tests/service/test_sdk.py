@@ -158,3 +158,12 @@ def test_forward_backward_custom_runs_the_users_loss_through_the_server(client_a
         return loss, {"nll": float(loss.detach())}
     result = training.forward_backward_custom(data, negative_log_likelihood).result()
     assert result.metrics["nll"] == pytest.approx(reference, rel=1e-6)  # the same fp32 sum, another order
+
+
+def test_server_capabilities_and_unsupported_calls_are_named(client_a):
+    with pytest.warns(FutureWarning):  # the SDK deprecates the ServiceClient form; the route is the same
+        capabilities = client_a.get_server_capabilities()
+    assert [(m.model_name, m.trainable, m.max_context_length) for m in capabilities.supported_models] == [("tiny", True, 64)]
+    training = client_a.create_lora_training_client(base_model="tiny", rank=4).result()
+    with pytest.raises(tinker.APIStatusError, match="does not support POST /api/v1/save_weights_external"):
+        training.save_weights_external("out").result()
