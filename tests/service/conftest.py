@@ -3,12 +3,13 @@ thread), and the official tinker SDK pointed at it."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from rlgraph.runtime.spmd import free_port  # one helper for a free port on 127.0.0.1
 
 try:
     import tinker  # the `service` extra; the modules that drive the SDK skip without it
@@ -17,12 +18,6 @@ except ImportError:  # pragma: no cover - make installs the extra
 
 KEY_A = "tml-" + "a" * 32
 KEY_B = "tml-" + "b" * 32
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class RunningServer:
