@@ -35,8 +35,6 @@ def tinker_types():
         from rlgraph.service.core import SampleParams
         from rlgraph.service.datums import Datum
 
-        def datum(model_input, loss_fn_inputs):
-            return Datum(model_input, loss_fn_inputs)
         return (lambda model_input, loss_fn_inputs: Datum(model_input, loss_fn_inputs)), list, SampleParams, dict
 
 

@@ -46,7 +46,7 @@ def test_the_grpo_loop_gives_identical_results_in_process_and_over_http(server, 
 
 @pytest.mark.slow
 def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
-    """~2 min on one core: 300 SFT steps make the base, 60 GRPO steps of 16 prompts x 8 on a LoRA tenant.
+    """~40 s idle (2 min on a loaded 2-core machine): 300 SFT steps make the base, 60 GRPO steps of 16 x 8 on a LoRA tenant.
     One seed on this machine: 33% -> 48% held-out; the issue asks for more than 10 points."""
     from rlgraph.service.client import LocalServiceClient
 
