@@ -201,7 +201,11 @@ def _session_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict:
-        server.session(server.owner(request), (await json_body(request)).get("session_id"))
+        owner, body = server.owner(request), await json_body(request)
+        session_id = body.get("session_id") if isinstance(body, dict) else None
+        if server.sessions.get(session_id) != owner:  # 410 stops the SDK's heartbeat (a session of a restarted server)
+            raise CallError(f"no live session {session_id!r} for this API key (the server restarted?)",
+                            field="session_id", status=410, fix="create a new ServiceClient")
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")

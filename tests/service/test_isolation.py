@@ -74,6 +74,14 @@ def test_another_key_cannot_read_train_sample_load_or_overwrite(server, client_b
     assert owned["training"].forward(owned["data"], "cross_entropy").result().metrics == owned["reference"]
 
 
+def test_a_heartbeat_for_a_session_that_is_gone_or_not_yours_answers_410(server):
+    session = session_of(server, KEY_A)
+    assert post(server, "session_heartbeat", {"session_id": session}, KEY_A).json() == {"type": "session_heartbeat"}
+    for key, session_id in ((KEY_B, session), (KEY_A, "from-before-a-restart"), (KEY_A, None)):
+        answer = post(server, "session_heartbeat", {"session_id": session_id}, key)
+        assert (answer.status_code, answer.json()["field"]) == (410, "session_id")
+
+
 def test_requests_without_a_valid_key_are_refused(server):
     for key in (None, "tml-" + "z" * 32, ""):
         answer = post(server, "create_session", {"tags": [], "sdk_version": "0"}, key)
