@@ -179,3 +179,15 @@ def test_a_retried_call_is_applied_once_even_when_its_client_went_away(server, c
     assert result["metrics"]["step:max"] == 1.0 and tenant.steps == 1
     stolen = post(server, "retrieve_future", {"request_id": retried["request_id"]}, KEY_B)  # another key's result
     assert stolen.status_code == 404 and stolen.json()["field"] == "request_id"
+
+
+def test_a_server_bug_is_a_json_500_naming_it_without_a_traceback(server, owned, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(server.service, "info", broken)
+    answer = post(server, "get_info", {"model_id": owned["training"].model_id}, KEY_A)
+    assert answer.status_code == 500 and "Traceback" not in answer.text
+    assert answer.json()["error"] == "the server failed on /api/v1/get_info: RuntimeError: simulated bug"
+    monkeypatch.undo()
+    assert server.healthy() and post(server, "get_info", {"model_id": owned["training"].model_id}, KEY_A).status_code == 200
