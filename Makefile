@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0          # local CPU wheel first
-	$(PIP) install -q -c constraints.txt -e '.[dev,triton,ray,train,bench,wandb,mlflow]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,triton,ray,train,bench,wandb,mlflow,service]'
 	@if $(PIP) list 2>/dev/null | grep -qi nvidia; then echo "CUDA packages were pulled in: check constraints.txt" >&2; exit 1; fi
 	touch $@
 

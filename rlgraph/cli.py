@@ -12,6 +12,7 @@
     rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
     rlgraph plot RUN_DIR                               PNG curves of a run's metrics
     rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side
+    rlgraph serve --keys FILE --state-dir DIR          a Tinker-compatible training server (docs/service.md)
 
 A value of -p or -o is read as YAML (1e-3 is a float, [a, b] a list, 'quoted' text a string).
 Hyper-parameters that name an estimator or a loss take any registered name, e.g.
@@ -144,6 +145,17 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. estimator=rloo")
     plan.add_argument("--dot", help="write the Graphviz diagram here (.dot; .svg/.png rendered if Graphviz is installed)")
     plan.add_argument("--json", help="write the plan as JSON here")
+
+    serve = sub.add_parser("serve", parents=[common], help="a Tinker-compatible training server: LoRA tenants on one "
+                           "base model over HTTP (docs/service.md)")
+    serve.add_argument("--model", default="tiny", help="tiny, or a local Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--runtime", default="local", help="local (spmd and ray are not served yet)")
+    serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda is untested)")
+    serve.add_argument("--keys", help="a file of API keys, one a line (or $RLGRAPH_SERVE_KEYS, comma-separated)")
+    serve.add_argument("--state-dir", required=True, help="where saved states live (they survive a restart)")
+    serve.add_argument("--insecure-local", action="store_true", help="serve without keys, on a loopback host only")
     return parser
 
 
@@ -159,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     commands = {"list": _list, "check": _check, "demo": _demo, "trace": _trace, "plan": _plan, "train": _train,
-                "export": _export, "eval": _eval, "plot": _plot, "bench": _bench}
+                "export": _export, "eval": _eval, "plot": _plot, "bench": _bench, "serve": _serve}
     try:
         import_modules(args.imports)  # rlgraph.train.user_code: the same rules as a config's `imports`
         return commands[args.command](args)
@@ -171,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if args.debug or isinstance(exc, RLGraphError) else "\n  (rlgraph --debug ... shows the traceback)"
         print(f"rlgraph {args.command}: {text}{hint}", file=sys.stderr)
         return 1
+
+
+def _serve(args) -> int:
+    from rlgraph.service.serve import serve
+
+    serve(args.model, host=args.host, port=args.port, state_dir=args.state_dir, keys_file=args.keys,
+          insecure_local=args.insecure_local, runtime=args.runtime, device=args.device)
+    return 0
 
 
 def _trace(args) -> int:

@@ -1,0 +1,368 @@
+"""The service core: Tinker's calls on one base model with many LoRA tenants, in process.
+
+Every call takes the caller's `owner` (a digest of its API key) and touches only what that owner
+created: another owner's model, sampler or saved state reads as "not found". Calls are plain
+methods, run one at a time by the scheduler (`scheduler.py`), which gives fairness and order.
+The training calls run on each tenant's `LocalExecutor`: `forward` through `logprobs`,
+`forward_backward` through `update` (gradients accumulate until `optim_step`), `sample` through
+`generate`. A failing call raises a `CallError` and leaves its tenant as it was: a non-finite
+loss or gradient restores the gradients the call found (the executor's non-finite guard raises
+before any optimizer step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from rlgraph.backends.local.executor import NonFiniteUpdate
+from rlgraph.backends.local.generation import SamplingStream
+from rlgraph.backends.protocols import UpdateConfig
+from rlgraph.service.datums import Datum, Limits, check_datums, check_tokens, to_prompts, to_rollouts
+from rlgraph.service.errors import CallError, not_found
+from rlgraph.service.losses import check_loss, make_loss
+from rlgraph.service.store import Store
+from rlgraph.service.tenants import Accumulating, BaseModel, LoraSpec, Sampler, Tenant
+
+ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+
+
+@attrs.frozen
+class SampleParams:
+    """Tinker's `SamplingParams`; `stop` holds strings or token ids. top_k other than -1 is refused."""
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] | Sequence[int] | str | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+@attrs.frozen
+class Sequence_:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" (EOS or a stop sequence) or "length"
+
+
+class Service:
+    """One base model (`"tiny"` or a local HF directory) and its tenants; saved states in `state_dir`."""
+
+    def __init__(self, model: str = "tiny", *, state_dir: str | Path, limits: Limits | None = None, seed: int = 0,
+                 device: str = "cpu"):
+        self.base = BaseModel.build(model, seed=seed, device=device)
+        self.limits = limits or Limits(self.base.vocab_size, self.base.context)
+        self.store = Store(state_dir)
+        self.public_name = str(self.base.tokenizer_dir)  # what get_tokenizer loads: a local directory, offline
+        self.names = {self.base.name, self.public_name, model}
+        self.tenants: dict[str, Tenant] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._adapters = 0
+
+    # -- tenants -------------------------------------------------------------------------------
+    def check_base_model(self, name: object, field: str = "base_model") -> None:
+        if name not in self.names:
+            raise CallError(f"this server serves {self.base.name!r}, not {name!r}", field=field, status=404,
+                            fix=f"base_model={self.base.name!r} (get_server_capabilities lists it)")
+
+    def create_model(self, owner: str, model_id: str, base_model: str, lora: LoraSpec) -> str:
+        self.check_base_model(base_model)
+        if model_id in self.tenants:
+            raise CallError(f"model {model_id!r} exists", field="model_seq_id")
+        held = sum(tenant.owner == owner for tenant in self.tenants.values())
+        if held >= self.limits.max_models:
+            raise CallError(f"this API key holds {held} training models, the server's limit", field="base_model",
+                            fix="save_state what you need and let old clients go (a server restart drops live models)")
+        self._adapters += 1
+        adapter = f"t{self._adapters}"
+        params = self.base.add_adapter(adapter, lora)
+        optimizer = torch.optim.AdamW(params, **_adam_kwargs(ADAM_DEFAULTS))
+        executor = self.base.executor(params, Accumulating(optimizer), seed=lora.seed,
+                                      max_new_tokens=self.limits.max_new_tokens)
+        self.tenants[model_id] = Tenant(model_id, owner, adapter, lora, executor, optimizer)
+        self.store.claim(model_id, owner)
+        return model_id
+
+    def tenant(self, owner: str, model_id: object) -> Tenant:
+        tenant = self.tenants.get(model_id) if isinstance(model_id, str) else None
+        if tenant is None or tenant.owner != owner:
+            raise not_found("model", str(model_id), "model_id")
+        return tenant
+
+    def info(self, owner: str, model_id: str) -> dict[str, Any]:
+        tenant = self.tenant(owner, model_id)
+        return {"model_id": model_id, "model_name": self.base.name, "lora_rank": tenant.lora.rank, "is_lora": True,
+                "steps": tenant.steps, "model_data": {"arch": type(_unwrapped(self.base.module)).__name__,
+                                                      "model_name": self.public_name,
+                                                      "tokenizer_id": str(self.base.tokenizer_dir)}}
+
+    # -- training ------------------------------------------------------------------------------
+    def forward(self, owner: str, model_id: str, data: Sequence[Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float] | None = None, *, backward: bool = False) -> dict[str, Any]:
+        """Per datum `logprobs` and `elementwise_loss` [L], and `metrics` {"loss:sum"}; with `backward`,
+        the loss's gradients are added to the tenant's (applied by `optim_step`)."""
+        tenant = self.tenant(owner, model_id)
+        config = check_loss(loss_fn, loss_fn_config)
+        checked = check_datums(data, loss_fn, self.limits)
+        rollouts, batch = to_rollouts(checked, self.base.tokenizer.pad_token_id)
+        executor = tenant.executor
+        with self.base.active(tenant.adapter):
+            if not backward:
+                lp = executor.logprobs(executor.current("policy"), rollouts)  # [N, T]
+                value, per_token = make_loss(loss_fn, config, batch)(lp)
+                return _fb_result(checked, lp, per_token, value)
+            seen: dict[str, torch.Tensor] = {}
+
+            def loss_closure(rows: torch.Tensor, counts: Any, lp: torch.Tensor, entropy: Any):
+                value, per_token = make_loss(loss_fn, config, _rows(batch, rows))(lp)
+                seen.update(lp=lp.detach(), per_token=per_token.detach(), value=value.detach())
+                return value, {}
+
+            saved = [None if p.grad is None else p.grad.clone() for p in tenant.params]
+            try:
+                executor.update(executor.current("policy"), rollouts, loss_closure, UpdateConfig(grad_clip=None))
+                if not bool(torch.isfinite(seen["value"])):  # an inf loss whose gradient stayed finite
+                    raise NonFiniteUpdate(f"the loss is {float(seen['value'])}")
+            except NonFiniteUpdate:
+                _restore_grads(tenant.params, saved)
+                raise CallError("the loss or its gradient is not finite (NaN or inf); this call changed nothing",
+                                field="data", fix="check the advantages and log-probs sent") from None
+            except BaseException:
+                _restore_grads(tenant.params, saved)
+                raise
+        return _fb_result(checked, seen["lp"], seen["per_token"], seen["value"])
+
+    def optim_step(self, owner: str, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
+        """One AdamW step with Tinker's `AdamParams` on the accumulated gradients, which it clears."""
+        tenant = self.tenant(owner, model_id)
+        params = check_adam(adam)
+        for group in tenant.optimizer.param_groups:
+            group.update(_adam_kwargs(params))
+        clip = params["grad_clip_norm"] if params["grad_clip_norm"] > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(tenant.params, clip))
+        if not math.isfinite(norm):  # cannot happen through forward_backward's guard; kept as the last line
+            tenant.optimizer.zero_grad(set_to_none=True)
+            raise CallError(f"the accumulated gradient norm is {norm}; the gradients were dropped", field="optim_step")
+        tenant.optimizer.step()
+        tenant.optimizer.zero_grad(set_to_none=True)
+        tenant.steps += 1
+        return {"grad_norm:mean": norm, "step:max": float(tenant.steps)}
+
+    # -- states --------------------------------------------------------------------------------
+    def save_state(self, owner: str, model_id: str, name: str, *, overwrite: bool = False) -> str:
+        tenant = self.tenant(owner, model_id)
+        payload = {"adapter": self.base.adapter_state(tenant.adapter), "optimizer": tenant.optimizer.state_dict(),
+                   "steps": tenant.steps, "lora": attrs.asdict(tenant.lora), "base_model": self.base.name,
+                   "sampling": attrs.asdict(tenant.executor.sampling)}
+        return self.store.save(owner, model_id, "weights", name, payload, overwrite=overwrite)
+
+    def load_state(self, owner: str, model_id: str, path: str, *, optimizer: bool) -> str:
+        """The saved adapter (and, with `optimizer`, the AdamW state and step count) into `model_id`;
+        its pending gradients are dropped. All or nothing."""
+        tenant = self.tenant(owner, model_id)
+        payload = self.store.load(owner, path, kinds=("weights",))
+        self.base.load_adapter_state(tenant.adapter, payload["adapter"], "path")
+        for param in tenant.params:
+            param.grad = None
+        if optimizer:
+            tenant.optimizer.load_state_dict(payload["optimizer"])
+            tenant.steps = int(payload["steps"])
+            tenant.executor.sampling = SamplingStream(**payload["sampling"])
+        else:
+            tenant.optimizer.state.clear()
+        return path
+
+    def create_from_state(self, owner: str, model_id: str, path: str, *, optimizer: bool) -> str:
+        payload = self.store.load(owner, path, kinds=("weights",))
+        lora = LoraSpec(**payload["lora"])
+        self.create_model(owner, model_id, self.base.name, lora)
+        try:
+            return self.load_state(owner, model_id, path, optimizer=optimizer) and model_id
+        except BaseException:
+            self.drop_model(model_id)
+            raise
+
+    def drop_model(self, model_id: str) -> None:
+        tenant = self.tenants.pop(model_id)
+        self.base.delete_adapter(tenant.adapter)
+
+    # -- sampling ------------------------------------------------------------------------------
+    def save_for_sampler(self, owner: str, model_id: str, sampler_id: str, name: str | None = None) -> tuple[str | None, str]:
+        """Freeze the tenant's current adapter as sampler `sampler_id` (and, with `name`, on disk)."""
+        tenant = self.tenant(owner, model_id)
+        tensors = self.base.adapter_state(tenant.adapter)
+        path = None
+        if name is not None:
+            path = self.store.save(owner, model_id, "sampler_weights", name,
+                                   {"adapter": tensors, "lora": attrs.asdict(tenant.lora)}, overwrite=True)
+        self._add_sampler(owner, sampler_id, tensors, tenant.lora, path)
+        tenant.snapshots.append(sampler_id)
+        while len(tenant.snapshots) > self.limits.kept_snapshots:  # an RL loop makes one a step
+            self.drop_sampler(tenant.snapshots.pop(0))
+        return path, sampler_id
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        sampler = self.samplers.pop(sampler_id, None)
+        if sampler is not None and sampler.adapter is not None:
+            self.base.delete_adapter(sampler.adapter)
+
+    def create_sampler(self, owner: str, sampler_id: str, *, model_path: str | None = None,
+                       base_model: str | None = None) -> str:
+        if model_path is None:
+            self.check_base_model(base_model, "base_model")
+            executor = self.base.executor([], None, seed=0, max_new_tokens=self.limits.max_new_tokens)
+            self.samplers[sampler_id] = Sampler(sampler_id, owner, None, executor)
+            return sampler_id
+        payload = self.store.load(owner, model_path, field="model_path")
+        self._add_sampler(owner, sampler_id, payload["adapter"], LoraSpec(**payload["lora"]), model_path)
+        return sampler_id
+
+    def _add_sampler(self, owner: str, sampler_id: str, tensors: Mapping[str, torch.Tensor], lora: LoraSpec,
+                     path: str | None) -> None:
+        held = sum(sampler.owner == owner for sampler in self.samplers.values())
+        if held >= self.limits.max_samplers:
+            raise CallError(f"this API key holds {held} samplers, the server's limit", field="sampling_session_id",
+                            fix="reuse a sampling client; a training model keeps only its newest snapshots")
+        self._adapters += 1
+        adapter = f"s{self._adapters}"
+        self.base.add_adapter(adapter, lora)
+        self.base.load_adapter_state(adapter, tensors, "model_path")
+        executor = self.base.executor([], None, seed=lora.seed, max_new_tokens=self.limits.max_new_tokens)
+        self.samplers[sampler_id] = Sampler(sampler_id, owner, adapter, executor, path)
+
+    def sampler(self, owner: str, sampler_id: object) -> Sampler:
+        sampler = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
+        if sampler is None or sampler.owner != owner:
+            raise not_found("sampler", str(sampler_id), "sampling_session_id")
+        return sampler
+
+    def sample(self, owner: str, sampler_id: str, prompt: Sequence[int], num_samples: int, params: SampleParams,
+               *, prompt_logprobs: bool = False) -> dict[str, Any]:
+        """`num_samples` sequences (tokens, log-probs, stop reason) and, if asked, the prompt's log-probs
+        (None for the first token, which nothing predicts)."""
+        sampler = self.sampler(owner, sampler_id)
+        tokens = check_tokens(prompt, "prompt", self.limits)
+        steps = check_sample(params, num_samples, len(tokens), self.limits)
+        stops = _stop(params.stop)
+        executor = sampler.executor
+        stream = executor.sampling
+        if params.seed is not None:
+            executor.sampling = SamplingStream(int(params.seed))  # a seeded request leaves the sampler's stream alone
+        try:
+            with self.base.active(sampler.adapter):
+                rollouts = executor.generate(executor.current("policy"), to_prompts(tokens), n=num_samples,
+                                             temperature=float(params.temperature), top_p=float(params.top_p),
+                                             max_new_tokens=steps, stop=[s for s in stops if isinstance(s, str)])
+                scored = self._prompt_logprobs(executor, tokens) if prompt_logprobs else None
+        finally:
+            if params.seed is not None:
+                executor.sampling = stream
+        ids = [s for s in stops if isinstance(s, int)]
+        sequences = [_sequence(rollouts, row, steps, self.base.tokenizer.eos_token_id, ids) for row in range(num_samples)]
+        return {"sequences": sequences, "prompt_logprobs": scored}
+
+    def _prompt_logprobs(self, executor: Any, tokens: list[int]) -> list[float | None]:
+        if len(tokens) < 2:
+            return [None]
+        checked = [(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])})]
+        rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
+        lp = executor.logprobs(executor.current("policy"), rollouts)[0]  # [P - 1]
+        return [None, *lp.tolist()]
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def _rows(batch: Any, rows: torch.Tensor) -> Any:
+    return attrs.evolve(batch, **{f.name: getattr(batch, f.name)[rows] for f in attrs.fields(type(batch))})
+
+
+def _restore_grads(params: list[torch.nn.Parameter], saved: list[torch.Tensor | None]) -> None:
+    for param, grad in zip(params, saved):
+        param.grad = grad
+
+
+def _fb_result(checked: Sequence[tuple[list[int], Any]], lp: torch.Tensor, per_token: torch.Tensor,
+               value: torch.Tensor) -> dict[str, Any]:
+    outputs = [{"logprobs": lp[i, :len(tokens)].detach().float(), "elementwise_loss": per_token[i, :len(tokens)].detach().float()}
+               for i, (tokens, _) in enumerate(checked)]
+    return {"outputs": outputs, "metrics": {"loss:sum": float(value)}}
+
+
+def check_adam(adam: Mapping[str, float]) -> dict[str, float]:
+    """Tinker's AdamParams completed with its defaults; each key's range checked, naming it."""
+    unknown = set(adam) - set(ADAM_DEFAULTS)
+    if unknown:
+        raise CallError(f"unknown AdamParams key {sorted(unknown)[0]!r} (keys: {', '.join(ADAM_DEFAULTS)})",
+                        field=f"adam_params.{sorted(unknown)[0]}")
+    params = {**ADAM_DEFAULTS, **adam}
+    ranges = {"learning_rate": (0, None), "beta1": (0, 1), "beta2": (0, 1), "eps": (0, None), "weight_decay": (0, None),
+              "grad_clip_norm": (0, None)}
+    for key, (low, high) in ranges.items():
+        value = params[key]
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= low \
+            and (high is None or value < high) and (key != "eps" or value > 0)
+        if not ok:
+            bound = f"in [{low}, {high})" if high is not None else ("> 0" if key == "eps" else f">= {low}")
+            raise CallError(f"{key} must be a finite number {bound}, got {value!r}", field=f"adam_params.{key}")
+    return {key: float(value) for key, value in params.items()}
+
+
+def _adam_kwargs(params: Mapping[str, float]) -> dict[str, Any]:
+    return dict(lr=params["learning_rate"], betas=(params["beta1"], params["beta2"]), eps=params["eps"],
+                weight_decay=params["weight_decay"])
+
+
+def check_sample(params: SampleParams, num_samples: object, prompt_length: int, limits: Limits) -> int:
+    """The number of tokens to sample; every bad value named."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not 1 <= num_samples <= limits.max_samples:
+        raise CallError(f"must be a whole number in 1..{limits.max_samples}, got {num_samples!r}", field="num_samples",
+                        status=413 if isinstance(num_samples, int) and num_samples > limits.max_samples else 400)
+    if params.top_k not in (-1, 0):
+        raise CallError(f"top_k={params.top_k} is not supported by this server (only -1, no top-k)",
+                        field="sampling_params.top_k", fix="top_k=-1; use top_p for nucleus sampling")
+    temperature, top_p = params.temperature, params.top_p
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise CallError(f"must be a finite number >= 0, got {temperature!r}", field="sampling_params.temperature")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise CallError(f"must be in (0, 1], got {top_p!r}", field="sampling_params.top_p")
+    room = limits.max_tokens - prompt_length
+    steps = params.max_tokens if params.max_tokens is not None else min(limits.max_new_tokens, room)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise CallError(f"must be a whole number >= 1, got {steps!r}", field="sampling_params.max_tokens")
+    if steps > min(room, limits.max_new_tokens):
+        raise CallError(f"{steps} new tokens after a {prompt_length}-token prompt exceed the model's context of "
+                        f"{limits.max_tokens} tokens (or the server's {limits.max_new_tokens} per sequence)",
+                        field="sampling_params.max_tokens", status=413, fix=f"max_tokens <= {min(room, limits.max_new_tokens)}")
+    if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, int)):
+        raise CallError(f"must be an integer, got {params.seed!r}", field="sampling_params.seed")
+    _stop(params.stop)
+    return steps
+
+
+def _stop(stop: object) -> list[str | int]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else None
+    if stops is None or not all(isinstance(s, str) and s or isinstance(s, int) and not isinstance(s, bool) for s in stops):
+        raise CallError(f"must be a string, a list of strings or a list of token ids, got {stop!r}",
+                        field="sampling_params.stop")
+    return stops
+
+
+def _sequence(rollouts: Any, row: int, steps: int, eos: int, stop_ids: list[int]) -> Sequence_:
+    length = int(rollouts.mask[row].sum())
+    tokens = rollouts.response_ids[row, :length].tolist()
+    logprobs = rollouts.logprobs[row, :length].tolist()
+    cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+    if cut is not None:
+        return Sequence_(tokens[:cut + 1], logprobs[:cut + 1], "stop")
+    ended = length < steps or (length > 0 and tokens[-1] == eos)
+    return Sequence_(tokens, logprobs, "stop" if ended else "length")

@@ -1,0 +1,60 @@
+"""The service examples run as stated: the two tenants equal each alone; GRPO learns the task."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tinker")  # the fixtures serve the SDK
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "service"
+
+
+def load(name: str):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location(f"service_example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_two_tenants_on_one_server_each_equal_running_alone():
+    result = load("two_tenants").main()
+    assert result["same"]
+    assert result["sft"][-1] < result["sft"][0]  # the SFT tenant trained
+    assert len({tuple(map(tuple, tokens)) for tokens, _ in result["rl"]}) > 1  # the RL tenant's samples moved
+
+
+def test_the_grpo_loop_gives_identical_results_in_process_and_over_http(server, client_a, tmp_path):
+    from rlgraph.service.client import LocalServiceClient
+
+    rl_loop = load("rl_loop")
+    local = LocalServiceClient("tiny", state_dir=tmp_path)
+    try:
+        in_process = rl_loop.run(local, "tiny", rl_steps=3, prompts=2, n=4, lr=1e-2, test_size=4, log=lambda _: None)
+    finally:
+        local.scheduler.close()
+    over_http = rl_loop.run(client_a, "tiny", rl_steps=3, prompts=2, n=4, lr=1e-2, test_size=4, log=lambda _: None)
+    assert in_process == over_http
+
+
+@pytest.mark.slow
+def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
+    """~40 s idle (2 min on a loaded 2-core machine): 300 SFT steps make the base, 60 GRPO steps of 16 x 8 on a LoRA tenant.
+    One seed on this machine: 33% -> 48% held-out; the issue asks for more than 10 points."""
+    from rlgraph.service.client import LocalServiceClient
+
+    rl_loop = load("rl_loop")
+    base = rl_loop.warm_base(str(tmp_path / "base"))
+    service = LocalServiceClient(base, state_dir=tmp_path / "states")
+    try:
+        result = rl_loop.run(service, base, rl_steps=60)
+    finally:
+        service.scheduler.close()
+    assert result["after"] - result["before"] > 0.10, result
