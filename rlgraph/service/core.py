@@ -82,6 +82,7 @@ class Service:
         self._adapters += 1
         adapter = f"t{self._adapters}"
         params = self.base.add_adapter(adapter, lora)
+        # Not make_optimizer: it keeps only parameters that require grad, and an inactive peft adapter's do not.
         optimizer = torch.optim.AdamW(params, **_adam_kwargs(ADAM_DEFAULTS))
         executor = self.base.executor(params, Accumulating(optimizer), seed=lora.seed,
                                       max_new_tokens=self.limits.max_new_tokens)
