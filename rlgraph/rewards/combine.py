@@ -102,6 +102,11 @@ class RewardPipeline:
             return f"reward functions in the controller process (reward_workers: 0), {limit}"
         return f"reward functions on the controller's reward pool: {self.pool.describe()}, {limit}"
 
+    def start(self) -> None:
+        """Start the reward workers, if any, without waiting for them (else the first call starts them)."""
+        if self.pool is not None:
+            self.pool.start()
+
     def close(self) -> None:
         """Stop the reward workers, if any (they start again on the next call)."""
         if self.pool is not None:

@@ -49,13 +49,21 @@ from rlgraph.ir.errors import ConfigError, RewardError
 from rlgraph.rewards.reward_worker import HEADER
 
 ISOLATIONS = ("auto", "pidns", "process")
+WORKERS_ENV = "RLGRAPH_REWARD_WORKERS"
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the rlgraph package
 _LAUNCH = f"import sys; sys.path.insert(0, {_ROOT!r}); from rlgraph.rewards.reward_worker import main; main()"
 
 
 def default_workers() -> int:
-    """min(4, the CPUs this process may use): rewards are short; more processes cost memory, not speed."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
+    """min(4, the CPUs this process may use): rewards are short; more processes cost memory, not speed.
+    RLGRAPH_REWARD_WORKERS overrides it (the test suite sets 0: each run's pool costs ~1 s to start)."""
+    value = os.environ.get(WORKERS_ENV)
+    if value is None:
+        return max(1, min(4, len(os.sched_getaffinity(0))))
+    if not value.strip().isdigit():
+        raise ConfigError(f"the environment variable {WORKERS_ENV}={value!r} is not a whole number >= 0",
+                          fix=f"unset it (default: min(4, CPUs)), or set e.g. {WORKERS_ENV}=2 (0: in the controller)")
+    return int(value)
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,8 +137,10 @@ class _Worker:
                 size = HEADER.unpack(self.incoming[:HEADER.size])[0]
                 if size > cap:
                     raise OverflowError(size)
-                if len(self.incoming) >= HEADER.size + size:
-                    return self.incoming[HEADER.size:HEADER.size + size]
+                if len(self.incoming) == HEADER.size + size:
+                    return self.incoming[HEADER.size:]
+                if len(self.incoming) > HEADER.size + size:  # more than one answer to one request
+                    return b""
         return None
 
     def kill(self, grace_s: float = 0.0) -> str:
@@ -178,6 +188,7 @@ class RewardPool:
         self.isolation = resolve_isolation(isolation)
         self.answer_bytes, self.start_timeout_s = answer_bytes, start_timeout_s
         self._workers: list[_Worker] = []
+        self._starting: list[_Worker] = []  # started by `start()`, not yet known to be ready
         self._lock = threading.Lock()
         # Popen from one long-lived thread: PR_SET_PDEATHSIG (bwrap's --die-with-parent, the keeper)
         # fires when the *thread* that started a process exits, not only the process.
@@ -196,6 +207,7 @@ class RewardPool:
         """Kill every worker and whatever its rewards started; reap them. The pool may be used again."""
         with self._lock:
             _kill_all(self._workers)
+            self._starting = []
 
     def __enter__(self) -> RewardPool:
         return self
@@ -252,7 +264,11 @@ class RewardPool:
                                                                 f"{self.answer_bytes} bytes", sizes[worker.call])))
                 continue
             if raw is not None:
-                done.append((worker.call, _parsed(raw, sizes[worker.call])))
+                answer = _parsed(raw, sizes[worker.call])
+                if answer is None:  # the channel no longer holds our frames: the worker cannot be trusted again
+                    answer = self._replace(worker, "answered something other than scores on its channel",
+                                           sizes[worker.call])
+                done.append((worker.call, answer))
                 worker.call = None
             elif time.monotonic() >= worker.deadline:
                 done.append((worker.call, self._replace(worker, late, sizes[worker.call])))
@@ -266,22 +282,33 @@ class RewardPool:
         return {"problem": problem, "rows": list(range(rows)), "partial": None, "raised": False}
 
     # -- starting -------------------------------------------------------------------------------
-    def _start(self) -> None:
-        """Start workers up to `size` and wait until each has built the reward terms."""
+    def start(self) -> None:
+        """Start the workers now, without waiting for them (the first call waits): their start (~1 s,
+        importing torch) then overlaps what the controller does meanwhile."""
+        with self._lock:
+            self._starting += self._spawn_missing()
+
+    def _spawn_missing(self) -> list[_Worker]:
         missing = self.size - len(self._workers)
-        if missing <= 0:
-            return
-        fresh = [self._spawner.submit(self._spawn).result() for _ in range(missing)]
+        fresh = [self._spawner.submit(self._spawn).result() for _ in range(max(missing, 0))]
         self._workers.extend(fresh)
         build = pickle.dumps(("build", self._recipe, list(sys.path)))
         deadline = time.monotonic() + self.start_timeout_s
         for index, worker in enumerate(fresh):
             worker.send(build, index, deadline)
+        return fresh
+
+    def _start(self) -> None:
+        """Start workers up to `size` and wait until each has built the reward terms."""
+        fresh, self._starting = self._starting + self._spawn_missing(), []
+        for index, worker in enumerate(fresh):
+            worker.call = index
         answers: dict[int, dict[str, Any]] = {}
+        late = f"did not start within {self.start_timeout_s:g} s"
         with selectors.DefaultSelector() as selector:
             while len(answers) < len(fresh):
-                late = f"did not start within {self.start_timeout_s:g} s"
-                for call, answer in self._step(selector, [w for w in fresh if w.call is not None], late, [0] * len(fresh)):
+                busy = [worker for worker in fresh if worker.call is not None]
+                for call, answer in self._step(selector, busy, late, [0] * len(fresh)):
                     answers[call] = answer
         broken = [answer for answer in answers.values() if "ready" not in answer]
         if broken:
@@ -310,8 +337,8 @@ class RewardPool:
         return _Worker(process, ours)
 
 
-def _parsed(raw: bytes, rows: int) -> dict[str, Any]:
-    """A worker's JSON answer, checked: anything else is a failure of the call, not of the controller."""
+def _parsed(raw: bytes, rows: int) -> dict[str, Any] | None:
+    """A worker's JSON answer, checked (None: something else, a failure of the call, not of the controller)."""
     try:
         answer = json.loads(raw)
     except ValueError:
@@ -319,8 +346,7 @@ def _parsed(raw: bytes, rows: int) -> dict[str, Any]:
     if isinstance(answer, dict) and ("ready" in answer or "error" in answer or _scores(answer.get("scores"), rows)
                                      or _failure(answer, rows)):
         return answer
-    return {"problem": "answered something other than scores on its channel", "rows": list(range(rows)),
-            "partial": None, "raised": False}
+    return None
 
 
 def _scores(values: Any, rows: int) -> bool:

@@ -57,3 +57,21 @@ def exits(completions, **_):
 
 def kill_self(completions, **_):
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def oversized_answer(completions, **_):
+    """Write a frame header announcing a 1 TiB answer on the worker's own channel (its --fd)."""
+    import struct
+
+    fd = int(sys.argv[sys.argv.index("--fd") + 1])
+    os.write(fd, struct.pack("<Q", 1 << 40))
+    time.sleep(30)
+
+
+def garbage_answer(completions, **_):
+    """Answer first on the worker's channel, with a frame that is not JSON."""
+    import struct
+
+    fd = int(sys.argv[sys.argv.index("--fd") + 1])
+    os.write(fd, struct.pack("<Q", 5) + b"hello")
+    return [1.0] * len(completions)

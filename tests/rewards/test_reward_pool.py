@@ -1,0 +1,168 @@
+"""Reward terms in supervised worker processes (rlgraph/rewards/pool.py): what a hostile or broken
+reward does is scored by `reward_on_error`, the controller goes on, and no process outlives the pool.
+
+The hostile rewards live in tests/rewards/hostile_rewards.py (module level: workers import them).
+Each test runs in its own directory, so "no process left" is "no process whose cwd is that directory".
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.rewards import FormatRegex, RewardPipeline, RewardTerm, exact_match, math_reward
+from rlgraph.rewards.pool import RewardPool, pid_namespace_failure
+from tests.rewards import hostile_rewards as hostile
+
+ISOLATIONS = [pytest.param("pidns", marks=pytest.mark.skipif(pid_namespace_failure() is not None,
+                                                               reason=f"no PID namespace here: {pid_namespace_failure()}")),
+              "process"]
+TEXT = ["p0", "p1", "p2"]
+pytestmark = pytest.mark.slow  # worker processes (each test ~1-14 s)
+
+
+def processes_in(directory: Path) -> list[int]:
+    """PIDs (other than this one) whose working directory is `directory`: the pool's, and their children."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if os.readlink(f"/proc/{entry}/cwd") == str(directory):
+                    found.append(int(entry))
+            except OSError:
+                pass  # gone meanwhile, or not ours to read
+    return found
+
+
+def no_process_left(directory: Path, within_s: float = 5.0) -> list[int]:
+    """The processes still there after `within_s` (the kernel tears a PID namespace down asynchronously)."""
+    deadline = time.monotonic() + within_s
+    while (left := processes_in(directory)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def pipeline(*fns, **options) -> RewardPipeline:
+    options = {"workers": 1, "timeout_s": 1.0, "memory_mb": 1200, **options}
+    return RewardPipeline([RewardTerm(fn.__name__, fn) for fn in fns], **options)
+
+
+def test_pooled_scores_equal_in_process_scores_bit_for_bit(here):
+    rng = random.Random(0)
+    answers = [str(rng.randint(-50, 50)) for _ in range(48)]
+    completions = [rng.choice([f"\\boxed{{{a}}}", f"so {a}.5", f"#### {a}", "1/2", a, "no"]) for a in answers]
+    terms = [RewardTerm("math", math_reward, 1.0), RewardTerm("format", FormatRegex(r"\d+$"), 0.1),
+             RewardTerm("exact", exact_match, 0.3)]
+    meta = {"answer": answers, "text": [f"q{i}" for i in range(48)]}
+    alone = RewardPipeline(terms)
+    pooled = RewardPipeline(terms, workers=2, timeout_s=30)
+    try:
+        for _ in range(2):
+            assert pooled(completions, **meta) == alone(completions, **meta)  # the same floats, not close ones
+        assert len(processes_in(here)) >= 2  # the workers are seen by the check below
+        assert pooled.pop_metrics() == alone.pop_metrics()
+    finally:
+        pooled.close()
+    assert no_process_left(here) == []
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_hostile_rewards_are_scored_zero_counted_and_leave_no_process(here, isolation):
+    attacks = [hostile.kill_parent, hostile.stop_group, hostile.busy_in_c, hostile.allocate, hostile.raises,
+               hostile.exits, hostile.kill_self]
+    rewards = pipeline(hostile.good, *attacks, workers=2, timeout_s=1.5, on_error="zero", isolation=isolation)
+    completions = ["a", "boom", "ccc"]
+    try:
+        for _ in range(2):  # the second call runs on the replaced workers
+            scores = rewards(completions, text=TEXT)
+            contained = isolation == "pidns"  # kill(getppid()) reaches only the namespace's init, which ignores it
+            assert scores == [x + (1.0 if contained else 0.0) for x in hostile.good(completions)]
+            metrics = rewards.pop_metrics()
+            for attack in attacks:
+                expected = 0.0 if attack is hostile.kill_parent and contained else 3.0
+                assert metrics.get(f"reward/{attack.__name__}/errors", 0.0) == expected, attack.__name__
+        failures = rewards.last_failures
+        assert "timed out after 1.5 s" in failures["stop_group"] and "timed out after 1.5 s" in failures["busy_in_c"]
+        assert "raised MemoryError" in failures["allocate"] and "raised ValueError: no boom" in failures["raises"]
+        assert "exited with code 3" in failures["exits"]
+        assert "killed by signal 9 (SIGKILL)" in failures["kill_self"]
+        if not contained:
+            assert "killed by signal 9 (SIGKILL)" in failures["kill_parent"]
+    finally:
+        rewards.close()
+    assert no_process_left(here) == []
+
+
+@pytest.mark.skipif(pid_namespace_failure() is not None, reason="a setsid'd child escapes a worker without a PID namespace")
+def test_a_child_in_its_own_session_dies_with_the_pool(here):
+    rewards = pipeline(hostile.fork_child, isolation="pidns")
+    marker = f"rlgraph-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        assert rewards(["x"], answer=[marker], text=["p"]) == [1.0]
+        children = [pid for pid in processes_in(here) if marker in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert children  # it outlived the call
+    finally:
+        rewards.close()
+    assert no_process_left(here) == []
+
+
+@pytest.mark.parametrize("fn, problem", [
+    (hostile.stop_group, r"'stop_group' timed out after 1 s \(reward_timeout_s\) \(its reward worker was killed"),
+    (hostile.kill_self, r"'kill_self' killed by signal 9 \(SIGKILL\) in its reward worker"),
+    (hostile.exits, r"'exits' exited with code 3 in its reward worker"),
+    (hostile.raises, r"'raises' raised ValueError: no boom here \(at .*hostile_rewards.py:\d+ in raises\) on sample 1 "
+                     r"of 3 \(prompt 'p1', completion 'boom'\)"),
+    (hostile.oversized_answer, r"answered 1099511627776 bytes, over the cap of 67108864 bytes"),
+    (hostile.garbage_answer, r"answered something other than scores on its channel"),
+])
+def test_the_fail_policy_names_the_reward_the_sample_and_what_happened(here, fn, problem):
+    rewards = pipeline(fn, on_error="fail")
+    try:
+        with pytest.raises(RewardError, match=problem) as info:
+            rewards(["a", "boom", "ccc"], text=TEXT)
+        assert "reward_on_error: zero" in str(info.value)
+    finally:
+        rewards.close()
+    assert no_process_left(here) == []
+
+
+def test_bad_pool_settings_are_refused_naming_the_setting(monkeypatch):
+    for workers in (-1, True, "2"):
+        with pytest.raises(ConfigError, match="reward_workers="):
+            RewardPipeline([RewardTerm("good", hostile.good)], workers=workers)
+    for memory in (10, 1.5, None):
+        with pytest.raises(ConfigError, match="reward_memory_mb="):
+            RewardPool(lambda: [], 1, memory_mb=memory)
+    with pytest.raises(ConfigError, match="reward_isolation='chroot' is not one of auto, pidns, process"):
+        RewardPool(list, 1, isolation="chroot")
+    with pytest.raises(ConfigError, match="define each reward function at module level"):
+        RewardPipeline([RewardTerm("inline", lambda completions, **_: [1.0] * len(completions))], workers=1)
+    from rlgraph.rewards.pool import default_workers
+
+    monkeypatch.setenv("RLGRAPH_REWARD_WORKERS", "two")
+    with pytest.raises(ConfigError, match="RLGRAPH_REWARD_WORKERS='two'"):
+        default_workers()
+    monkeypatch.delenv("RLGRAPH_REWARD_WORKERS")
+    assert 1 <= default_workers() <= 4
+
+
+def _broken_recipe():
+    raise ImportError("no module named my_rewards")
+
+
+def test_a_recipe_that_cannot_build_in_the_worker_is_a_reward_error(here):
+    pool = RewardPool(_broken_recipe, 1, memory_mb=1200)
+    with pytest.raises(RewardError, match="could not build the reward terms: ImportError: no module named my_rewards"):
+        pool.run([(0, ["a"], {})], timeout_s=5)
+    assert no_process_left(here) == []
