@@ -197,7 +197,7 @@ class RewardPool:
 
     def describe(self) -> str:
         where = "own PID namespaces" if self.isolation == "pidns" else "keeper processes, no PID namespace"
-        return f"{self.size} processes ({where}), {self.memory_mb} MiB address space each"
+        return f"{self.size} process{'es' if self.size > 1 else ''} ({where}), {self.memory_mb} MiB address space each"
 
     def pids(self) -> list[int]:
         """The host PIDs of the workers' top processes (bwrap or the keeper)."""

@@ -166,3 +166,32 @@ def test_a_recipe_that_cannot_build_in_the_worker_is_a_reward_error(here):
     with pytest.raises(RewardError, match="could not build the reward terms: ImportError: no module named my_rewards"):
         pool.run([(0, ["a"], {})], timeout_s=5)
     assert no_process_left(here) == []
+
+
+HOSTILE_FILE = '''
+import os, signal
+
+def hostile(completions, **_):
+    os.kill(os.getppid(), signal.SIGKILL)  # the controller, were it our parent
+    os.killpg(0, signal.SIGSTOP)           # the controller too, were it in our process group
+    return [1.0] * len(completions)
+'''
+
+
+def test_a_training_run_whose_reward_attacks_the_controller_completes(here):
+    from tests.train.test_run import make_config, metrics_of
+    from rlgraph.train.run import train
+
+    (here / "my_rewards.py").write_text(HOSTILE_FILE)
+    overrides = ["reward_workers=1", "reward_timeout_s=1", "reward_on_error=zero", "warm_start.steps=0",
+                 "data.eval_fraction=0", "train.steps=2",
+                 "rewards=[{name: math}, {name: 'my_rewards.py:hostile', weight: 0.1}]"]
+    config, _ = make_config(here, "run", overrides)
+    result = train(config)
+    assert result.steps == 2
+    steps = [row for row in metrics_of(here / "run") if "reward" in row]
+    assert [row["reward/my_rewards.py:hostile/errors"] for row in steps] == [16.0, 16.0]  # N = 4 prompts x n=4
+    assert all(row["reward/my_rewards.py:hostile"] == 0.0 and "reward/math" in row for row in steps)
+    plan = (here / "run" / "plan.txt").read_text()
+    assert "reward functions on the controller's reward pool: 1 process (" in plan and "timeout 1 s" in plan
+    assert no_process_left(here) == []
