@@ -84,10 +84,12 @@ def pid_namespace_failure() -> str | None:
 def _bwrap_prefix(bwrap: str) -> list[str]:
     """A new PID namespace and session over the host's own filesystem, devices and network; a new user
     namespace unless we are root (root keeps its capabilities inside: the `code` reward's sandbox
-    starts as uid 65534, which a user namespace mapping only uid 0 could not become)."""
+    starts as uid 65534, which a user namespace mapping only uid 0 could not become). The host's
+    /proc stays: a fresh one would keep the `code` reward's nested sandbox from mounting its own, and
+    seeing a PID is not reaching it (kill, killpg, ptrace take PIDs of the caller's namespace)."""
     user = [] if os.geteuid() == 0 else ["--unshare-user"]
     return [bwrap, *user, "--unshare-pid", "--die-with-parent", "--new-session", "--bind", "/", "/",
-            "--dev-bind", "/dev", "/dev", "--proc", "/proc", "--chdir", os.getcwd()]
+            "--dev-bind", "/dev", "/dev", "--chdir", os.getcwd()]
 
 
 def resolve_isolation(isolation: str) -> str:
