@@ -201,3 +201,24 @@ def test_a_training_run_whose_reward_attacks_the_controller_completes(here):
     plan = (here / "run" / "plan.txt").read_text()
     assert "reward functions on the controller's reward pool: 1 process (" in plan and "timeout 2 s" in plan
     assert no_process_left(here) == []
+
+
+def test_the_code_reward_scores_in_a_worker_as_in_the_controller(here):
+    """The code reward's own sandbox (bubblewrap) runs nested in a reward worker, with the same verdicts."""
+    import sys
+
+    from rlgraph.rewards import CodeTests
+    from rlgraph.rewards.sandbox import bwrap_failure
+
+    if bwrap_failure(sys.executable) is not None:
+        pytest.skip(f"the code sandbox cannot run here: {bwrap_failure(sys.executable)}")
+    fence = "```python\n{}\n```"
+    completions = [fence.format("def add(a, b):\n    return a + b"), fence.format("def add(a, b):\n    return a - b"),
+                   fence.format("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef add(a, b): return a + b")]
+    meta = {"tests": ["assert add(1, 2) == 3\nassert add(2, 2) == 4"] * 3, "text": TEXT}
+    pooled = RewardPipeline([RewardTerm("code", CodeTests(timeout_s=20))], workers=1, timeout_s=120)
+    try:
+        assert pooled(completions, **meta) == [1.0, 0.0, 1.0]
+    finally:
+        pooled.close()
+    assert no_process_left(here) == []
