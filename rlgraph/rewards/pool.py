@@ -301,7 +301,11 @@ class RewardPool:
         return fresh
 
     def _start(self) -> None:
-        """Start workers up to `size` and wait until each has built the reward terms."""
+        """Start workers up to `size` (replacing idle ones that died between calls) and wait until
+        each has built the reward terms."""
+        for worker in [worker for worker in self._workers if worker.call is None and worker.process.poll() is not None]:
+            worker.kill()
+            self._workers.remove(worker)
         fresh, self._starting = self._starting + self._spawn_missing(), []
         for index, worker in enumerate(fresh):
             worker.call = index

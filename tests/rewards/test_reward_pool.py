@@ -222,3 +222,17 @@ def test_the_code_reward_scores_in_a_worker_as_in_the_controller(here):
     finally:
         pooled.close()
     assert no_process_left(here) == []
+
+
+def test_a_worker_that_died_between_calls_is_replaced_before_the_next(here):
+    rewards = pipeline(hostile.good)
+    try:
+        assert rewards(["a"], text=["p"]) == [0.5]
+        (dead,) = rewards.pool.pids()
+        os.killpg(dead, 9)  # as a reward's background thread calling os._exit, or the OOM killer, would
+        time.sleep(0.2)  # it has died (reaped by the pool on the next call)
+        assert rewards(["a", "bb"], text=["p", "q"]) == [0.5, 1.0]  # no failure charged to this call
+        assert rewards.pop_metrics()["reward/errors"] == 0.0 and rewards.pool.pids() != [dead]
+    finally:
+        rewards.close()
+    assert no_process_left(here) == []
