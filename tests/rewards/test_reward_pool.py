@@ -236,3 +236,65 @@ def test_a_worker_that_died_between_calls_is_replaced_before_the_next(here):
     finally:
         rewards.close()
     assert no_process_left(here) == []
+
+
+ATTACKS_FILE = '''
+from rlgraph.rewards import CodeTests
+
+MARKER = {marker!r}
+ATTACKS = [
+    "import os, signal\\nos.kill(os.getppid(), signal.SIGKILL)\\ndef add(a, b): return 0",
+    "import os, signal\\nos.kill(os.getppid(), signal.SIGSTOP)\\ndef add(a, b): return 0",
+    "import os, signal\\nos.kill(-1, signal.SIGKILL)\\ndef add(a, b): return 0",
+    "import os, signal\\nos.kill(os.getpid(), signal.SIGSTOP)\\ndef add(a, b): return 3",
+    "while True: pass",
+    "import os\\nif os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
+    "        os.execv('/bin/sh', ['sh', '-c', 'sleep 300; : ' + MARKER])\\n    os._exit(0)\\ndef add(a, b): return 0",
+    "import os\\nfor _ in range(400):\\n    if os.fork() == 0:\\n        import time; time.sleep(60)\\n"
+    "def add(a, b): return 3",
+    "blob = bytearray(4 * 1024**3)\\ndef add(a, b): return 3",
+]
+CODE = CodeTests(timeout_s=1.5)
+
+
+def code_attacks(completions, **_):
+    """The code reward facing the attacks as if the policy had written them (completion i: attack i mod 8)."""
+    attacks = ["```python\\n" + ATTACKS[i % len(ATTACKS)] + "\\n```" for i in range(len(completions))]
+    return CODE(attacks, tests=["assert add(1, 2) == 3"] * len(completions))
+'''
+
+
+def test_a_training_run_whose_code_reward_faces_the_attacks_completes(here):
+    """Issue 25, done when: the attacks score 0, the run completes, and no process survives it."""
+    import sys
+
+    from rlgraph.rewards.sandbox import bwrap_failure
+    from rlgraph.train.run import train
+    from tests.train.test_run import make_config, metrics_of
+
+    if bwrap_failure(sys.executable) is not None:
+        pytest.skip(f"the code sandbox cannot run here: {bwrap_failure(sys.executable)}")
+    marker = f"rlgraph-daemon-{os.getpid()}-{time.monotonic_ns()}"
+    (here / "attacked.py").write_text(ATTACKS_FILE.format(marker=marker))
+    overrides = ["reward_workers=1", "reward_timeout_s=120", "warm_start.steps=0", "data.eval_fraction=0",
+                 "train.steps=1", "rewards=[{name: math}, {name: 'attacked.py:code_attacks', weight: 0.1}]"]
+    config, _ = make_config(here, "run", overrides)
+    assert train(config).steps == 1
+    (row,) = [row for row in metrics_of(here / "run") if "reward" in row]
+    assert row["reward/attacked.py:code_attacks"] == 0.0 and row["reward/errors"] == 0.0  # scored, not failed
+    assert no_process_left(here) == []
+
+    def daemons() -> list[int]:  # the setsid'd daemon's `sh` names the marker (sandbox_attacks checks it runs)
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(pid))
+            except OSError:
+                pass  # gone meanwhile
+        return found
+
+    deadline = time.monotonic() + 5
+    while daemons() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemons() == []
