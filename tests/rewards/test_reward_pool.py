@@ -298,3 +298,16 @@ def test_a_training_run_whose_code_reward_faces_the_attacks_completes(here):
     while daemons() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert daemons() == []
+
+
+def test_a_run_stopped_by_a_failing_reward_leaves_no_worker(here):
+    from rlgraph.train.run import train
+    from tests.train.test_run import make_config
+
+    (here / "my_rewards.py").write_text("def broken(completions, **_):\n    raise RuntimeError('grader down')\n")
+    overrides = ["reward_workers=2", "warm_start.steps=0", "data.eval_fraction=0", "train.steps=2",
+                 "rewards=[{name: math}, {name: 'my_rewards.py:broken'}]"]
+    config, _ = make_config(here, "run", overrides)
+    with pytest.raises(RewardError, match=r"reward 'my_rewards.py:broken' raised RuntimeError: grader down"):
+        train(config)
+    assert no_process_left(here) == []
