@@ -51,7 +51,11 @@ from rlgraph.rewards.reward_worker import HEADER
 ISOLATIONS = ("auto", "pidns", "process")
 WORKERS_ENV = "RLGRAPH_REWARD_WORKERS"
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the rlgraph package
-_LAUNCH = f"import sys; sys.path.insert(0, {_ROOT!r}); from rlgraph.rewards.reward_worker import main; main()"
+# reward_worker.py is loaded as a file: it imports only the standard library until it serves, so the
+# keeper (which forks before that) stays small; the worker imports rlgraph (and torch) after its limits.
+_LAUNCH = (f"import sys, importlib.util as u; sys.path.insert(0, {_ROOT!r}); "
+           f"s = u.spec_from_file_location('rlgraph_reward_worker', {str(Path(__file__).with_name('reward_worker.py'))!r}); "
+           "m = u.module_from_spec(s); s.loader.exec_module(m); m.main()")
 
 
 def default_workers() -> int:
@@ -68,26 +72,27 @@ def default_workers() -> int:
 
 @functools.lru_cache(maxsize=1)
 def pid_namespace_failure() -> str | None:
-    """Why a worker cannot get its own PID namespace here (None: it can). Probed once per process."""
+    """Why a worker cannot get its own PID namespace here (None: it can). Probed once per process,
+    the way a worker starts (bubblewrap, then its own /proc)."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return "the `bwrap` executable (bubblewrap) is not on PATH"
     try:
-        done = subprocess.run([*_bwrap_prefix(bwrap), "/bin/sh", "-c", "echo $$"], capture_output=True, timeout=30)
+        done = subprocess.run([*_bwrap_prefix(bwrap), sys.executable, "-c", _LAUNCH, "--mount-proc", "--probe"],
+                              capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"bwrap could not be started: {exc}"
     if done.stdout.strip() != b"2":  # the first process after bwrap's init in a fresh namespace
-        return f"bwrap failed (exit code {done.returncode}): {done.stderr.decode(errors='replace').strip()[:300]}"
+        return f"bwrap failed (exit code {done.returncode}): {done.stderr.decode(errors='replace').strip()[-300:]}"
     return None
 
 
 def _bwrap_prefix(bwrap: str) -> list[str]:
-    """A new PID namespace and session over the host's own filesystem, devices and network; a new user
-    namespace unless we are root (root keeps its capabilities inside: the `code` reward's sandbox
-    starts as uid 65534, which a user namespace mapping only uid 0 could not become). The host's
-    /proc stays: a fresh one would keep the `code` reward's nested sandbox from mounting its own, and
-    seeing a PID is not reaching it (kill, killpg, ptrace take PIDs of the caller's namespace)."""
-    user = [] if os.geteuid() == 0 else ["--unshare-user"]
+    """A new PID namespace and session over the host's own filesystem, devices and network. A new
+    user namespace unless we are root, with CAP_SYS_ADMIN there only (to mount the worker's own
+    /proc: reward_worker._mount_proc); root keeps its capabilities, since the `code` reward's
+    sandbox starts as uid 65534, which a user namespace mapping only uid 0 could not become."""
+    user = [] if os.geteuid() == 0 else ["--unshare-user", "--cap-add", "CAP_SYS_ADMIN"]
     return [bwrap, *user, "--unshare-pid", "--die-with-parent", "--new-session", "--bind", "/", "/",
             "--dev-bind", "/dev", "/dev", "--chdir", os.getcwd()]
 
@@ -178,7 +183,7 @@ class RewardPool:
                  max_processes: int = 512, isolation: str = "auto", answer_bytes: int = 64 << 20,
                  start_timeout_s: float = 120.0):
         _check_count("reward_workers", workers, 1, "1 or more (0 scores in the controller, for debugging)")
-        _check_count("reward_memory_mb", memory_mb, 256, "at least 256 (a worker imports torch: ~700 MiB of address space)")
+        _check_count("reward_memory_mb", memory_mb, 1024, "at least 1024 (a worker imports torch: ~700 MiB of address space)")
         _check_count("reward_max_processes", max_processes, 16, "at least 16 (threads count as processes)")
         try:
             self._recipe = pickle.dumps(recipe)
@@ -330,7 +335,7 @@ class RewardPool:
         if self.isolation == "pidns":
             if os.geteuid() != 0:  # RLIMIT_NPROC counts per user namespace; host root has none of its own
                 limits["RLIMIT_NPROC"] = self.max_processes
-            command = [*_bwrap_prefix(shutil.which("bwrap")), sys.executable, "-c", _LAUNCH]
+            command = [*_bwrap_prefix(shutil.which("bwrap")), sys.executable, "-c", _LAUNCH, "--mount-proc"]
         else:
             command = [sys.executable, "-c", _LAUNCH, "--keeper"]
         command += ["--fd", str(theirs.fileno()), "--limits", json.dumps(limits)]

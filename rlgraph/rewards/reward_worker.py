@@ -2,7 +2,7 @@
 
 Started by `rlgraph.rewards.pool.RewardPool` (never imported by the controller's own code paths):
 
-    python -c "...; main()" --fd 3 --limits '{"RLIMIT_AS": ...}' [--keeper]
+    python -c "...; main()" --fd 3 --limits '{"RLIMIT_AS": ...}' [--keeper | --mount-proc]
 
 Frames on the socket at `--fd`: an 8-byte little-endian length, then the payload. The controller
 sends pickles (it is trusted: ("build", recipe) then ("score", term, completions, meta)); the
@@ -34,10 +34,19 @@ PR_SET_PDEATHSIG = 1
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlgraph-reward-worker")
-    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--fd", type=int)
     parser.add_argument("--limits", default="{}")
     parser.add_argument("--keeper", action="store_true")
+    parser.add_argument("--mount-proc", action="store_true")
+    parser.add_argument("--probe", action="store_true")  # print our PID (2 in a fresh namespace) and exit
     args = parser.parse_args(argv)
+    if args.mount_proc:
+        _mount_proc()
+        if os.geteuid() != 0:
+            _drop_capabilities()  # only there for the mount; bwrap (the `code` reward's) refuses to start with them
+    if args.probe:
+        print(os.getpid())
+        return
     if args.keeper:
         _keep()  # returns in the worker (the child) only
     for name, value in json.loads(args.limits).items():
@@ -59,6 +68,25 @@ def _keep() -> None:
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     os._exit(128 - code if code < 0 else code)
+
+
+def _mount_proc() -> None:
+    """A /proc of our own PID namespace, mounted plainly. bwrap's `--proc` adds read-only submounts
+    (sys, irq, bus), which keep a sandbox nested in this one (the `code` reward's) from mounting
+    its own /proc; the host's /proc, left in place, names host PIDs that mean other processes here."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = 2 | 4 | 8  # MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if libc.mount(b"proc", b"/proc", b"proc", flags, None) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"cannot mount /proc for the reward worker's PID namespace: {os.strerror(error)}")
+
+
+def _drop_capabilities() -> None:
+    """capset(2) with every set empty: the CAP_SYS_ADMIN of our user namespace goes."""
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable} words, all zero
+    if ctypes.CDLL(None, use_errno=True).capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "cannot drop the reward worker's capabilities")
 
 
 def _die_with_parent() -> None:

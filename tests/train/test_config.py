@@ -156,7 +156,7 @@ def test_a_reward_call_has_a_time_limit_by_default_and_null_lifts_it(tmp_path):
     ("reward_workers=-1", r"reward_workers: Input should be greater than or equal to 0 \(got -1\)"),
     ("reward_workers=two", r"reward_workers: Input should be a valid integer"),
     ("reward_workers=1.5", r"reward_workers: Input should be a valid integer"),
-    ("reward_memory_mb=100", r"reward_memory_mb: Input should be greater than or equal to 256 \(got 100\)"),
+    ("reward_memory_mb=100", r"reward_memory_mb: Input should be greater than or equal to 1024 \(got 100\)"),
     ("reward_memory_mb=lots", r"reward_memory_mb: Input should be a valid integer"),
     ("reward_isolation=chroot", r"reward_isolation: Input should be 'auto', 'pidns' or 'process'"),
 ])
