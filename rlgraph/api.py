@@ -47,14 +47,15 @@ class Algorithm:
 
 def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: Mapping[str, int] | None = None,
             models: Mapping[str, Any] | None = None, roles: Mapping[str, S.Spec] | None = None, engine: str = "auto",
-            lora: Mapping[str, Any] | None = None, **hparams: Any):
+            lora: Mapping[str, Any] | None = None, reward_pool: str = "", **hparams: Any):
     """Trace `algo` and lower it for `mesh` and `placement`; returns a `Compiled` to inspect and run.
 
     `sizes` gives the concrete dims byte counts use (B, P, T; n comes from the hparams),
     `models` maps roles to HF configs or presets (`"llama3-70b"`), `engine` the generation engine
     ("auto": native on a cpu mesh, vllm on GPUs; "native"; "vllm"), `lora` the roles that train LoRA
     adapters (`{"policy": {"r": 16, "target_modules": ["q_proj", "v_proj"]}}`: the memory plan
-    counts their base weights frozen and their reference as sharing them). Nothing is run.
+    counts their base weights frozen and their reference as sharing them), `reward_pool` where the
+    controller runs reward functions (printed on the score step: `RewardPipeline.describe()`). Nothing is run.
     """
     from rlgraph.passes import compile_program
     from rlgraph.passes.options import CompileOptions
@@ -65,7 +66,7 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
                           fix="decorate the function with @rg.algorithm, then pass it to rg.compile")
     mesh = Mesh() if mesh is None else mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)  # Mesh.parse refuses mesh=8
     options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}),
-                             engine=engine, lora=lora)
+                             engine=engine, lora=lora, reward_pool=reward_pool)
     return compile_program(algo.trace(roles=roles, **hparams), options)
 
 

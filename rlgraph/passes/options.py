@@ -109,6 +109,7 @@ class CompileOptions:
     reward_on: str = "controller"
     engine: str = "auto"
     lora: Mapping[str, LoraShape] = attrs.field(factory=dict, converter=lora_shapes)
+    reward_pool: str = ""  # where the controller runs reward functions, shown on the score step ("": not said)
 
     def __attrs_post_init__(self) -> None:
         check_engine(self.engine, self.mesh)

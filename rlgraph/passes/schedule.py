@@ -59,6 +59,8 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
 
     prim = primitive_name(node)
     groups = {group.name: group for group in program.annotations["groups"]}
+    if prim == "score" and node.meta["role"] == CONTROLLER:
+        return options.reward_pool, 0.0
     if prim is None or prim == "score":
         return "", 0.0
     if prim == "filter_groups":

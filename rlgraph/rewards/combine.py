@@ -22,12 +22,19 @@ that is really a broken reward must not look like a policy that learnt nothing.
 `samples=k` keeps k (prompt, completion, reward) rows per call period for logging (`pop_samples`),
 spread evenly over the first call's rows, so they show several prompts.
 
-A term that times out keeps running in a daemon thread (Python cannot stop a thread); a reward
-that can hang for good belongs in a subprocess, as `CodeTests` does.
+`workers=k` runs the terms in a pool of k supervised worker processes (`rlgraph.rewards.pool`),
+the terms of one call concurrently: a term that runs past `timeout_s`, dies, or stops itself gets
+its worker killed and replaced, and its samples are scored by `on_error` like any failure ("timed
+out after 600 s", "killed by signal 9 (SIGKILL)", "exited with code 3"); nothing it does reaches the
+controller. The terms reach the workers by reference (module-level functions) or through `recipe`.
+`workers=0` (the default here; `rlgraph train` defaults to a pool) calls them in this process, for
+debugging: a term that times out there keeps running in a daemon thread (Python cannot stop one).
+Call `close()` when done (the pool's processes are killed then, and at interpreter exit).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import threading
@@ -38,6 +45,7 @@ from typing import Any, Literal
 import attrs
 
 from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.rewards.pool import RewardPool
 
 
 @attrs.frozen
@@ -59,7 +67,9 @@ class RewardPipeline:
     """Callable `(completions, **meta) -> list[float]`: the weighted sum of its terms."""
 
     def __init__(self, terms: Sequence[RewardTerm], *, on_error: Literal["fail", "zero"] = "fail",
-                 timeout_s: float | None = None, samples: int = 0):
+                 timeout_s: float | None = None, samples: int = 0, workers: int = 0,
+                 recipe: Callable[[], Sequence[Callable[..., Any]]] | None = None, memory_mb: int = 4096,
+                 isolation: str = "auto"):
         if not terms:
             raise ConfigError("a reward pipeline needs at least one reward term")
         names = [term.name for term in terms]
@@ -78,12 +88,36 @@ class RewardPipeline:
         self._first_error: dict[str, str] = {}
         self._samples: list[dict[str, Any]] = []
         self.last_failures: dict[str, str] = {}  # term -> first error, for terms that failed on every sample
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ConfigError(f"reward_workers={workers!r} must be a whole number >= 0 "
+                              "(0: score in the controller process, for debugging)")
+        # The recipe rebuilds the term functions in each worker; by default they travel by reference.
+        recipe = recipe or functools.partial(_functions, tuple(term.fn for term in self.terms))
+        self.pool = RewardPool(recipe, workers, memory_mb=memory_mb, isolation=isolation) if workers else None
+
+    def describe(self) -> str:
+        """Where the terms run, as the plan prints it on the score step."""
+        limit = f"timeout {self.timeout_s:g} s" if self.timeout_s is not None else "no timeout"
+        if self.pool is None:
+            return f"reward functions in the controller process (reward_workers: 0), {limit}"
+        return f"reward functions on the controller's reward pool: {self.pool.describe()}, {limit}"
+
+    def start(self) -> None:
+        """Start the reward workers, if any, without waiting for them (else the first call starts them)."""
+        if self.pool is not None:
+            self.pool.start()
+
+    def close(self) -> None:
+        """Stop the reward workers, if any (they start again on the next call)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def __call__(self, completions: Sequence[str], **meta: Any) -> list[float]:
         total = [0.0] * len(completions)
         per_term = {}
-        for term in self.terms:
-            scores = per_term[term.name] = self._score(term, completions, meta)
+        answers = self._answers([(term, completions, meta) for term in self.terms])
+        for term, answer in zip(self.terms, answers):
+            scores = per_term[term.name] = self._score(term, answer, completions, meta)
             for row, score in enumerate(scores):
                 total[row] += term.weight * score
             self._sums[term.name] = self._sums.get(term.name, 0.0) + sum(scores)
@@ -126,41 +160,53 @@ class RewardPipeline:
         return out
 
     # -- one term -------------------------------------------------------------------------------
-    def _score(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> list[float]:
-        n = len(completions)
-        try:
-            return self._checked(term, self._call(term, completions, meta), n)
-        except _Failure as failure:
-            if self.on_error == "fail":
-                if failure.raised:
-                    failure = self._blame(term, failure, completions, meta)
-                raise RewardError(self._describe(term, failure, completions, meta)) from None
-            self._errors[term.name] = self._errors.get(term.name, 0) + len(failure.rows)
-            self._first_error.setdefault(term.name, self._describe(term, failure, completions, meta).splitlines()[0])
-            return failure.partial if failure.partial is not None else [0.0] * n
+    def _answers(self, calls: Sequence[tuple[RewardTerm, Sequence[str], dict[str, Any]]]) -> list[list[float] | _Failure]:
+        """Each call's checked scores, or its failure: in the reward pool (concurrently), or here in turn."""
+        if self.pool is None:
+            return [self._in_process(*call) for call in calls]
+        index = {id(term): position for position, term in enumerate(self.terms)}
+        answers = self.pool.run([(index[id(term)], list(completions), meta) for term, completions, meta in calls],
+                                self.timeout_s)
+        return [answer["scores"] if "scores" in answer else
+                _Failure(answer["problem"], answer["rows"], answer["partial"], answer["raised"]) for answer in answers]
 
-    def _call(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> Any:
-        everyone = list(range(len(completions)))
+    def _score(self, term: RewardTerm, answer: list[float] | _Failure, completions: Sequence[str],
+               meta: dict[str, Any]) -> list[float]:
+        """The term's scores, or for a failure what `on_error` says (a RewardError, or zeros counted)."""
+        if not isinstance(answer, _Failure):
+            return answer
+        failure = answer
+        if self.on_error == "fail":
+            if failure.raised:
+                failure = self._blame(term, failure, completions, meta)
+            raise RewardError(self._describe(term, failure, completions, meta)) from None
+        self._errors[term.name] = self._errors.get(term.name, 0) + len(failure.rows)
+        self._first_error.setdefault(term.name, self._describe(term, failure, completions, meta).splitlines()[0])
+        return failure.partial if failure.partial is not None else [0.0] * len(completions)
+
+    def _in_process(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> list[float] | _Failure:
+        """`reward_workers: 0` (debugging): the term runs in this process; a timeout leaves it running in a thread."""
         if self.timeout_s is None:
             try:
-                return term.fn(list(completions), **meta)
-            except Exception as exc:
-                raise _Failure(f"raised {_where(exc)}", everyone, raised=True) from None
+                return _run_term(term.fn, completions, meta)
+            except _Failure as failure:
+                return failure
         box: dict[str, Any] = {}
 
         def target() -> None:
             try:
-                box["value"] = term.fn(list(completions), **meta)
-            except BaseException as exc:  # reported in the caller's thread
-                box["error"] = exc
+                box["value"] = _run_term(term.fn, completions, meta)
+            except _Failure as failure:
+                box["value"] = failure
+            except BaseException as exc:  # SystemExit and the like: reported in the caller's thread
+                box["value"] = _Failure(f"raised {_where(exc)}", list(range(len(completions))), raised=True)
 
         thread = threading.Thread(target=target, name=f"reward-{term.name}", daemon=True)
         thread.start()
         thread.join(self.timeout_s)
         if thread.is_alive():
-            raise _Failure(f"did not return within reward_timeout_s={self.timeout_s:g} s", everyone)
-        if "error" in box:
-            raise _Failure(f"raised {_where(box['error'])}", everyone, raised=True)
+            return _Failure(f"timed out after {self.timeout_s:g} s (reward_timeout_s; it goes on running in a "
+                            "thread of the controller: reward_workers: 0)", list(range(len(completions))))
         return box["value"]
 
     def _blame(self, term: RewardTerm, failure: _Failure, completions: Sequence[str], meta: dict[str, Any]) -> _Failure:
@@ -168,13 +214,13 @@ class RewardPipeline:
         each sample alone (its per-row fields sliced alike) and blame those that raise, quoting the
         first one's own exception. Only on the way to a RewardError, so it costs nothing when rewards work."""
         n, rows, first = len(completions), [], None
-        for row in range(n):
-            one = {key: value[row:row + 1] if isinstance(value, (list, tuple)) and len(value) == n else value
-                   for key, value in meta.items()}
-            try:
-                self._call(term, [completions[row]], one)
-            except _Failure as alone:
-                if not alone.raised:  # a timeout: stop probing, keep what the batch said
+        calls = [(term, [completions[row]], {key: value[row:row + 1] if isinstance(value, (list, tuple)) and len(value) == n
+                                             else value for key, value in meta.items()}) for row in range(n)]
+        # In the pool the samples run concurrently; in this process one by one, stopping at a timeout.
+        answers = self._answers(calls) if self.pool is not None else (self._in_process(*call) for call in calls)
+        for row, alone in enumerate(answers):
+            if isinstance(alone, _Failure):
+                if not alone.raised:  # a timeout or a dead worker: keep what the batch said
                     return failure
                 rows.append(row)
                 first = first or alone
@@ -182,24 +228,6 @@ class RewardPipeline:
             return _Failure(f"{failure.problem} when called on all {n} samples together, though each sample alone "
                             "scores without error", [])
         return _Failure(first.problem, rows)
-
-    @staticmethod
-    def _checked(term: RewardTerm, values: Any, n: int) -> list[float]:
-        everyone = list(range(n))
-        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
-            values = values.tolist()  # a tensor or an array
-        if not isinstance(values, (list, tuple)):
-            raise _Failure(f"returned {type(values).__name__}, not a list of {n} numbers", everyone)
-        if len(values) != n:
-            raise _Failure(f"returned {len(values)} scores for {n} completions", everyone)
-        scores = [float(v) if isinstance(v, numbers.Real) else math.nan for v in values]
-        bad = [i for i, v in enumerate(scores) if not math.isfinite(v)]
-        if bad:
-            first = values[bad[0]]
-            problem = (f"returned {first} (not finite)" if isinstance(first, numbers.Real)
-                       else f"returned {type(first).__name__} {first!r}, not a number")
-            raise _Failure(problem, bad, [0.0 if i in set(bad) else v for i, v in enumerate(scores)])
-        return scores
 
     def _describe(self, term: RewardTerm, failure: _Failure, completions: Sequence[str], meta: dict[str, Any]) -> str:
         if not failure.rows:  # the batch as a whole, no sample of it
@@ -218,6 +246,46 @@ class RewardPipeline:
         return (f"reward {term.name!r} {failure.problem}{sample}{many}\n"
                 f"  fix: make the reward return one finite float per completion, or set `reward_on_error: zero` to score "
                 f"such samples 0 and count them in the metric reward/errors")
+
+
+def _functions(functions: tuple[Callable[..., Any], ...]) -> tuple[Callable[..., Any], ...]:
+    """The default recipe: the term functions themselves (pickled by reference)."""
+    return functions
+
+
+def _run_term(fn: Callable[..., Any], completions: Sequence[str], meta: dict[str, Any]) -> list[float]:
+    """One finite float per completion from `fn`, or a `_Failure` saying what it did instead."""
+    try:
+        values = fn(list(completions), **meta)
+    except Exception as exc:
+        raise _Failure(f"raised {_where(exc)}", list(range(len(completions))), raised=True) from None
+    return _checked(values, len(completions))
+
+
+def answer_term(fn: Callable[..., Any], completions: Sequence[str], meta: dict[str, Any]) -> dict[str, Any]:
+    """`_run_term` as the JSON a reward worker answers (rlgraph.rewards.reward_worker)."""
+    try:
+        return {"scores": _run_term(fn, completions, meta)}
+    except _Failure as failure:
+        return {"problem": failure.problem, "rows": failure.rows, "partial": failure.partial, "raised": failure.raised}
+
+
+def _checked(values: Any, n: int) -> list[float]:
+    everyone = list(range(n))
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()  # a tensor or an array
+    if not isinstance(values, (list, tuple)):
+        raise _Failure(f"returned {type(values).__name__}, not a list of {n} numbers", everyone)
+    if len(values) != n:
+        raise _Failure(f"returned {len(values)} scores for {n} completions", everyone)
+    scores = [float(v) if isinstance(v, numbers.Real) else math.nan for v in values]
+    bad = [i for i, v in enumerate(scores) if not math.isfinite(v)]
+    if bad:
+        first = values[bad[0]]
+        problem = (f"returned {first} (not finite)" if isinstance(first, numbers.Real)
+                   else f"returned {type(first).__name__} {first!r}, not a number")
+        raise _Failure(problem, bad, [0.0 if i in set(bad) else v for i, v in enumerate(scores)])
+    return scores
 
 
 def _where(exc: BaseException) -> str:

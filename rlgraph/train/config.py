@@ -160,6 +160,9 @@ class TrainConfig(Section):
     rewards: list[RewardSection] = Field(min_length=1)
     reward_on_error: Literal["fail", "zero"] = "fail"  # a reward that raises, times out, returns NaN or a wrong shape
     reward_timeout_s: float | None = Field(600.0, gt=0)  # one term's call on one batch; null: no limit (a hung reward hangs the run)
+    reward_workers: int | None = Field(None, ge=0)    # reward worker processes; null: min(4, CPUs); 0: in the controller (debugging)
+    reward_memory_mb: int = Field(4096, ge=1024)      # RLIMIT_AS of each reward worker (torch alone takes ~700 MiB)
+    reward_isolation: Literal["auto", "pidns", "process"] = "auto"  # how workers are kept from the controller (docs/security.md)
     rollout: RolloutSection = RolloutSection()
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()

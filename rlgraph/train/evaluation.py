@@ -48,7 +48,10 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     executor = build_roles(setup, policy)
     session = _Session(setup, executor, console)
     session.eval_runner = PlanRunner(setup.eval, executor)
-    metrics = session.evaluate()
+    try:
+        metrics = session.evaluate()
+    finally:
+        session.close()  # the reward workers
     source = data if data is not None else (config.data.eval or f"{config.data.train} (held-out {config.data.eval_fraction:g})")
     result = {"checkpoint": path.name, "step": step, "data": str(source), "prompts": len(setup.eval_rows),
               "accuracy_reward": config.accuracy_reward, **metrics}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -90,22 +91,14 @@ def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | 
         (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
     executor = build_roles(setup)
     session = _Session(setup, executor, console)
-    if checkpoint is None:
-        session.warm_start()
-        if config.model.lora is not None and config.warm_start.steps:
-            rebase_lora(setup, executor)
-        session.first_eval = None  # "before" is the policy RL starts from, not the one SFT started from
-    add_rl_roles(setup, executor)
-    session.reset_optimizer()
-    trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
-    if checkpoint is not None:
-        for gone in abandon_later_checkpoints(run_dir, checkpoint):
-            console.print(f"deleted {gone.name}: a later checkpoint of the branch this resume from {checkpoint.name} abandons")
-        trainer.resume(checkpoint)
-        console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
-    sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
-                       mlflow=config.logging.mlflow, resume_step=trainer.step if checkpoint else None)
     try:
+        trainer = _start(session, setup, executor, checkpoint, run_dir, console)
+    except BaseException:
+        session.close()  # the reward workers a warm start's evaluation started
+        raise
+    try:
+        sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
+                           mlflow=config.logging.mlflow, resume_step=trainer.step if checkpoint else None)
         with MetricLogger(sinks) as logger:
             session.logger = logger
             session.samples = SampleLog(run_dir / SAMPLES_FILE, resume_step=trainer.step if checkpoint else None)
@@ -122,6 +115,25 @@ def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | 
 
         plot_run(run_dir)
     return result
+
+
+def _start(session: _Session, setup: Any, executor: Any, checkpoint: Any, run_dir: Path, console: Console) -> Any:
+    """The warm start (a fresh run), the RL roles and the trainer, resumed from `checkpoint` if given."""
+    config = setup.config
+    if checkpoint is None:
+        session.warm_start()
+        if config.model.lora is not None and config.warm_start.steps:
+            rebase_lora(setup, executor)
+        session.first_eval = None  # "before" is the policy RL starts from, not the one SFT started from
+    add_rl_roles(setup, executor)
+    session.reset_optimizer()
+    trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
+    if checkpoint is not None:
+        for gone in abandon_later_checkpoints(run_dir, checkpoint):
+            console.print(f"deleted {gone.name}: a later checkpoint of the branch this resume from {checkpoint.name} abandons")
+        trainer.resume(checkpoint)
+        console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
+    return trainer
 
 
 def _resume_point(run_dir: Path, chosen: str | int | None) -> Path:

@@ -42,6 +42,7 @@ class _Session:
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
+        setup.rewards.start()  # the reward workers import while the models warm up
 
     def next_batch(self) -> Any:
         return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
@@ -101,6 +102,7 @@ class _Session:
         return self._start_weights
 
     def close(self) -> None:
+        self.setup.rewards.close()  # the reward worker processes, with whatever their rewards started
         if self.transport is not None:
             self.transport.close()
         if self._start_weights is not None:

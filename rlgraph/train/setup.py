@@ -67,7 +67,7 @@ def prepare(config: TrainConfig) -> Setup:
     config = with_resolved_hparams(config)
     device = _device(config)
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
-    rl, evaluation = _compile(config, device, prompt_len, len(eval_rows))
+    rl, evaluation = _compile(config, device, prompt_len, len(eval_rows), rewards.describe())
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
 
 
@@ -135,7 +135,7 @@ def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
     return values
 
 
-def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int) -> tuple[Any, Any]:
+def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int, reward_pool: str) -> tuple[Any, Any]:
     from rlgraph.plan.hardware import detect_device_kind
     from rlgraph.plan.mesh import Mesh, colocated, parse_placement
 
@@ -154,7 +154,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     extra = {"lora": lora} if lora else {}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
     rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
-                           sizes=sizes, models=models, **extra, **hparams)
+                           sizes=sizes, models=models, reward_pool=reward_pool, **extra, **hparams)
     if lora and runtime.runtime != "local":
         from rlgraph.backends.fsdp.executor import check_views
 
@@ -169,7 +169,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     # sync_weights step has loaded since the last update.
     eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
     evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
-                                   engine="native", models=models,
+                                   engine="native", models=models, reward_pool=reward_pool,
                                    sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
                                    max_new_tokens=eval_tokens, stop=tuple(rollout.stop))  # ended as the rollouts are
     return rl, evaluation

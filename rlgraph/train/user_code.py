@@ -16,6 +16,7 @@ field the data does not pass, an `eval.accuracy_reward` that names no reward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -29,6 +30,7 @@ from typing import Any
 
 from rlgraph.ir.errors import ConfigError, did_you_mean
 from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward, reward_fields
+from rlgraph.rewards.pool import default_workers
 from rlgraph.train.config import TrainConfig
 
 
@@ -141,7 +143,22 @@ def load_algorithm(name: str, where: str) -> Any:
 def build_rewards(config: TrainConfig) -> RewardPipeline:
     """The config's reward terms as one pipeline. Before any step: a bad name or option, a missing
     file, or a reward reading a per-row field the data does not pass is a ConfigError naming the
-    entry (`rewards[i]`); so is an `eval.accuracy_reward` that names no reward."""
+    entry (`rewards[i]`); so is an `eval.accuracy_reward` that names no reward. The terms run in
+    `reward_workers` processes, each rebuilding them from the config (`reward_functions`)."""
+    workers = default_workers() if config.reward_workers is None else config.reward_workers
+    return RewardPipeline(_reward_terms(config), on_error=config.reward_on_error, timeout_s=config.reward_timeout_s,
+                          samples=config.logging.samples, workers=workers,
+                          recipe=functools.partial(reward_functions, config), memory_mb=config.reward_memory_mb,
+                          isolation=config.reward_isolation)
+
+
+def reward_functions(config: TrainConfig) -> list[Any]:
+    """The config's reward functions, built in a reward worker process as `build_rewards` built them."""
+    import_modules(config.imports, "imports")
+    return [term.fn for term in _reward_terms(config)]
+
+
+def _reward_terms(config: TrainConfig) -> list[RewardTerm]:
     terms = []
     provided = ["answer", "text", *config.data.extra_fields]  # what every reward call passes (to_prompts' meta)
     for index, reward in enumerate(config.rewards):
@@ -159,8 +176,7 @@ def build_rewards(config: TrainConfig) -> RewardPipeline:
         hint = did_you_mean(wanted, names) or (f"; did you mean {short[wanted]!r}?" if wanted in short else "")
         raise ConfigError(f"eval.accuracy_reward {wanted!r} is not one of the rewards ({', '.join(names)}){hint}",
                           fix="name one of the rewards entries exactly as written there, or leave it out (the first)")
-    return RewardPipeline(terms, on_error=config.reward_on_error, timeout_s=config.reward_timeout_s,
-                          samples=config.logging.samples)
+    return terms
 
 
 def _check_reward_fields(where: str, fn: Any, provided: list[str]) -> None:

@@ -246,7 +246,7 @@ def sleeps(completions, **_):
     (wrong_shape, "returned 1 scores for 3 completions", 0),
     (nan_second, "returned nan \\(not finite\\)", 1),
     (not_numbers, "returned str '1.0', not a number", 0),
-    (sleeps, "did not return within reward_timeout_s=0.2 s", 0),
+    (sleeps, r"timed out after 0.2 s \(reward_timeout_s", 0),
 ])
 def test_pipeline_fail_policy_names_the_term_and_sample(fn, message, sample):
     pipeline = _pipeline(fn, timeout_s=0.2 if fn is sleeps else None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rlgraph.ir.errors import ConfigError
@@ -148,3 +150,27 @@ def test_a_reward_call_has_a_time_limit_by_default_and_null_lifts_it(tmp_path):
         path.write_text(f"data: {{train: t.jsonl}}\nrewards: [{{name: math}}]\ntrain: {{steps: 1}}\nreward_timeout_s: {bad}\n")
         with pytest.raises(ConfigError, match="reward_timeout_s"):
             load_config(path)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("reward_workers=-1", r"reward_workers: Input should be greater than or equal to 0 \(got -1\)"),
+    ("reward_workers=two", r"reward_workers: Input should be a valid integer"),
+    ("reward_workers=1.5", r"reward_workers: Input should be a valid integer"),
+    ("reward_memory_mb=100", r"reward_memory_mb: Input should be greater than or equal to 1024 \(got 100\)"),
+    ("reward_memory_mb=lots", r"reward_memory_mb: Input should be a valid integer"),
+    ("reward_isolation=chroot", r"reward_isolation: Input should be 'auto', 'pidns' or 'process'"),
+])
+def test_bad_reward_pool_values_name_the_key(tmp_path, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, MINIMAL), [override])
+
+
+def test_reward_workers_default_to_a_pool_and_zero_scores_in_the_controller(tmp_path, monkeypatch):
+    from rlgraph.train.user_code import build_rewards
+
+    monkeypatch.delenv("RLGRAPH_REWARD_WORKERS", raising=False)  # the suite's conftest sets 0
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.reward_workers is None and config.reward_memory_mb == 4096 and config.reward_isolation == "auto"
+    pooled = build_rewards(config)  # nothing starts before the first call
+    assert pooled.pool is not None and pooled.pool.size == min(4, len(os.sched_getaffinity(0))) and pooled.pool.pids() == []
+    assert build_rewards(load_config(write(tmp_path, MINIMAL), ["reward_workers=0"])).pool is None
