@@ -153,6 +153,8 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
+    if rollout.staleness:  # asynchronous RL: the rollout and train lanes (docs/async.md)
+        extra.update(staleness=rollout.staleness, staleness_policy=rollout.staleness_policy)
     rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
                            sizes=sizes, models=models, **extra, **hparams)
     if lora and runtime.runtime != "local":
