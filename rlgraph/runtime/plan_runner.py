@@ -15,8 +15,8 @@ With `staleness=k` >= 1 (`plan.overlap`) one call trains batch i and issues batc
 lane around it, in the order the plan gives (`Overlap.order`): batch i+k's rollout steps up to the
 first that waits for the workers, batch i's train steps, the rest of batch i+k's. The transports
 pipeline commands, so on split groups generation and training run at the same time; the local
-transport runs each command as it is sent, which is the same schedule played in order, with the
-same numbers. The first call also issues batches 0..k-1 (their prompts from `more_prompts`).
+transport runs each command as it is sent, on one executor holding one version, so it plays batch
+i+k's whole rollout lane before batch i's train lane: the same schedule in order, same numbers. The first call also issues batches 0..k-1 (their prompts from `more_prompts`).
 
 The transport decides only how ranks are reached: `LocalTransport` (every rank in this process),
 `SpmdTransport` (one process per rank, torch.distributed). The same plan runs on both, with the
@@ -137,9 +137,13 @@ class PlanRunner(Interpreter):
         trained = self.in_flight.pop(0)
         live = self.model_ref(overlap.role).version  # the version batch `trained` trains (it makes live+1)
         self._refresh(trained.env, batch)
-        issued = self._issue(batch, overlap.rollout[:overlap.split], more_prompts)
+        # The local transport runs each command as it is sent on an executor that keeps one version:
+        # it plays the whole rollout lane first (generation must read version i before the update
+        # makes i+1), which is the same schedule in order, with the same numbers.
+        split = len(overlap.rollout) if isinstance(self.transport, LocalTransport) else overlap.split
+        issued = self._issue(batch, overlap.rollout[:split], more_prompts)
         self._run_lane(trained, overlap.train, more_prompts, "train")
-        self._run_lane(issued, overlap.rollout[overlap.split:], more_prompts, "rollout")
+        self._run_lane(issued, overlap.rollout[split:], more_prompts, "rollout")
         self.in_flight.append(issued)
         self._slot = trained.slot
         with self._context(plan.steps[-1]):
