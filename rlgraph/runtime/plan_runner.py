@@ -43,7 +43,7 @@ from rlgraph.plan.plan import Loop, Offload, Stage, SyncWeights, Transfer
 from rlgraph.runtime.eager import Interpreter, flatten_metrics, run_node
 # The errors are re-exported here, where callers have always imported them from.
 from rlgraph.runtime.errors import PlanInputError, PlanStepError, WorkerFailure
-from rlgraph.runtime.inflight import InFlight, slot_name, slot_program
+from rlgraph.runtime.inflight import InFlight, decode, encode, slot_name, slot_program
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
 from rlgraph.runtime.transport import LocalTransport, SyncRoute, Transport
 
@@ -200,6 +200,56 @@ class PlanRunner(Interpreter):
         self.transport.restore_state(state, where)
         self.versions.clear()  # asked again of the ranks
         self.in_flight, self.batches = [], 0  # batches generated before the restore belong to another trajectory
+
+    def export_in_flight(self) -> dict[str, Any] | None:
+        """The batches in flight (staleness >= 1) as plain data: each one's controller values and the
+        pieces its train lane will read on each rank; None for a synchronous plan."""
+        if self.compiled.plan.overlap is None:
+            return None
+        pieces = self._handed_off()
+        batches = [{"slot": item.slot, "version": item.version, "batch": item.batch,
+                    "controller": [[node.name, encode(value)] for node, value in item.env.items()],
+                    "workers": [[name, rank, encode(self.transport.fetch(slot_name(name, item.slot), rank))]
+                                for name, ranks in pieces.items() for rank in ranks]} for item in self.in_flight]
+        return {"batches_issued": self.batches, "in_flight": batches}
+
+    def import_in_flight(self, data: Mapping[str, Any] | None, where: str = "the checkpoint") -> None:
+        """Put back what `export_in_flight` saved: the next call trains those batches."""
+        overlap = self.compiled.plan.overlap
+        saved = (data or {}).get("in_flight", [])
+        if overlap is None or not data:
+            if saved:
+                raise RLGraphError(f"{where} holds {len(saved)} batch(es) in flight (asynchronous RL), but this plan is "
+                                   "synchronous; resume it with the staleness it was saved with")
+            return
+        if len(saved) != overlap.staleness:
+            raise RLGraphError(f"{where} holds {len(saved)} batch(es) in flight but staleness={overlap.staleness} keeps "
+                               f"{overlap.staleness}; resume with the staleness the run was saved with")
+        self.in_flight, self.batches = [], int(data["batches_issued"])
+        for item in saved:
+            env = {self.nodes[name]: decode(value) for name, value in item["controller"]}
+            for name, rank, value in item["workers"]:
+                self.transport.scatter(slot_name(name, item["slot"]), decode(value), ((rank,), 1))  # the piece, as it was
+            self.in_flight.append(InFlight(item["slot"], env, item["version"], item["batch"]))
+
+    def _handed_off(self) -> dict[str, tuple[int, ...]]:
+        """The worker-side values of the rollout lane that the train lane or the output reads, and the
+        ranks holding a piece of each."""
+        plan, overlap = self.compiled.plan, self.compiled.plan.overlap
+        holders: dict[str, tuple[int, ...]] = {}
+        for index in overlap.rollout:
+            step = plan.steps[index]
+            if isinstance(step, Stage) and step.group != CONTROLLER:
+                holders.update({name: self.groups[step.group].ranks for name in step.nodes})
+            elif isinstance(step, Transfer) and step.dst in self.groups:
+                holders[self._step_node(step).name] = self.groups[step.dst].ranks
+        readers = [self.compiled.program.output]
+        for index in overlap.train:
+            step = plan.steps[index]
+            names = step.nodes if isinstance(step, Stage) else (self._step_node(step).name,) if not isinstance(step, Offload) else ()
+            readers.extend(self.nodes[name] for name in names)
+        read = {arg.name for node in readers for arg in node.all_input_nodes}
+        return {name: ranks for name, ranks in holders.items() if name in read}
 
     # -- inputs and outputs --------------------------------------------------------------------
     def _bind(self, lowered: Any, batch: Any, slots: tuple[int | None, ...] = (None,), keep: tuple[str, ...] = ()
