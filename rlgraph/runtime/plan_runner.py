@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
 import torch.fx as fx
@@ -77,6 +77,9 @@ class PlanRunner(Interpreter):
         self._slot: int | None = None  # the batch slot the commands being sent belong to (None: synchronous)
         self.in_flight: list[InFlight] = []  # issued batches not trained yet, oldest first
         self.batches = 0  # batches issued so far
+        # Asynchronous RL: called with a batch's number once its rollout lane has run (so what the
+        # controller's reward functions measured since the last call belongs to that batch).
+        self.on_rollout: Callable[[int], None] | None = None
         overlap = compiled.plan.overlap
         if overlap is None:
             transport.load(self._key, compiled.program)
@@ -133,6 +136,7 @@ class PlanRunner(Interpreter):
         if not self.in_flight:  # the run's first call: batches 0..k-1 have no training to overlap with
             for _ in range(k):
                 self.in_flight.append(self._issue(batch, overlap.rollout, more_prompts))
+                self._rollout_done(self.in_flight[-1])
                 batch = more_prompts()
         trained = self.in_flight.pop(0)
         live = self.model_ref(overlap.role).version  # the version batch `trained` trains (it makes live+1)
@@ -145,6 +149,7 @@ class PlanRunner(Interpreter):
         self._run_lane(trained, overlap.train, more_prompts, "train")
         self._run_lane(issued, overlap.rollout[split:], more_prompts, "rollout")
         self.in_flight.append(issued)
+        self._rollout_done(issued)
         self._slot = trained.slot
         with self._context(plan.steps[-1]):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, trained.env))
@@ -164,6 +169,10 @@ class PlanRunner(Interpreter):
         self.batches += 1
         self._run_lane(item, steps, more_prompts, "rollout")
         return item
+
+    def _rollout_done(self, item: InFlight) -> None:
+        if self.on_rollout is not None:
+            self.on_rollout(item.batch)
 
     def _run_lane(self, item: InFlight, steps: tuple[int, ...], more_prompts: MorePrompts | None, lane: str) -> None:
         self._slot = item.slot
