@@ -80,6 +80,7 @@ class PlanRunner(Interpreter):
         # Asynchronous RL: called with a batch's number once its rollout lane has run (so what the
         # controller's reward functions measured since the last call belongs to that batch).
         self.on_rollout: Callable[[int], None] | None = None
+        self._lanes: dict[int, str] = {}  # plan step -> the lane and batch it was last sent for
         overlap = compiled.plan.overlap
         if overlap is None:
             transport.load(self._key, compiled.program)
@@ -109,8 +110,10 @@ class PlanRunner(Interpreter):
         """Run one plan step (a filter's step with its refill loop), timed; a failure names the step."""
         start = time.perf_counter()
         self.transport.at_step(step)
+        if lane:  # a pipelined failure may surface steps later: it is named with the lane it was sent for
+            self._lanes[step.index] = lane
         loop = next((loop for loop in self.compiled.plan.loops if loop.filter_step == step.index), None)
-        with self._context(step, lane):
+        with self._context(step):
             if loop is not None:
                 self._run_filter_step(step, loop, env, more_prompts)
             else:
@@ -343,8 +346,8 @@ class PlanRunner(Interpreter):
             self._run_step(self.compiled.plan.steps[index], env)
 
     # -- errors ----------------------------------------------------------------------------------
-    def _context(self, step: Any, lane: str = "") -> _StepContext:
-        return _StepContext(step, self.groups, lane)
+    def _context(self, step: Any) -> _StepContext:
+        return _StepContext(step, self.groups, self._lanes)
 
     def close(self) -> None:
         self.transport.close()
@@ -353,10 +356,10 @@ class PlanRunner(Interpreter):
 class _StepContext:
     """Turns a worker's failure into an error naming the plan step, its stage, role and rank."""
 
-    def __init__(self, step: Any, groups: Mapping[str, Any], lane: str = ""):
+    def __init__(self, step: Any, groups: Mapping[str, Any], lanes: Mapping[int, str]):
         self.step = step
         self.groups = groups
-        self.lane = lane  # asynchronous RL: which lane and batch the step ran for
+        self.lanes = lanes  # asynchronous RL: the lane and batch each step was last sent for
 
     def __enter__(self) -> None:
         return None
@@ -367,8 +370,9 @@ class _StepContext:
         step = error.step or self.step
         role = _role_of(step)
         where = f"rank {error.rank}" if error.rank is not None else "its ranks"
+        lane = self.lanes.get(step.index, "")
         raise PlanStepError(
-            f"plan step [{step.index}] failed on {where} (role {role!r}{', ' + self.lane if self.lane else ''}):\n  {step.text().splitlines()[0].strip()}\n"
+            f"plan step [{step.index}] failed on {where} (role {role!r}{', ' + lane if lane else ''}):\n  {step.text().splitlines()[0].strip()}\n"
             f"  {error}" + (f"\n  worker traceback (last lines):\n{_indent(error.cause)}" if error.cause else "")
         ) from error
 

@@ -130,3 +130,34 @@ def test_staleness_1_on_spmd_with_a_split_placement_matches_local():
         assert {report["served"] for report in transport.weights_report("policy").values()} == {None, 2}
     assert [m["rollout/staleness"] for m in spmd] == [0.0, 1.0, 1.0]
     assert local[2]["policy/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_a_generator_dying_mid_run_is_reported_with_the_step_the_lane_the_batch_and_the_rank():
+    import os
+    import signal
+
+    from rlgraph.backends.world import RoleSpec, WorldSpec
+    from rlgraph.runtime.plan_runner import PlanStepError
+    from rlgraph.runtime.spmd import SpmdTransport
+    from rlgraph.testing.tiny import length_parity_reward
+
+    box, calls = [], []
+
+    def reward_that_kills_the_generator(completions, **_):  # on the controller; its third call scores batch 2
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(box[0].processes[1].pid, signal.SIGKILL)
+        return length_parity_reward(completions)
+
+    world = WorldSpec({"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": reward_that_kills_the_generator},
+                      max_new_tokens=5)
+    compiled = compile_grpo(1, max_new_tokens=5)
+    with SpmdTransport(compiled.plan, world, device="cpu", timeout_s=30) as transport:
+        box.append(transport)
+        runner, (more, _) = PlanRunner(compiled, transport, controller=world.controller()), source()
+        runner.run(prompts(4), more_prompts=more)  # batches 0 and 1 generated, batch 0 trained
+        with pytest.raises(PlanStepError) as caught:
+            runner.run(more(), more_prompts=more)
+    message = str(caught.value)
+    assert "rank 1" in message and "SIGKILL" in message and "rollout lane, batch 2" in message, message
