@@ -1,12 +1,18 @@
 """`staleness=k`: the option's checks, the `overlap` pass's lanes, and what the plan prints."""
 
+import inspect
+
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import rlgraph as rg
+import rlgraph.testing as rgt
 from rlgraph import functional as F
 from rlgraph.algorithms import ALGORITHMS, grpo
 from rlgraph.ir.errors import ConfigError
-from rlgraph.passes.options import CompileOptions
+from rlgraph.passes.options import CompileOptions, PlacementConfigError
+from rlgraph.plan.memory import PlacementError
+from rlgraph.plan.mesh import Mesh
 from rlgraph.plan.plan import Plan
 
 SPLIT = rg.split({"policy": 1, "rollout": 1})
@@ -118,3 +124,24 @@ def test_auto_placement_counts_the_overlap_and_picks_a_split_when_staleness_lets
     assert overlapped.cost_analysis().step_seconds < sync.cost_analysis().total
     ranked = [candidate.cost.step_seconds for candidate in overlapped.search.ranked]
     assert ranked == sorted(ranked)
+
+
+OFF_POLICY = sorted(name for name in ALGORITHMS if name not in ("sft", "evaluate"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_lanes_keep_their_invariants_for_any_algorithm_mesh_placement_and_bound(data):
+    name = data.draw(st.sampled_from(OFF_POLICY))
+    mesh = data.draw(st.sampled_from([Mesh.parse("cpu:2"), Mesh.parse("gpu:8")]))
+    roles = ("policy", "ref", "critic") if name == "ppo" else ("policy", "ref")
+    placement = data.draw(rgt.strategies.placements(mesh, roles))
+    staleness, hparams = data.draw(st.integers(1, 3)), data.draw(st.sampled_from([{}, {"kl": 0.01}, {"tis_cap": 2.0}]))
+    takes = inspect.signature(ALGORITHMS[name].fn).parameters
+    hparams = {key: value for key, value in hparams.items() if key in takes}
+    try:
+        compiled = rg.compile(ALGORITHMS[name], mesh=mesh, placement=placement, sizes={"B": 8, "P": 8, "T": 4},
+                              staleness=staleness, **hparams)
+    except (PlacementConfigError, PlacementError):
+        return  # a placement this mesh or engine cannot run: refused before the lanes
+    rgt.assert_plan_invariants(compiled)
