@@ -106,12 +106,12 @@ def test_filter_groups_refills_inside_the_rollout_lane_drawing_prompts_in_the_sy
     assert ahead_drawn > sync_drawn  # and batch 3 (with its refills) was drawn ahead of time
 
 
-@pytest.mark.slow
-def test_staleness_1_on_spmd_with_a_split_placement_matches_local():
-    # Rank 0 trains batch i while rank 1 generates batch i+1: the same schedule local plays in order, so the
-    # same numbers within what two runtimes' summation orders can differ by (tests/helpers.py derives RTOL).
+def async_matches_local(start_transport) -> list[dict]:
+    """Three staleness-1 steps on `start_transport` (split placement: rank 0 trains batch i while rank 1
+    generates batch i+1) and on local, which plays the same schedule in order: the same numbers within
+    what two runtimes' summation orders can differ by (tests/helpers.py derives RTOL). Returns the
+    remote run's metrics."""
     from rlgraph.backends.world import RoleSpec, WorldSpec
-    from rlgraph.runtime.spmd import SpmdTransport
     from rlgraph.testing.tiny import length_parity_reward
     from tests.helpers import assert_same_metrics, assert_same_training
 
@@ -121,15 +121,22 @@ def test_staleness_1_on_spmd_with_a_split_placement_matches_local():
     before = state_of(local_executor.models["policy"])
     local_runner, (more, _) = PlanRunner(compiled, local_executor), source()
     local = [local_runner.run(prompts(4) if step == 0 else more(), more_prompts=more)[1] for step in range(3)]
-    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+    with start_transport(compiled.plan, world, device="cpu") as transport:
         runner, (more, _) = PlanRunner(compiled, transport, controller=world.controller()), source()
-        spmd = [runner.run(prompts(4) if step == 0 else more(), more_prompts=more)[1] for step in range(3)]
-        for expected, got in zip(local, spmd):
+        remote = [runner.run(prompts(4) if step == 0 else more(), more_prompts=more)[1] for step in range(3)]
+        for expected, got in zip(local, remote):
             assert_same_metrics(expected, got)
         assert_same_training(local_executor.models["policy"], transport.pull_state("policy"), before, steps=3)
         assert {report["served"] for report in transport.weights_report("policy").values()} == {None, 2}
-    assert [m["rollout/staleness"] for m in spmd] == [0.0, 1.0, 1.0]
     assert local[2]["policy/grad_norm"] > 0
+    return remote
+
+
+@pytest.mark.slow
+def test_staleness_1_on_spmd_with_a_split_placement_matches_local():
+    from rlgraph.runtime.spmd import SpmdTransport
+
+    assert [m["rollout/staleness"] for m in async_matches_local(SpmdTransport)] == [0.0, 1.0, 1.0]
 
 
 @pytest.mark.slow
