@@ -168,3 +168,32 @@ def test_a_generator_dying_mid_run_is_reported_with_the_step_the_lane_the_batch_
             runner.run(more(), more_prompts=more)
     message = str(caught.value)
     assert "rank 1" in message and "SIGKILL" in message and "rollout lane, batch 2" in message, message
+
+
+@pytest.mark.slow
+def test_a_spmd_checkpoint_with_a_batch_in_flight_resumes_exactly_on_fresh_workers(tmp_path):
+    # The batch in flight lives on two ranks (rank 1 generated it, rank 0 holds what it sent for training):
+    # each rank's piece is saved and put back, so the resumed step trains it exactly as the uninterrupted run.
+    from rlgraph.backends.world import RoleSpec, WorldSpec
+    from rlgraph.runtime.spmd import SpmdTransport
+    from rlgraph.testing.tiny import length_parity_reward
+    from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
+
+    world = WorldSpec({"policy": RoleSpec(optimizer="adamw", lr=1e-3)}, {"reward": length_parity_reward},
+                      max_new_tokens=5)
+    compiled = compile_grpo(1, max_new_tokens=5)
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        runner, (more, drawn) = PlanRunner(compiled, transport, controller=world.controller()), source()
+        runner.run(prompts(4), more_prompts=more)
+        path = save_checkpoint(tmp_path, 1, runner.export_state(), {"in_flight": runner.export_in_flight()})
+        position = drawn[0]
+        uninterrupted = runner.run(more(), more_prompts=more)[1]
+        final = transport.pull_state("policy")
+    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        resumed, (more, drawn) = PlanRunner(compiled, transport, controller=world.controller()), source()
+        extra = load_checkpoint(path, resumed)
+        resumed.import_in_flight(extra["in_flight"])
+        drawn[0] = position  # the sampler's position, as a checkpoint keeps it
+        assert resumed.run(more(), more_prompts=more)[1] == uninterrupted
+        assert all(torch.equal(value, final[name]) for name, value in transport.pull_state("policy").items())
+    assert uninterrupted["rollout/staleness"] == 1.0
