@@ -258,8 +258,10 @@ class PlanRunner(Interpreter):
         readers = [self.compiled.program.output]
         for index in overlap.train:
             step = plan.steps[index]
-            names = step.nodes if isinstance(step, Stage) else (self._step_node(step).name,) if not isinstance(step, Offload) else ()
-            readers.extend(self.nodes[name] for name in names)
+            if isinstance(step, Stage):
+                readers.extend(self.nodes[name] for name in step.nodes)
+            elif not isinstance(step, Offload):  # a transfer or a weight sync: its one node
+                readers.append(self._step_node(step))
         read = {arg.name for node in readers for arg in node.all_input_nodes}
         return {name: ranks for name, ranks in holders.items() if name in read}
 
@@ -372,7 +374,8 @@ class _StepContext:
         where = f"rank {error.rank}" if error.rank is not None else "its ranks"
         lane = self.lanes.get(step.index, "")
         raise PlanStepError(
-            f"plan step [{step.index}] failed on {where} (role {role!r}{', ' + lane if lane else ''}):\n  {step.text().splitlines()[0].strip()}\n"
+            f"plan step [{step.index}] failed on {where} (role {role!r}{', ' + lane if lane else ''}):\n"
+            f"  {step.text().splitlines()[0].strip()}\n"
             f"  {error}" + (f"\n  worker traceback (last lines):\n{_indent(error.cause)}" if error.cause else "")
         ) from error
 
