@@ -5,7 +5,7 @@
 
 Rank 0 trains the policy (FSDP2 on one rank), rank 1 generates (the native engine); with
 staleness 0 each waits for the other, with staleness 1 rank 1 generates batch i+1 while rank 0
-trains batch i. The configuration (tiny Qwen2, GRPO, AdamW 1e-4) is sized so that generation and
+trains batch i (and the controller scores batch i+1). The configuration (tiny Qwen2, GRPO, AdamW 1e-4) is sized so that generation and
 training take similar time (`--epochs` sets the training side; the script prints both lanes'
 busy time per step so you can check). Each round starts a fresh runner of each plan on the same
 two workers (staleness 0, then 1) and times `--steps` steps after the first (which for staleness
@@ -27,9 +27,21 @@ from rlgraph.runtime.spmd import SpmdTransport, resolve_device
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
 
 
+def _reward(wait_ms: float):
+    """The tiny length-parity reward, waiting `wait_ms` per call first (a sleep: wall time, no CPU)."""
+    if not wait_ms:
+        return length_parity_reward
+
+    def waiting_reward(completions, **fields):
+        time.sleep(wait_ms / 1e3)
+        return length_parity_reward(completions, **fields)
+
+    return waiting_reward
+
+
 def _compile(args, staleness: int):
     return rg.compile(ALGORITHMS["grpo"], mesh=f"{'cpu' if args.device == 'cpu' else 'gpu'}:2",
-                      placement=rg.split({"policy": 1, "rollout": 1}), sizes={"B": args.rows, "P": 8, "T": args.tokens},
+                      placement=rg.split({"policy": 1, "rollout": 1}, checkpointing=False), sizes={"B": args.rows, "P": 8, "T": args.tokens},
                       n=args.n, max_new_tokens=args.tokens, epochs=args.epochs, staleness=staleness, engine="native")
 
 
@@ -59,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--tokens", type=int, default=8, help="new tokens per sample (T)")
     parser.add_argument("--epochs", type=int, default=2, help="update epochs: the training side's work")
+    parser.add_argument("--reward-ms", type=float, default=0.0,
+                        help="each reward call also waits this long, using no CPU (a sandboxed code reward, a remote "
+                             "reward model); on a loaded machine this shows the overlap that CPU contention hides")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     args = parser.parse_args(argv)
     args.device = resolve_device(args.device)
-    world = WorldSpec({"policy": RoleSpec(optimizer="adamw", lr=1e-4)}, {"reward": length_parity_reward},
+    world = WorldSpec({"policy": RoleSpec(optimizer="adamw", lr=1e-4)}, {"reward": _reward(args.reward_ms)},
                       max_new_tokens=args.tokens)
     plans = {staleness: _compile(args, staleness) for staleness in (0, 1)}
     print(plans[1].as_text().split("async:")[1].strip().splitlines()[-1].strip())  # the plan's own estimate
@@ -77,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     sync, ahead = statistics.median(rates[0]), statistics.median(rates[1])
     print(f"median samples/s: staleness 0 {sync:.1f}, staleness 1 {ahead:.1f}, ratio {ahead / sync:.2f}x "
           f"({args.rounds} rounds x {args.steps} steps, B={args.rows} n={args.n} T={args.tokens} epochs={args.epochs}, "
-          f"{args.device})")
+          f"reward wait {args.reward_ms:g} ms, {args.device})")
     return 0
 
 
