@@ -242,14 +242,26 @@ def _overlap(program: Program, steps: list, options: CompileOptions) -> Overlap:
 
     rollout_groups, train_groups = groups(rollout), groups(train)
     by_name = {group.name: group for group in program.annotations["groups"]}
-    ranks = [{rank for name in names for rank in by_name[name].ranks} for names in (rollout_groups, train_groups)]
-    shared = sorted(ranks[0] & ranks[1])
+
+    def ranks(names) -> set[int]:
+        return {rank for name in names for rank in by_name[name].ranks}
+
+    generating = groups(tuple(i for i in rollout if getattr(steps[i], "phase", "") == "generate"))
+    training = ranks(train_groups)
+    shared, other = sorted(ranks(generating) & training), sorted(ranks(rollout_groups) & training)
     role = program.primitive_nodes("generate")[0].args[0].meta["spec"].role
-    note = "" if not shared else (
-        f"nothing to overlap: both lanes run on rank(s) {', '.join(map(str, shared))} ({', '.join(train_groups)}), so they "
-        f"take turns and staleness {options.staleness} only makes the batches older; give generation ranks of its own, "
-        f"e.g. placement=split({_even_split(options, train_groups)}), or placement='auto', which ranks splits by the "
-        "overlapped step time")
+    if shared:
+        fix = (f"give generation ranks of its own, e.g. placement=split({_even_split(options, train_groups)}), or "
+               "placement='auto', which ranks splits by the overlapped step time") if isinstance(options.placement, Colocated) \
+            else "the train lane's work there reads values that live on the generator's ranks"
+        note = (f"nothing to overlap: generation runs on rank(s) {', '.join(map(str, shared))}, where the train lane also "
+                f"works ({', '.join(train_groups)}), so the lanes take turns and staleness {options.staleness} only makes "
+                f"the batches older; {fix}")
+    elif other:
+        note = (f"the rollout lane also works on rank(s) {', '.join(map(str, other))} of the train lane "
+                f"({', '.join(name for name in rollout_groups if ranks([name]) & training)}): there it waits for the update")
+    else:
+        note = ""
     return Overlap(options.staleness, options.staleness_policy, role, rollout, train, split, rollout_groups, train_groups,
                    not shared, note)
 

@@ -138,7 +138,7 @@ class Overlap:
     split: int                  # how many rollout steps are issued before the train lane
     rollout_groups: tuple[str, ...]
     train_groups: tuple[str, ...]
-    overlapped: bool            # the lanes' groups share no rank: they run at the same time
+    overlapped: bool            # generation runs on ranks that do not train: the lanes run at the same time
     note: str = ""              # why nothing overlaps, and the split to use instead
 
     @property
@@ -165,8 +165,10 @@ class Overlap:
         cost = plan.cost_analysis()
         lanes = cost.lane_seconds(self)
         how = "max" if self.overlapped else "sum, no overlap"
+        busiest = f", busiest rank {_seconds(cost.busiest_rank)}" if self.overlapped else ""
         lines.append(f"  estimated step time overlapped: {_seconds(cost.step_seconds)} ({how} of rollout "
-                     f"{_seconds(lanes['rollout'])}, train {_seconds(lanes['train'])}); synchronous: {_seconds(cost.total)}")
+                     f"{_seconds(lanes['rollout'])}, train {_seconds(lanes['train'])}{busiest}); "
+                     f"synchronous: {_seconds(cost.total)}")
         if self.note:
             lines.append(f"  {self.note}")
         return lines

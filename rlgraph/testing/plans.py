@@ -57,7 +57,7 @@ def assert_plan_invariants(compiled: Compiled) -> None:
     6. with `staleness` >= 1, every step is in exactly one lane, no rollout step reads a value a
        train step made (batch i+k's rollout lane never waits for batch i's update), a generate
        stage is in the rollout lane, the issue order runs every step once, and the lanes are called
-       overlapped exactly when their worker groups share no rank.
+       overlapped exactly when generation runs on no rank of the train lane.
     """
     plan, program = compiled.plan, compiled.program
     name = plan.algorithm
@@ -96,10 +96,12 @@ def _check_overlap(compiled: Compiled, position: dict[str, int]) -> None:
     if not any(getattr(plan.steps[i], "phase", "") == "generate" for i in overlap.rollout):
         fail(_PLAN, name, "no generate stage in the rollout lane: nothing runs ahead of the update")
     groups = {group.name: set(group.ranks) for group in plan.groups}
-    rollout = set().union(*(groups[g] for g in overlap.rollout_groups)) if overlap.rollout_groups else set()
+    generating = {rank for i in overlap.rollout if getattr(plan.steps[i], "phase", "") == "generate"
+                  for rank in groups[plan.steps[i].group]}
     trained = set().union(*(groups[g] for g in overlap.train_groups)) if overlap.train_groups else set()
-    if overlap.overlapped != (not rollout & trained):
-        fail(_PLAN, name, f"overlapped={overlap.overlapped}, but the lanes' ranks are {sorted(rollout)} and {sorted(trained)}")
+    if overlap.overlapped != (not generating & trained):
+        fail(_PLAN, name, f"overlapped={overlap.overlapped}, but generation runs on ranks {sorted(generating)} and "
+             f"training on {sorted(trained)}")
 
 
 def _check_loops(compiled: Compiled, position: dict[str, int]) -> None:

@@ -78,6 +78,7 @@ def test_a_split_plan_prints_both_lanes_the_bound_the_versions_and_the_overlappe
     assert {steps[i].phase for i in overlap.train if hasattr(steps[i], "phase")} == {"train"}
     assert steps[overlap.rollout[0]].text().startswith("[0] sync_weights policy@v")  # the sync heads the rollout lane
     assert overlap.overlapped and overlap.rollout_groups == ("rollout",) and overlap.train_groups == ("policy",)
+    assert overlap.note == ""  # nothing of the rollout lane runs on the trainer's rank
     # issued: the sync, the prompts' scatter and generation of batch i+1, then batch i's update, then the rest
     assert [steps[i].text().split()[1] for _, i in overlap.order[:4]] == ["sync_weights", "scatter", "generate", "train"]
     text = compiled.as_text()
@@ -92,12 +93,22 @@ def test_a_split_plan_prints_both_lanes_the_bound_the_versions_and_the_overlappe
     assert Plan.from_json(compiled.plan.to_json()) == compiled.plan
 
 
+def test_a_reference_on_the_trainers_rank_overlaps_generation_and_is_counted_on_that_rank():
+    compiled = compile_tiny(placement=rg.split({"policy": 1, "rollout": 1, "ref": "policy"}), kl=0.01, staleness=1)
+    overlap, cost = compiled.plan.overlap, compiled.cost_analysis()
+    assert overlap.overlapped and "ref" in overlap.rollout_groups
+    assert "the rollout lane also works on rank(s) 0 of the train lane (ref): there it waits for the update" in overlap.note
+    # rank 0 does the reference's forward and the update one after the other: the step is at least that long
+    assert cost.step_seconds == max(*cost.lane_seconds(overlap).values(), cost.busiest_rank) < cost.total
+    assert cost.busiest_rank > cost.lane_seconds(overlap)["train"]
+
+
 def test_a_colocated_plan_says_there_is_nothing_to_overlap_and_recommends_a_split():
     compiled = compile_tiny(placement=rg.colocated(), staleness=2)
     assert not compiled.plan.overlap.overlapped
     assert compiled.cost_analysis().step_seconds == compiled.cost_analysis().total
     text = compiled.as_text()
-    assert "nothing to overlap: both lanes run on rank(s) 0, 1" in text
+    assert "nothing to overlap: generation runs on rank(s) 0, 1, where the train lane also works (policy)" in text
     assert "placement=split({'policy': 1, 'rollout': 1})" in text
     steps = compiled.plan.steps
     onload = next(step for step in steps if getattr(step, "direction", "") == "onload")
