@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", default="tiny-qwen2", help="a preset (e.g. llama3-70b) or a config.json / model directory")
     plan.add_argument("--sizes", default="B=32,P=64,T=256", help="concrete dims, e.g. B=64,P=512,T=1024")
     plan.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. estimator=rloo")
+    plan.add_argument("--staleness", default="0", help="asynchronous RL: generate each batch up to k versions "
+                      "before the one it trains (0: synchronous); the plan prints both lanes")
     plan.add_argument("--dot", help="write the Graphviz diagram here (.dot; .svg/.png rendered if Graphviz is installed)")
     plan.add_argument("--json", help="write the plan as JSON here")
 
@@ -385,7 +387,8 @@ def _plan(args) -> int:
     sizes.setdefault("n", hparams.get("n", 8))
     try:
         compiled = rg.compile(algorithm, mesh=args.mesh, placement=parse_placement(args.placement),
-                              sizes=sizes, models={"policy": args.model}, engine=args.engine, **hparams)
+                              sizes=sizes, models={"policy": args.model}, engine=args.engine,
+                              staleness=_staleness(args.staleness), **hparams)
     except ValueError as exc:  # placement and model-size mistakes; RLGraphError is handled by main
         print(f"rlgraph plan: {exc}", file=sys.stderr)
         return 1
@@ -401,6 +404,16 @@ def _plan(args) -> int:
         with open(args.json, "w") as handle:
             handle.write(compiled.plan.to_json())
     return 0
+
+
+def _staleness(text: str) -> int:
+    """`--staleness k` as a whole number >= 0, the flag named when it is not one."""
+    from rlgraph.ir.errors import ConfigError
+
+    if not text.strip().isdigit():
+        raise ConfigError(f"--staleness {text}: not a whole number >= 0 (0: synchronous; k: each batch is generated "
+                          "by a policy at most k versions older than the one it trains)", fix="--staleness 1")
+    return int(text)
 
 
 def _sizes(text: str) -> dict[str, int]:

@@ -394,3 +394,15 @@ def test_dry_run_never_wraps_plan_lines_when_not_on_a_terminal(tmp_path, capsys)
     assert max(map(len, plan_lines)) > 100  # else this test would not see a wrap
     code, out, _ = run(capsys, "train", str(path), "--dry-run")
     assert code == 0 and set(plan_lines) <= set(out.splitlines())
+
+
+def test_plan_staleness_prints_the_two_lanes_and_bad_values_name_the_flag(capsys):
+    code, out, _ = run(capsys, "plan", "grpo", "--mesh", "cpu:2", "--placement", "split:policy=1,rollout=1",
+                       "--sizes", "B=4,P=8,T=4", "--staleness", "1")
+    assert code == 0 and "async: staleness 1 (wait:" in out and "rollout lane (batch i+1) on rollout rank 1" in out
+    assert "estimated step time overlapped:" in out
+    for bad in ("-1", "x", "1.5"):
+        code, out, err = run(capsys, "plan", "grpo", "--staleness", bad)
+        assert code == 1 and out == "" and f"--staleness {bad}: not a whole number >= 0" in err and "fix: --staleness 1" in err
+    code, _, err = run(capsys, "plan", "sft", "--staleness", "1")
+    assert code == 1 and "staleness=1: algorithm 'sft' generates nothing" in err and "Traceback" not in err

@@ -1,6 +1,6 @@
 """The compiler pipeline, top to bottom, and the `Compiled` result.
 
-    program --infer_specs--> --partition--> --place--> --reshard--> --fuse--> --loops--> --schedule--> Plan
+    program --infer_specs--> --partition--> --place--> --reshard--> --fuse--> --loops--> --overlap--> --schedule--> Plan
 
 Each pass is a pure function `(Program, CompileOptions) -> Program` that ends by verifying its
 output; `schedule` lowers to the `Plan`, and `Compiled` (`rlgraph.plan.compiled`) holds both.
@@ -18,6 +18,7 @@ from rlgraph.passes.fuse import fuse
 from rlgraph.passes.infer_specs import infer_specs
 from rlgraph.passes.loops import loops
 from rlgraph.passes.options import CompileOptions
+from rlgraph.passes.overlap import overlap
 from rlgraph.passes.partition import partition
 from rlgraph.passes.place import place
 from rlgraph.passes.reshard import reshard
@@ -31,6 +32,7 @@ PIPELINE: list[tuple[str, Callable[[Program, CompileOptions], Program]]] = [
     ("reshard", reshard),
     ("fuse", fuse),
     ("loops", loops),
+    ("overlap", overlap),  # staleness >= 1 only: the rollout and train lanes
 ]
 
 

@@ -17,6 +17,10 @@ A refill loop (`filter_groups`) becomes a `Loop` over the steps of its region; n
 nodes inside and outside a loop, so a step either re-runs whole or not at all. A colocated group
 that both generates and trains offloads its optimizer state and gradients right before the stage
 that runs `generate` and onloads them right before the stage that runs its next `update`.
+
+With `staleness` >= 1 the plan also carries its `Overlap`: each step's lane (`overlap.step_lanes`),
+the order one iteration issues them in, and whether the lanes' groups are disjoint (on shared ranks
+they take turns, and the plan says which split would let them overlap).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER
 from rlgraph.plan.memory import PARKED
 from rlgraph.plan.mesh import Colocated
-from rlgraph.plan.plan import Loop, Offload, Plan, Stage, SyncWeights, Transfer
+from rlgraph.plan.plan import Loop, Offload, Overlap, Plan, Stage, SyncWeights, Transfer
 
 
 def _role_phase(node: fx.Node) -> tuple[str, str]:
@@ -215,7 +219,60 @@ def schedule(program: Program, options: CompileOptions) -> Plan:
         steps.append(_stage(len(steps), keys[run[0]], run, program, options, sizes))
     return Plan(program.name, options.mesh, _placement_text(options), program.annotations["groups"],
                 {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, _notes(options),
-                _loop_steps(program, steps), host_memory=program.annotations.get("host_memory", {}))
+                _loop_steps(program, steps), host_memory=program.annotations.get("host_memory", {}),
+                overlap=_overlap(program, steps, options) if options.staleness else None)
+
+
+def _overlap(program: Program, steps: list, options: CompileOptions) -> Overlap:
+    """The lanes of the plan's steps and the order one iteration issues them in: the rollout steps
+    of batch i+k up to the first that waits for an answer from the workers (a gather to the
+    controller, a refill loop), then batch i's train steps, then the rest of the rollout lane."""
+    from rlgraph.passes.overlap import step_lanes
+
+    lanes = step_lanes(program, steps)
+    rollout = tuple(step.index for step in steps if lanes[step.index] == "rollout")
+    train = tuple(step.index for step in steps if lanes[step.index] == "train")
+    filters = {loop.filter_step for loop in _loop_steps(program, steps)}  # a refill round waits for the filter
+    waits = [position for position, index in enumerate(rollout)
+             if index in filters or (isinstance(steps[index], Transfer) and steps[index].dst == CONTROLLER)]
+    split = waits[0] if waits else len(rollout)
+
+    def groups(indices: tuple[int, ...]) -> tuple[str, ...]:
+        """The worker groups a lane keeps busy (a stage of reads only does no work)."""
+        names = [getattr(steps[i], "group", None) for i in indices if getattr(steps[i], "phase", "") != "fields"]
+        return tuple(dict.fromkeys(name for name in names if name and name != CONTROLLER))
+
+    rollout_groups, train_groups = groups(rollout), groups(train)
+    by_name = {group.name: group for group in program.annotations["groups"]}
+
+    def ranks(names) -> set[int]:
+        return {rank for name in names for rank in by_name[name].ranks}
+
+    generating = groups(tuple(i for i in rollout if getattr(steps[i], "phase", "") == "generate"))
+    training = ranks(train_groups)
+    shared, other = sorted(ranks(generating) & training), sorted(ranks(rollout_groups) & training)
+    role = program.primitive_nodes("generate")[0].args[0].meta["spec"].role
+    if shared:
+        fix = (f"give generation ranks of its own, e.g. placement=split({_even_split(options, train_groups)}), or "
+               "placement='auto', which ranks splits by the overlapped step time") if isinstance(options.placement, Colocated) \
+            else "the train lane's work there reads values that live on the generator's ranks"
+        note = (f"nothing to overlap: generation runs on rank(s) {', '.join(map(str, shared))}, where the train lane also "
+                f"works ({', '.join(train_groups)}), so the lanes take turns and staleness {options.staleness} only makes "
+                f"the batches older; {fix}")
+    elif other:
+        note = (f"the rollout lane also works on rank(s) {', '.join(map(str, other))} of the train lane "
+                f"({', '.join(name for name in rollout_groups if ranks([name]) & training)}): there it waits for the update")
+    else:
+        note = ""
+    return Overlap(options.staleness, options.staleness_policy, role, rollout, train, split, rollout_groups, train_groups,
+                   not shared, note)
+
+
+def _even_split(options: CompileOptions, train_groups: tuple[str, ...]) -> str:
+    """The mesh halved between the trainer and a `rollout` generator (one rank each on 2 ranks)."""
+    size = options.mesh.size
+    trainer = train_groups[0] if train_groups else "policy"
+    return f"{{{trainer!r}: {max(size // 2, 1)}, 'rollout': {max(size - size // 2, 1)}}}"
 
 
 def _notes(options: CompileOptions) -> tuple[str, ...]:

@@ -12,7 +12,9 @@ Candidates, for a mesh of `nodes` x `per_node` ranks:
   of two, a multiple of a node, or the mesh less one of those; every other model role sharing
   either group; tp as above, aligned so no replica straddles the trainer's ranks.
 A candidate whose memory check fails (`PlacementError`) is dropped, remembering how far short it
-fell; the others are compiled in full and ranked by total estimated seconds, ties broken by the
+fell; the others are compiled in full and ranked by estimated seconds per iteration (with
+`staleness` >= 1 the overlapped step time: a split whose lanes run at once is paid its slower lane
+only, `CostAnalysis.step_seconds`), ties broken by the
 placement's text, so the result is deterministic. The traced program's spec inference does not
 depend on the placement and runs once.
 """
@@ -67,7 +69,7 @@ class SearchResult:
         lines = [f"placement search: {len(self.ranked) + self.dropped} candidates, {self.dropped} dropped "
                  f"(do not fit or cannot run), {len(self.ranked)} ranked in {self.seconds:.2f} s"]
         for rank, candidate in enumerate(self.ranked[: self.top_k], 1):
-            lines.append(f"  #{rank} {candidate.text:<58} {format_seconds(candidate.cost.total):>9}  "
+            lines.append(f"  #{rank} {candidate.text:<58} {format_seconds(candidate.cost.step_seconds):>9}  "
                          f"({candidate.cost.phases_text()})")
         lines.append("why: " + explain(self.ranked))
         return "\n".join(lines)
@@ -86,8 +88,8 @@ def explain(ranked: tuple[Candidate, ...]) -> str:
     losses = sorted(((theirs.get(p, 0.0) - ours.get(p, 0.0), p) for p in set(ours) | set(theirs)), reverse=True)
     lost = [f"{phase} +{format_seconds(delta)}" for delta, phase in losses if delta > 0][:2]
     gained = [f"{phase} -{format_seconds(-delta)}" for delta, phase in losses if delta < 0][:1]
-    gap = runner.cost.total - best.cost.total
-    if not lost or gap <= 1e-9 * best.cost.total:
+    gap = runner.cost.step_seconds - best.cost.step_seconds
+    if not lost or gap <= 1e-9 * best.cost.step_seconds:
         return why + f". The runner-up {runner.text} is estimated the same: a tie, broken by the placements' text"
     return (why + f". The runner-up {runner.text} is {format_seconds(gap)} slower: it loses on " + ", ".join(lost)
             + (f" and gains only {gained[0]}" if gained else ""))
@@ -179,7 +181,7 @@ def search(program: Program, options: CompileOptions, compile_rest: Callable, *,
         feasible.append(Candidate(placement, describe(placement, options), compiled.plan.cost_analysis(), compiled))
     if not feasible:
         raise PlacementError(_nothing_fits(options, dropped, closest))
-    ranked = tuple(sorted(feasible, key=lambda c: (c.cost.total, c.text)))
+    ranked = tuple(sorted(feasible, key=lambda c: (c.cost.step_seconds, c.text)))
     return SearchResult(ranked, dropped, closest, time.perf_counter() - start, top_k)
 
 

@@ -59,10 +59,27 @@ class CostAnalysis:
 
     device: str
     steps: tuple[StepCost, ...]
+    overlap: object = None  # the plan's `Overlap` (staleness >= 1), whose lanes may run at once
+    busiest_rank: float = 0.0  # seconds of work (stages, offloads) of the rank that has the most, both lanes
 
     @property
     def total(self) -> float:
+        """The synchronous step time: every step after the other."""
         return sum(step.seconds for step in self.steps)
+
+    def lane_seconds(self, overlap) -> dict[str, float]:
+        """Seconds of the rollout lane's steps and of the train lane's."""
+        seconds = {step.index: step.seconds for step in self.steps}
+        return {"rollout": sum(seconds[i] for i in overlap.rollout), "train": sum(seconds[i] for i in overlap.train)}
+
+    @property
+    def step_seconds(self) -> float:
+        """The time per iteration in steady state: when generation and training run on disjoint ranks
+        the slower lane sets the pace (the other runs meanwhile), or a rank both lanes work on, which
+        does their work there one after the other; otherwise the sum of every step."""
+        if self.overlap is None or not self.overlap.overlapped:
+            return self.total
+        return max(*self.lane_seconds(self.overlap).values(), self.busiest_rank)
 
     @property
     def phases(self) -> dict[str, float]:
@@ -112,7 +129,13 @@ def plan_cost(plan, hardware: HardwareProfile | None = None) -> CostAnalysis:
         else:  # Offload: per-rank bytes, every rank over its own host link
             phase, seconds, why = "offload", hw.latency_s + step.bytes / (hw.host_bandwidth * hw.link_efficiency), "host link"
         steps.append(StepCost(step.index, phase, seconds, why))
-    return CostAnalysis(plan.mesh.device, tuple(steps))
+    busy: dict[int, float] = {}
+    for cost, step in zip(steps, plan.steps):
+        group = getattr(step, "group", None)
+        if group in groups and cost.phase not in ("transfer", "sync_weights") and getattr(step, "phase", "") != "fields":
+            for rank in groups[group].ranks:
+                busy[rank] = busy.get(rank, 0.0) + cost.seconds
+    return CostAnalysis(plan.mesh.device, tuple(steps), getattr(plan, "overlap", None), max(busy.values(), default=0.0))
 
 
 def _ranks(groups: Mapping, name: str) -> tuple[int, ...] | None:

@@ -11,6 +11,13 @@ each step names, where the step says.
 - A `sync_weights` step loads the trained weights into the generation engines; an offload or
   onload step parks optimizer state and gradients off the device around generation.
 
+With `staleness=k` >= 1 (`plan.overlap`) one call trains batch i and issues batch i+k's rollout
+lane around it, in the order the plan gives (`Overlap.order`): batch i+k's rollout steps up to the
+first that waits for the workers, batch i's train steps, the rest of batch i+k's. The transports
+pipeline commands, so on split groups generation and training run at the same time; the local
+transport runs each command as it is sent, on one executor holding one version, so it plays batch
+i+k's whole rollout lane before batch i's train lane: the same schedule in order, same numbers. The first call also issues batches 0..k-1 (their prompts from `more_prompts`).
+
 The transport decides only how ranks are reached: `LocalTransport` (every rank in this process),
 `SpmdTransport` (one process per rank, torch.distributed). The same plan runs on both, with the
 same results (tests/runtime/test_spmd.py). The runner keeps the Interpreter's interface, so the
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping, Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
 import torch.fx as fx
@@ -36,6 +43,7 @@ from rlgraph.plan.plan import Loop, Offload, Stage, SyncWeights, Transfer
 from rlgraph.runtime.eager import Interpreter, flatten_metrics, run_node
 # The errors are re-exported here, where callers have always imported them from.
 from rlgraph.runtime.errors import PlanInputError, PlanStepError, WorkerFailure
+from rlgraph.runtime.inflight import InFlight, decode, encode, slot_name, slot_program
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
 from rlgraph.runtime.transport import LocalTransport, SyncRoute, Transport
 
@@ -66,7 +74,18 @@ class PlanRunner(Interpreter):
         self.bytes_moved = 0
         self.step_seconds: dict[int, float] = {}  # plan step index -> seconds spent in it, summed over runs
         self._key = f"{compiled.program.name}-{id(compiled)}"
-        transport.load(self._key, compiled.program)
+        self._slot: int | None = None  # the batch slot the commands being sent belong to (None: synchronous)
+        self.in_flight: list[InFlight] = []  # issued batches not trained yet, oldest first
+        self.batches = 0  # batches issued so far
+        # Asynchronous RL: called with a batch's number once its rollout lane has run (so what the
+        # controller's reward functions measured since the last call belongs to that batch).
+        self.on_rollout: Callable[[int], None] | None = None
+        self._lanes: dict[int, str] = {}  # plan step -> the lane and batch it was last sent for
+        overlap = compiled.plan.overlap
+        if overlap is None:
+            transport.load(self._key, compiled.program)
+        for slot in range(overlap.staleness + 1 if overlap else 0):
+            transport.load(slot_name(self._key, slot), slot_program(compiled.program, slot))
 
     def run(self, program: Any, batch: Any = None, *, more_prompts: MorePrompts | None = None
             ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -75,23 +94,103 @@ class PlanRunner(Interpreter):
         lowered, plan = self.compiled.program, self.compiled.plan
         self._check_divides(batch)
         require_prompt_source(lowered.annotations.get("loops", ()), lowered, more_prompts)
+        if plan.overlap is not None:
+            return self._run_overlapped(batch, more_prompts)
         env = self._bind(lowered, batch)
-        loop_at = {loop.filter_step: loop for loop in plan.loops}
         for step in plan.steps:
-            start = time.perf_counter()
-            self.transport.at_step(step)
-            with self._context(step):
-                if step.index in loop_at:
-                    self._run_filter_step(step, loop_at[step.index], env, more_prompts)
-                else:
-                    self._run_step(step, env)
-            self.step_seconds[step.index] = self.step_seconds.get(step.index, 0.0) + time.perf_counter() - start
+            self._timed_step(step, env, more_prompts)
         with self._context(plan.steps[-1]):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
             self.transport.flush()  # every command of this iteration has finished
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)
         return state, flatten_metrics(metrics)
+
+    def _timed_step(self, step: Any, env: dict[fx.Node, Any], more_prompts: MorePrompts | None, lane: str = "") -> None:
+        """Run one plan step (a filter's step with its refill loop), timed; a failure names the step."""
+        start = time.perf_counter()
+        self.transport.at_step(step)
+        if lane:  # a pipelined failure may surface steps later: it is named with the lane it was sent for
+            self._lanes[step.index] = lane
+        loop = next((loop for loop in self.compiled.plan.loops if loop.filter_step == step.index), None)
+        with self._context(step):
+            if loop is not None:
+                self._run_filter_step(step, loop, env, more_prompts)
+            else:
+                self._run_step(step, env)
+        self.step_seconds[step.index] = self.step_seconds.get(step.index, 0.0) + time.perf_counter() - start
+
+    # -- asynchronous RL (staleness >= 1) ------------------------------------------------------------
+    def _run_overlapped(self, batch: Any, more_prompts: MorePrompts | None) -> tuple[dict[str, Any], dict[str, float]]:
+        """Train the oldest batch in flight while the rollout lane of a new one (on `batch`) runs.
+
+        The first call issues batches 0..k-1 first (`batch`, then `more_prompts()`), and batch k
+        (`more_prompts()`) around the training of batch 0; each later call's `batch` is batch i+k.
+        """
+        overlap, lowered = self.compiled.plan.overlap, self.compiled.program
+        k, plan = overlap.staleness, self.compiled.plan
+        if not self.in_flight and more_prompts is None:
+            raise PlanInputError(f"staleness={k}: the first iteration generates {k} batch(es) ahead of the one it trains, "
+                                 "but this run was given no prompt source\n  fix: pass one, e.g. runner.run(batch, "
+                                 "more_prompts=lambda: next_prompts()) (the Trainer passes its next_batch)")
+        keep = tuple(slot_name(node.name, item.slot) for item in self.in_flight for node in lowered.graph.nodes
+                     if node.op != "placeholder")
+        self._bind(lowered, batch, tuple(range(k + 1)), keep)  # every slot reads the live versions
+        if not self.in_flight:  # the run's first call: batches 0..k-1 have no training to overlap with
+            for _ in range(k):
+                self.in_flight.append(self._issue(batch, overlap.rollout, more_prompts))
+                self._rollout_done(self.in_flight[-1])
+                batch = more_prompts()
+        trained = self.in_flight.pop(0)
+        live = self.model_ref(overlap.role).version  # the version batch `trained` trains (it makes live+1)
+        self._refresh(trained.env, batch)
+        # The local transport runs each command as it is sent on an executor that keeps one version:
+        # it plays the whole rollout lane first (generation must read version i before the update
+        # makes i+1), which is the same schedule in order, with the same numbers.
+        split = len(overlap.rollout) if isinstance(self.transport, LocalTransport) else overlap.split
+        issued = self._issue(batch, overlap.rollout[:split], more_prompts)
+        self._run_lane(trained, overlap.train, more_prompts, "train")
+        self._run_lane(issued, overlap.rollout[split:], more_prompts, "rollout")
+        self.in_flight.append(issued)
+        self._rollout_done(issued)
+        self._slot = trained.slot
+        with self._context(plan.steps[-1]):
+            state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, trained.env))
+            self.transport.flush()
+        self._slot = None
+        self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
+        self.remember(state)
+        lag = live - trained.version
+        assert 0 <= lag <= k, (lag, k)  # the schedule's guarantee; a violation is a runner bug
+        return state, {**flatten_metrics(metrics), "rollout/staleness": float(lag)}
+
+    def _issue(self, batch: Any, steps: tuple[int, ...], more_prompts: MorePrompts | None) -> InFlight:
+        """A new batch on `batch`'s prompts, generated by the live version, and its first rollout steps."""
+        overlap = self.compiled.plan.overlap
+        env = dict(zip(self.compiled.program.inputs, self.bind_inputs(self.compiled.program, batch)))
+        item = InFlight(self.batches % (overlap.staleness + 1), env, self.model_ref(overlap.role).version, self.batches)
+        self.batches += 1
+        self._run_lane(item, steps, more_prompts, "rollout")
+        return item
+
+    def _rollout_done(self, item: InFlight) -> None:
+        if self.on_rollout is not None:
+            self.on_rollout(item.batch)
+
+    def _run_lane(self, item: InFlight, steps: tuple[int, ...], more_prompts: MorePrompts | None, lane: str) -> None:
+        self._slot = item.slot
+        try:
+            for index in steps:
+                self._timed_step(self.compiled.plan.steps[index], item.env, more_prompts, f"{lane} lane, batch {item.batch}")
+        finally:
+            self._slot = None
+
+    def _refresh(self, env: dict[fx.Node, Any], batch: Any) -> None:
+        """The train lane reads the live model versions and carried values, not those of when its batch was issued."""
+        lowered = self.compiled.program
+        for node, value in zip(lowered.inputs, self.bind_inputs(lowered, batch)):
+            if isinstance(node.meta["spec"], S.ModelSpec) or "carry" in node.meta:
+                env[node] = value
 
     def _check_divides(self, batch: Any) -> None:
         """Every data-parallel rank gets the same number of whole prompts (and so of groups and
@@ -112,6 +211,59 @@ class PlanRunner(Interpreter):
     def import_state(self, state: Any, where: str = "the checkpoint") -> None:
         self.transport.restore_state(state, where)
         self.versions.clear()  # asked again of the ranks
+        self.in_flight, self.batches = [], 0  # batches generated before the restore belong to another trajectory
+
+    def export_in_flight(self) -> dict[str, Any] | None:
+        """The batches in flight (staleness >= 1) as plain data: each one's controller values and the
+        pieces its train lane will read on each rank; None for a synchronous plan."""
+        if self.compiled.plan.overlap is None:
+            return None
+        pieces = self._handed_off()
+        batches = [{"slot": item.slot, "version": item.version, "batch": item.batch,
+                    "controller": [[node.name, encode(value)] for node, value in item.env.items()],
+                    "workers": [[name, rank, encode(self.transport.fetch(slot_name(name, item.slot), rank))]
+                                for name, ranks in pieces.items() for rank in ranks]} for item in self.in_flight]
+        return {"batches_issued": self.batches, "in_flight": batches}
+
+    def import_in_flight(self, data: Mapping[str, Any] | None, where: str = "the checkpoint") -> None:
+        """Put back what `export_in_flight` saved: the next call trains those batches."""
+        overlap = self.compiled.plan.overlap
+        saved = (data or {}).get("in_flight", [])
+        if overlap is None or not data:
+            if saved:
+                raise RLGraphError(f"{where} holds {len(saved)} batch(es) in flight (asynchronous RL), but this plan is "
+                                   "synchronous; resume it with the staleness it was saved with")
+            return
+        if len(saved) != overlap.staleness:
+            raise RLGraphError(f"{where} holds {len(saved)} batch(es) in flight but staleness={overlap.staleness} keeps "
+                               f"{overlap.staleness}; resume with the staleness the run was saved with")
+        self.in_flight, self.batches = [], int(data["batches_issued"])
+        for item in saved:
+            env = {self.nodes[name]: decode(value) for name, value in item["controller"]}
+            for name, rank, value in item["workers"]:
+                self.transport.scatter(slot_name(name, item["slot"]), decode(value), ((rank,), 1))  # the piece, as it was
+            self.in_flight.append(InFlight(item["slot"], env, item["version"], item["batch"]))
+
+    def _handed_off(self) -> dict[str, tuple[int, ...]]:
+        """The worker-side values of the rollout lane that the train lane or the output reads, and the
+        ranks holding a piece of each."""
+        plan, overlap = self.compiled.plan, self.compiled.plan.overlap
+        holders: dict[str, tuple[int, ...]] = {}
+        for index in overlap.rollout:
+            step = plan.steps[index]
+            if isinstance(step, Stage) and step.group != CONTROLLER:
+                holders.update({name: self.groups[step.group].ranks for name in step.nodes})
+            elif isinstance(step, Transfer) and step.dst in self.groups:
+                holders[self._step_node(step).name] = self.groups[step.dst].ranks
+        readers = [self.compiled.program.output]
+        for index in overlap.train:
+            step = plan.steps[index]
+            if isinstance(step, Stage):
+                readers.extend(self.nodes[name] for name in step.nodes)
+            elif not isinstance(step, Offload):  # a transfer or a weight sync: its one node
+                readers.append(self._step_node(step))
+        read = {arg.name for node in readers for arg in node.all_input_nodes}
+        return {name: ranks for name, ranks in holders.items() if name in read}
 
     def write_state(self, directory: str) -> dict[str, Any] | None:
         """Each rank writes its own rows of a checkpoint into `directory` (None: one process, write it whole)."""
@@ -122,16 +274,18 @@ class PlanRunner(Interpreter):
         self.versions.clear()
 
     # -- inputs and outputs --------------------------------------------------------------------
-    def _bind(self, lowered: Any, batch: Any) -> dict[fx.Node, Any]:
-        """The controller's inputs, and each rank's model versions sent to the workers."""
+    def _bind(self, lowered: Any, batch: Any, slots: tuple[int | None, ...] = (None,), keep: tuple[str, ...] = ()
+              ) -> dict[fx.Node, Any]:
+        """The controller's inputs, and each rank's model versions sent to the workers (under each
+        of `slots`' names; the values named in `keep` stay on the workers)."""
         env: dict[fx.Node, Any] = {}
         bindings: dict[int, dict[str, Any]] = {}
         for node, value in zip(lowered.inputs, self.bind_inputs(lowered, batch)):
             if isinstance(node.meta["spec"], S.ModelSpec):
                 for rank in self.groups[node.meta["role"]].ranks:
-                    bindings.setdefault(rank, {})[node.name] = value
+                    bindings.setdefault(rank, {}).update({slot_name(node.name, slot): value for slot in slots})
             env[node] = value
-        self.transport.begin(bindings)
+        self.transport.begin(bindings, keep)
         return env
 
     def model_ref(self, role: str) -> ModelRef:
@@ -144,7 +298,7 @@ class PlanRunner(Interpreter):
         """A node's value on the controller, fetched from the first rank of its group if it lives there."""
         if node in env:
             return env[node]
-        return self.transport.fetch(node.name, self.groups[node.meta["role"]].ranks[0])
+        return self.transport.fetch(slot_name(node.name, self._slot), self.groups[node.meta["role"]].ranks[0])
 
     # -- steps -----------------------------------------------------------------------------------
     def _run_step(self, step: Any, env: dict[fx.Node, Any]) -> None:
@@ -162,23 +316,25 @@ class PlanRunner(Interpreter):
             for name in step.nodes:
                 env[self.nodes[name]] = run_node(self.nodes[name], env, self._primitive)
         else:
-            self.transport.run(self._key, self.groups[step.group].ranks, step.nodes)
+            names = tuple(slot_name(name, self._slot) for name in step.nodes)
+            self.transport.run(slot_name(self._key, self._slot), self.groups[step.group].ranks, names)
 
     def _run_transfer(self, node: fx.Node, env: dict[fx.Node, Any]) -> None:
-        source = node.args[0]
+        source, slot = node.args[0], self._slot
         src, dst = node.meta["layouts"]
         if src == (CONTROLLER,):
-            self.transport.scatter(node.name, env[source], dst)
+            self.transport.scatter(slot_name(node.name, slot), env[source], dst)
         elif dst == (CONTROLLER,):
-            env[node] = self.transport.gather(source.name, src)
+            env[node] = self.transport.gather(slot_name(source.name, slot), src)
         else:
-            self.transport.move(source.name, node.name, src, dst, node.kwargs["kind"], node.meta["per_row"])
+            self.transport.move(slot_name(source.name, slot), slot_name(node.name, slot), src, dst, node.kwargs["kind"],
+                                node.meta["per_row"])
         self.bytes_moved += node.kwargs["nbytes"]
 
     def _run_sync(self, node: fx.Node, step: SyncWeights) -> None:
         src, dst = node.meta["ranks"]
         route = SyncRoute(step.role, tuple(src), tuple(dst), step.buckets, self.compiled.options.bucket_bytes)
-        self.transport.sync_weights(node.name, node.args[0].name, route)
+        self.transport.sync_weights(slot_name(node.name, self._slot), slot_name(node.args[0].name, self._slot), route)
         self.bytes_moved += step.bytes
 
     def _step_node(self, step: Any) -> fx.Node:
@@ -201,7 +357,7 @@ class PlanRunner(Interpreter):
 
     # -- errors ----------------------------------------------------------------------------------
     def _context(self, step: Any) -> _StepContext:
-        return _StepContext(step, self.groups)
+        return _StepContext(step, self.groups, self._lanes)
 
     def close(self) -> None:
         self.transport.close()
@@ -210,9 +366,10 @@ class PlanRunner(Interpreter):
 class _StepContext:
     """Turns a worker's failure into an error naming the plan step, its stage, role and rank."""
 
-    def __init__(self, step: Any, groups: Mapping[str, Any]):
+    def __init__(self, step: Any, groups: Mapping[str, Any], lanes: Mapping[int, str]):
         self.step = step
         self.groups = groups
+        self.lanes = lanes  # asynchronous RL: the lane and batch each step was last sent for
 
     def __enter__(self) -> None:
         return None
@@ -223,8 +380,10 @@ class _StepContext:
         step = error.step or self.step
         role = _role_of(step)
         where = f"rank {error.rank}" if error.rank is not None else "its ranks"
+        lane = self.lanes.get(step.index, "")
         raise PlanStepError(
-            f"plan step [{step.index}] failed on {where} (role {role!r}):\n  {step.text().splitlines()[0].strip()}\n"
+            f"plan step [{step.index}] failed on {where} (role {role!r}{', ' + lane if lane else ''}):\n"
+            f"  {step.text().splitlines()[0].strip()}\n"
             f"  {error}" + (f"\n  worker traceback (last lines):\n{_indent(error.cause)}" if error.cause else "")
         ) from error
 

@@ -8,7 +8,7 @@ of them (tests/runtime/test_transport.py checks the signatures):
 | call | meaning |
 | --- | --- |
 | `load(key, program)` | every worker keeps the lowered program's nodes |
-| `begin(bindings)` | a new iteration; `bindings[rank]` are that rank's inputs (model versions) |
+| `begin(bindings, keep)` | a new iteration; `bindings[rank]` are that rank's inputs (model versions); values named in `keep` (batches in flight) stay |
 | `at_step(step)` | the plan step the next commands belong to (a later failure names it) |
 | `run(key, ranks, names)` | the ranks of a group evaluate nodes `names` on the pieces they hold |
 | `scatter(name, value, layout)` | controller -> ranks: each rank gets its piece of `value` under `layout` |
@@ -76,7 +76,7 @@ class Transport(abc.ABC):
     def load(self, key: str, program: Program) -> None: ...
 
     @abc.abstractmethod
-    def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None: ...
+    def begin(self, bindings: Mapping[int, Mapping[str, Any]], keep: tuple[str, ...] = ()) -> None: ...
 
     @abc.abstractmethod
     def at_step(self, step: Any) -> None: ...
@@ -144,11 +144,11 @@ class LocalTransport(Transport):
     def load(self, key: str, program: Program) -> None:
         self.worker.load(key, program)
 
-    def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None:
+    def begin(self, bindings: Mapping[int, Mapping[str, Any]], keep: tuple[str, ...] = ()) -> None:
         merged: dict[str, Any] = {}
         for values in bindings.values():
             merged.update(values)
-        self.worker.begin(merged)
+        self.worker.begin(merged, keep)
 
     def at_step(self, step: Any) -> None:
         pass  # every command runs as it is sent: a failure is raised within its own step

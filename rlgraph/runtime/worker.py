@@ -42,9 +42,10 @@ class Worker:
         """Keep `program`'s nodes under `key`; stages name nodes of a loaded program."""
         self.programs[key] = {node.name: node for node in program.graph.nodes}
 
-    def begin(self, bindings: Mapping[str, Any]) -> None:
-        """Start an iteration: drop the last one's values, bind inputs (model versions, ...)."""
-        self.store = dict(bindings)
+    def begin(self, bindings: Mapping[str, Any], keep: tuple[str, ...] = ()) -> None:
+        """Start an iteration: drop the last one's values but those named in `keep` (batches still
+        in flight, asynchronous RL), bind inputs (model versions, ...)."""
+        self.store = {**{name: self.store[name] for name in keep if name in self.store}, **bindings}
 
     def run(self, key: str, names: tuple[str, ...]) -> None:
         """Evaluate the nodes `names` of program `key`, in order, on the pieces this rank holds."""

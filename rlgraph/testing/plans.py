@@ -53,7 +53,11 @@ def assert_plan_invariants(compiled: Compiled) -> None:
     4. bytes add up: a transfer moves exactly the bytes of its value at the plan's sizes, and the
        collective, simulated over per-rank shards, delivers the value whole and back again;
     5. a refill loop (`rg.filter_groups`) re-runs exactly the steps of its region, all before the
-       filter's step, and no step outside the loop reads a value made inside it except the filter.
+       filter's step, and no step outside the loop reads a value made inside it except the filter;
+    6. with `staleness` >= 1, every step is in exactly one lane, no rollout step reads a value a
+       train step made (batch i+k's rollout lane never waits for batch i's update), a generate
+       stage is in the rollout lane, the issue order runs every step once, and the lanes are called
+       overlapped exactly when generation runs on no rank of the train lane.
     """
     plan, program = compiled.plan, compiled.program
     name = plan.algorithm
@@ -71,6 +75,33 @@ def assert_plan_invariants(compiled: Compiled) -> None:
                       f"produces its input {arg.name}", node=node.name, input=arg.name)
     _check_collectives(compiled)
     _check_loops(compiled, position)
+    if plan.overlap is not None:
+        _check_overlap(compiled, position)
+
+
+def _check_overlap(compiled: Compiled, position: dict[str, int]) -> None:
+    plan, overlap, name = compiled.plan, compiled.plan.overlap, compiled.plan.algorithm
+    if sorted((*overlap.rollout, *overlap.train)) != list(range(len(plan.steps))):
+        fail(_PLAN, name, "the lanes do not split the steps: each step must be in exactly one",
+             rollout=overlap.rollout, train=overlap.train)
+    if sorted(index for _, index in overlap.order) != list(range(len(plan.steps))):
+        fail(_PLAN, name, "the issue order does not run every step exactly once", order=overlap.order)
+    train = set(overlap.train)
+    for node in compiled.program.graph.nodes:
+        if node.name in position and position[node.name] not in train:
+            made = [arg.name for arg in node.all_input_nodes if position.get(arg.name) in train]
+            if made:
+                fail(_PLAN, name, f"rollout step {position[node.name]} reads {made[0]}, made by train step "
+                     f"{position[made[0]]}: batch i+k would wait for batch i's update", node=node.name)
+    if not any(getattr(plan.steps[i], "phase", "") == "generate" for i in overlap.rollout):
+        fail(_PLAN, name, "no generate stage in the rollout lane: nothing runs ahead of the update")
+    groups = {group.name: set(group.ranks) for group in plan.groups}
+    generating = {rank for i in overlap.rollout if getattr(plan.steps[i], "phase", "") == "generate"
+                  for rank in groups[plan.steps[i].group]}
+    trained = set().union(*(groups[g] for g in overlap.train_groups)) if overlap.train_groups else set()
+    if overlap.overlapped != (not generating & trained):
+        fail(_PLAN, name, f"overlapped={overlap.overlapped}, but generation runs on ranks {sorted(generating)} and "
+             f"training on {sorted(trained)}")
 
 
 def _check_loops(compiled: Compiled, position: dict[str, int]) -> None:

@@ -79,6 +79,8 @@ class RolloutSection(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)             # nucleus sampling (1.0: the whole vocabulary)
     stop: list[str] = Field(default_factory=list)     # a response ends after the first of these strings (kept)
+    staleness: int = Field(0, strict=True, ge=0)       # asynchronous RL: batches generated up to k versions back (docs/async.md)
+    staleness_policy: Literal["wait"] = "wait"        # generation is paced so no batch passes the bound
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -62,6 +62,8 @@ class Trainer:
         self.interpreter.carried = {name: torch.as_tensor(value) for name, value in restored.get("carried", {}).items()}
         if restored.get("torch_rng") is not None:
             torch.set_rng_state(restored["torch_rng"])
+        if hasattr(self.interpreter, "import_in_flight"):  # asynchronous RL: the batches generated ahead
+            self.interpreter.import_in_flight(restored.get("in_flight"), str(path))
         return True
 
     def save(self) -> Path:
@@ -69,6 +71,7 @@ class Trainer:
         extra = {"history": self.history, "sampler": self.sampler.state_dict() if self.sampler is not None else None,
                  "carried": dict(self.interpreter.carried),  # state.carry values (e.g. an adaptive KL coefficient)
                  "torch_rng": torch.get_rng_state(),
+                 "in_flight": getattr(self.interpreter, "export_in_flight", lambda: None)(),
                  "user": self.extra_state() if self.extra_state is not None else {}}
         path = save_checkpoint(self.run_dir, self.step, self.interpreter, extra)  # spmd/Ray ranks write their own rows
         if self.keep_last:

@@ -43,6 +43,9 @@ class _Session:
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
         setup.rewards.start()  # the reward workers import while the models warm up
+        # Asynchronous RL: the reward terms' metrics of each batch generated and not trained yet, by batch
+        # number (batch i is trained at step i+1; it was scored one or more steps before).
+        self.batch_terms: dict[int, dict[str, float]] = {}
 
     def next_batch(self) -> Any:
         return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
@@ -74,6 +77,8 @@ class _Session:
             controller.rewards["reward"].fn = self.setup.rewards  # the same pipeline object: its metrics are read here
             self.runner = PlanRunner(self.setup.rl, self.transport, controller=controller)
             self.eval_runner = PlanRunner(self.setup.eval, self.executor)
+        if self.setup.rl.plan.overlap is not None:
+            self.runner.on_rollout = self.scored
         checkpoint = self.config.checkpoint
         return Trainer(self.setup.rl.program, self.runner, self.next_batch, self.sampler, run_dir=run_dir,
                        checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
@@ -81,12 +86,14 @@ class _Session:
                        extra_state=lambda: {"fingerprint": fingerprint(self.config),
                                             "data": self.data_digest, "config": self.config.to_yaml(),
                                             "lora_base": (run_dir / BASE_FILE).is_file(),
-                                            "eval_before": self.first_eval},
+                                            "eval_before": self.first_eval,
+                                            "batch_terms": [[batch, terms] for batch, terms in self.batch_terms.items()]},
                        load_extra=lambda user: self.keep_first_eval(user, run_dir))
 
     def keep_first_eval(self, user: dict[str, Any], run_dir: Path) -> None:
         """On resume: the run's first evaluation stays its "before" figure (summary.json, the console),
         as in the uninterrupted run; a checkpoint without it (older runs) has it in metrics.jsonl at step 0."""
+        self.batch_terms = {int(batch): dict(terms) for batch, terms in user.get("batch_terms", [])}
         if "eval_before" in user:
             self.first_eval = user["eval_before"]
             return
@@ -155,6 +162,10 @@ class _Session:
         report_reward_failures(self.step, kind, self.setup.rewards.last_failures, self.console)
         return terms
 
+    def scored(self, batch: int) -> None:
+        """Asynchronous RL: batch `batch`'s rollout lane has run; keep its reward terms for its step."""
+        self.batch_terms[batch] = self.pop_rewards("train")
+
     def reset_optimizer(self) -> None:
         """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights."""
         worker = self.executor.models["policy"]
@@ -174,7 +185,8 @@ class _Session:
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""
         metrics, self.step = dict(metrics), step
-        terms = self.pop_rewards("train")
+        # Asynchronous RL: the terms of the batch trained (scored when it was generated), not the newest
+        terms = self.batch_terms.pop(step - 1) if self.runner.on_rollout is not None else self.pop_rewards("train")
         metrics.update(terms)
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
         if accuracy is not None:

@@ -153,8 +153,16 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
-    rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
-                           sizes=sizes, models=models, reward_pool=reward_pool, **extra, **hparams)
+    if rollout.staleness:  # asynchronous RL: the rollout and train lanes (docs/async.md)
+        extra.update(staleness=rollout.staleness, staleness_policy=rollout.staleness_policy)
+    try:
+        rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
+                               sizes=sizes, models=models, reward_pool=reward_pool, **extra, **hparams)
+    except ConfigError as error:  # name the config key the option came from
+        if not error.summary.startswith("staleness="):
+            raise
+        raise ConfigError(f"rollout.{error.summary}", fix=error.fix and error.fix.replace("staleness=", "rollout.staleness=")
+                          ) from None
     if lora and runtime.runtime != "local":
         from rlgraph.backends.fsdp.executor import check_views
 

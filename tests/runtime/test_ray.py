@@ -39,3 +39,9 @@ def test_grpo_on_two_ray_actors_matches_local():
 def test_a_killed_actor_is_reported_with_the_step_the_rank_and_the_node():
     message = failure_when_rank_1_dies_mid_step(RayTransport, lambda t: ray.kill(t.actors[1]))
     assert "rank 1" in message and "died" in message and "on node" in message and "plan step [" in message
+
+
+def test_staleness_1_on_two_ray_actors_with_a_split_placement_matches_local():
+    from tests.runtime.test_async import async_matches_local
+
+    assert [m["rollout/staleness"] for m in async_matches_local(RayTransport)] == [0.0, 1.0, 1.0]

@@ -604,3 +604,65 @@ def test_the_cli_resumes_from_a_chosen_checkpoint_and_names_a_bad_one(full_run, 
     assert "--checkpoint 'abc': no such checkpoint" in capsys.readouterr().err
     assert main(["train", "--resume", str(copy), "--checkpoint", "3"]) == 0
     assert_same_run(run_dir, copy)  # steps 4 trained again from step 3: the same run
+
+
+ASYNC = {"staleness": 1}
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("async")
+    config, _ = make_config(tmp_path, "full", rollout=ASYNC)
+    train(config)
+    return tmp_path / "full"
+
+
+def test_an_async_run_logs_its_lag_and_resumes_exactly_with_its_batch_in_flight(async_run, tmp_path):
+    rows = [row for row in metrics_of(async_run) if "rollout/staleness" in row]
+    assert [row["rollout/staleness"] for row in rows] == [0.0, 1.0, 1.0, 1.0]  # batch 0 is on-policy
+    # the reward terms logged at a step are those of the batch it trained (scored a step earlier), as the
+    # plan's reward is: with the one term `math`, the two are the same number
+    assert all(row["reward/math"] == row["reward"] for row in rows)
+    config, _ = make_config(tmp_path, "half", ["train.steps=2"], rollout=ASYNC)
+    train(config)
+    assert train(load_run_config(tmp_path / "half", ["train.steps=4"]), resume=True).steps == 4
+    assert_same_run(async_run, tmp_path / "half")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rollout.staleness=-1", r"rollout.staleness: Input should be greater than or equal to 0"),
+    ("rollout.staleness=1.5", r"rollout.staleness: Input should be a valid integer"),
+    ("rollout.staleness=true", r"rollout.staleness: Input should be a valid integer"),
+    ("rollout.staleness_policy=drop", r"rollout.staleness_policy: Input should be 'wait'"),
+])
+def test_bad_staleness_values_name_the_key(tmp_path, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        make_config(tmp_path, "bad", [override])
+
+
+def test_a_loss_invalid_off_policy_is_refused_naming_the_config_key(tmp_path):
+    config, _ = make_config(tmp_path, "gpg", ["algorithm.hparams={loss: gpg_loss}"], rollout=ASYNC)
+    with pytest.raises(ConfigError, match=r"rollout.staleness=1: the loss 'loss' of update uses gpg_loss"):
+        train(config)
+
+
+@pytest.mark.slow
+def test_an_async_run_killed_and_resumed_gives_the_same_run(async_run, tmp_path):
+    _, path = make_config(tmp_path, "killed", rollout=ASYNC)
+    target = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "rlgraph", "train", str(path)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        latest = latest_checkpoint(target) if (target / "latest").exists() else None
+        if latest is not None and int(latest.name.split("-")[1]) >= 2:  # a batch is in flight at every checkpoint
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    done = subprocess.run([sys.executable, "-m", "rlgraph", "train", "--resume", str(target)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_run(async_run, target)
