@@ -44,6 +44,13 @@ def test_the_grpo_loop_gives_identical_results_in_process_and_over_http(server, 
     assert in_process == over_http
 
 
+@pytest.mark.parametrize("target", [0.0, 1.5, "0.3"])
+def test_the_warm_base_refuses_a_target_accuracy_sft_cannot_stop_at(target, tmp_path):
+    with pytest.raises(ValueError, match=r"target is the dev accuracy SFT stops at, a number in \(0, 1\)"):
+        load("rl_loop").warm_base(str(tmp_path / "base"), target=target)
+    assert not (tmp_path / "base").exists()  # refused before any training
+
+
 @pytest.mark.slow
 def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
     """~40 s idle (2 min on a loaded 2-core machine): 300 SFT steps make the base, 60 GRPO steps of 16 x 8 on a LoRA tenant.
