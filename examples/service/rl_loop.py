@@ -1,16 +1,23 @@
 """A GRPO loop written by hand against the training service's client, on the arithmetic task.
 
-    python examples/service/rl_loop.py                       # in process (no server)
+    python examples/service/rl_loop.py [--seed 1]             # in process (no server)
     python examples/service/rl_loop.py --url http://127.0.0.1:8000 --api-key tml-...   # over HTTP, same numbers
 
 A service serves a pretrained base; the tiny model is random, so `warm_base` first makes one the
-way `rlgraph demo` does (300 full-weight SFT steps with rlgraph's own `sft` algorithm, written as a
-Hugging Face directory; serve it with `rlgraph serve --model DIR`). The loop then trains a LoRA
-tenant by GRPO: sample n answers per prompt -> reward (exact match) -> group-normalised advantages
-(`rlgraph.functional.group_normalize`) -> `forward_backward(loss_fn="importance_sampling")` ->
-`optim_step`, and prints held-out accuracy (greedy, 100 test problems) before and after. Every
-call is the Tinker SDK's, so `run` takes `rlgraph.service.client.LocalServiceClient` or
-`tinker.ServiceClient` alike.
+way `rlgraph demo` does (full-weight SFT with rlgraph's own `sft` algorithm until dev accuracy
+reaches 30%, written as a Hugging Face directory; serve it with `rlgraph serve --model DIR`). The
+loop then trains a rank-16 LoRA tenant by GRPO: sample n answers per prompt -> reward (exact match)
+-> group-normalised advantages (`rlgraph.functional.group_normalize`) ->
+`forward_backward(loss_fn="importance_sampling")` -> `optim_step` (Adam, lr 5e-4), and prints
+held-out accuracy (greedy, 100 test problems) before and after. Every call is the Tinker SDK's, so
+`run` takes `rlgraph.service.client.LocalServiceClient` or `tinker.ServiceClient` alike.
+
+The recipe is measured on seeds 0, 1 and 2 (docs/service.md): 100 steps of 16 prompts x 8 take
+held-out accuracy up by 28, 19 and 16 points. What made the difference to the first version (300
+SFT steps, lr 3e-4, 60 steps: +15, -2 and -1 points) is the warm start to a target accuracy: RL
+needs a base whose samples are sometimes right; after that lr 5e-4 and 100 steps add a few points.
+Tinker's losses sum over tokens, so the advantages are divided by the batch's N to give a mean; Adam
+(eps 1e-12) is scale-free, so this changes the gradient's size, not the step's: lr is the knob.
 """
 
 from __future__ import annotations

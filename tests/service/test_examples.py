@@ -53,15 +53,18 @@ def test_the_warm_base_refuses_a_target_accuracy_sft_cannot_stop_at(target, tmp_
 
 @pytest.mark.slow
 def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
-    """~40 s idle (2 min on a loaded 2-core machine): 300 SFT steps make the base, 60 GRPO steps of 16 x 8 on a LoRA tenant.
-    One seed on this machine: 33% -> 48% held-out; the issue asks for more than 10 points."""
+    """About a minute idle: SFT to the demo's 30% dev accuracy makes the base (310 steps for seed 0),
+    then 100 GRPO steps of 16 x 8 on a LoRA tenant. Measured held-out gains (docs/service.md): seed 0
+    +28 points, seed 1 +19, seed 2 +16. The bound, +10 points = 10 of the 100 greedy test problems, is
+    the issue's; seed 0 clears it by 18 problems, and the weakest seed measured by 6, so another CPU's
+    rounding (another trajectory) has room before it fails."""
     from rlgraph.service.client import LocalServiceClient
 
     rl_loop = load("rl_loop")
-    base = rl_loop.warm_base(str(tmp_path / "base"))
+    base = rl_loop.warm_base(str(tmp_path / "base"), seed=0)
     service = LocalServiceClient(base, state_dir=tmp_path / "states")
     try:
-        result = rl_loop.run(service, base, rl_steps=60)
+        result = rl_loop.run(service, base, seed=0)
     finally:
         service.scheduler.close()
     assert result["after"] - result["before"] > 0.10, result
