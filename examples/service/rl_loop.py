@@ -155,7 +155,8 @@ def main() -> None:
     parser.add_argument("--base-model", help="the server's base model name (with --url)")
     parser.add_argument("--write-base", help="only write the warm-started base model to this directory")
     parser.add_argument("--rl-steps", type=int, default=RL_STEPS)
-    parser.add_argument("--seed", type=int, default=0, help="the model's init, the splits, the adapter and the sampling")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the model's init, the splits, the adapter and the sampling")
     args = parser.parse_args()
     if args.rl_steps < 1:
         parser.error(f"--rl-steps must be at least 1, got {args.rl_steps}")

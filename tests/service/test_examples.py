@@ -51,6 +51,18 @@ def test_the_warm_base_refuses_a_target_accuracy_sft_cannot_stop_at(target, tmp_
     assert not (tmp_path / "base").exists()  # refused before any training
 
 
+@pytest.mark.parametrize("flags, message", [(["--seed", "-1"], "--seed must be a whole number >= 0, got -1"),
+                                            (["--seed", "x"], "invalid int value: 'x'"),
+                                            (["--rl-steps", "0"], "--rl-steps must be at least 1, got 0")])
+def test_the_grpo_loop_flags_refuse_bad_values_before_training(flags, message, monkeypatch, capsys):
+    rl_loop = load("rl_loop")
+    monkeypatch.setattr(rl_loop, "warm_base", lambda *args, **kwargs: pytest.fail("trained despite a bad flag"))
+    monkeypatch.setattr(sys, "argv", ["rl_loop.py", *flags])
+    with pytest.raises(SystemExit):
+        rl_loop.main()
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
     """About a minute idle: SFT to the demo's 30% dev accuracy makes the base (310 steps for seed 0),
