@@ -1,16 +1,23 @@
 """A GRPO loop written by hand against the training service's client, on the arithmetic task.
 
-    python examples/service/rl_loop.py                       # in process (no server)
+    python examples/service/rl_loop.py [--seed 1]             # in process (no server)
     python examples/service/rl_loop.py --url http://127.0.0.1:8000 --api-key tml-...   # over HTTP, same numbers
 
 A service serves a pretrained base; the tiny model is random, so `warm_base` first makes one the
-way `rlgraph demo` does (300 full-weight SFT steps with rlgraph's own `sft` algorithm, written as a
-Hugging Face directory; serve it with `rlgraph serve --model DIR`). The loop then trains a LoRA
-tenant by GRPO: sample n answers per prompt -> reward (exact match) -> group-normalised advantages
-(`rlgraph.functional.group_normalize`) -> `forward_backward(loss_fn="importance_sampling")` ->
-`optim_step`, and prints held-out accuracy (greedy, 100 test problems) before and after. Every
-call is the Tinker SDK's, so `run` takes `rlgraph.service.client.LocalServiceClient` or
-`tinker.ServiceClient` alike.
+way `rlgraph demo` does (full-weight SFT with rlgraph's own `sft` algorithm until dev accuracy
+reaches 30%, written as a Hugging Face directory; serve it with `rlgraph serve --model DIR`). The
+loop then trains a rank-16 LoRA tenant by GRPO: sample n answers per prompt -> reward (exact match)
+-> group-normalised advantages (`rlgraph.functional.group_normalize`) ->
+`forward_backward(loss_fn="importance_sampling")` -> `optim_step` (Adam, lr 5e-4), and prints
+held-out accuracy (greedy, 100 test problems) before and after. Every call is the Tinker SDK's, so
+`run` takes `rlgraph.service.client.LocalServiceClient` or `tinker.ServiceClient` alike.
+
+The recipe is measured on seeds 0, 1 and 2 (docs/service.md): 100 steps of 16 prompts x 8 take
+held-out accuracy up by 28, 19 and 16 points. What made the difference to the first version (300
+SFT steps, lr 3e-4, 60 steps: +15, -2 and -1 points) is the warm start to a target accuracy: RL
+needs a base whose samples are sometimes right; after that lr 5e-4 and 100 steps add a few points.
+Tinker's losses sum over tokens, so the advantages are divided by the batch's N to give a mean; Adam
+(eps 1e-12) is scale-free, so this changes the gradient's size, not the step's: lr is the knob.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ def tinker_types():
 
 
 Datum_, as_input, Sampling, Adam = tinker_types()
+RL_STEPS = 100  # measured enough for seeds 0-2 (docs/service.md)
 
 
 def supervised(tokenizer, problems):
@@ -89,23 +97,33 @@ def grpo_step(training, sampler, tokenizer, problems, *, n: int, lr: float, step
     return float(reward.mean())
 
 
-def warm_base(directory: str, *, steps: int = 300, seed: int = 0) -> str:
-    """The demo's warm start (full-weight SFT on the train split) saved as a model directory."""
-    from rlgraph.algorithms.sft import sft
-    from rlgraph.runtime.eager import Interpreter
-    from rlgraph.train.demo import DemoConfig, build_roles
+def warm_base(directory: str, *, seed: int = 0, target: float = 0.30, log=print) -> str:
+    """The demo's warm start saved as a model directory: full-weight SFT on the train split until dev
+    accuracy (greedy, 200 problems, checked every 10 steps) reaches `target`, at most 800 steps
+    (`rlgraph.train.demo.warm_start`). A fixed number of steps leaves some seeds' bases too weak for
+    RL to find a reward (300 steps: 7% held-out for seed 1); a target starts every seed equally."""
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < target < 1.0:
+        raise ValueError(f"warm_base: target is the dev accuracy SFT stops at, a number in (0, 1); got {target!r} "
+                         "(0.30 is the demo's)")
+    from rich.console import Console
 
-    executor, tokenizer = build_roles(DemoConfig(seed=seed, device="cpu"))
-    interpreter, program = Interpreter(executor), sft.trace()
-    sampler = arithmetic.PromptSampler(arithmetic.make_splits(seed=seed).train, batch_size=128, seed=seed)
-    for _ in range(steps):
-        interpreter.run(program, arithmetic.to_demonstrations(sampler.next_batch(), tokenizer))
+    from rlgraph.algorithms import evaluate
+    from rlgraph.runtime.eager import Interpreter
+    from rlgraph.train.demo import DemoConfig, build_roles, warm_start
+
+    config = DemoConfig(seed=seed, device="cpu", sft_target=target)
+    executor, tokenizer = build_roles(config)
+    interpreter, splits = Interpreter(executor), arithmetic.make_splits(seed=seed)
+    dev, program = arithmetic.to_prompts(splits.dev, tokenizer), evaluate.trace(max_new_tokens=config.max_new_tokens)
+    steps, seconds, dev_accuracy = warm_start(config, interpreter, splits, tokenizer,
+                                              lambda: interpreter.run(program, dev)[1]["accuracy"], Console(quiet=True))
+    log(f"warm start: {steps} SFT steps ({seconds:.0f} s), dev accuracy {dev_accuracy:.1%}")
     executor.models["policy"].model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
 
-def run(service, base_model: str, *, rl_steps: int = 60, prompts: int = 16, n: int = 8, lr: float = 3e-4,
+def run(service, base_model: str, *, rl_steps: int = RL_STEPS, prompts: int = 16, n: int = 8, lr: float = 5e-4,
         seed: int = 0, test_size: int = 100, log=print) -> dict[str, object]:
     """GRPO on a fresh LoRA tenant of `base_model`; held-out accuracy before and after, each step's reward."""
     splits = arithmetic.make_splits(seed=seed)
@@ -136,23 +154,30 @@ def main() -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--base-model", help="the server's base model name (with --url)")
     parser.add_argument("--write-base", help="only write the warm-started base model to this directory")
-    parser.add_argument("--rl-steps", type=int, default=60)
+    parser.add_argument("--rl-steps", type=int, default=RL_STEPS)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the model's init, the splits, the adapter and the sampling")
     args = parser.parse_args()
+    if args.rl_steps < 1:
+        parser.error(f"--rl-steps must be at least 1, got {args.rl_steps}")
+    if args.seed < 0:
+        parser.error(f"--seed must be a whole number >= 0, got {args.seed}")
     torch.set_num_threads(1)
     if args.write_base:
-        print(warm_base(args.write_base))
+        print(warm_base(args.write_base, seed=args.seed))
         return
     if args.url:
         import tinker
 
-        run(tinker.ServiceClient(base_url=args.url, api_key=args.api_key), args.base_model, rl_steps=args.rl_steps)
+        run(tinker.ServiceClient(base_url=args.url, api_key=args.api_key), args.base_model, rl_steps=args.rl_steps,
+            seed=args.seed)
         return
     from rlgraph.service.client import LocalServiceClient
 
-    base = warm_base(tempfile.mkdtemp(prefix="rl_loop_base_"))
+    base = warm_base(tempfile.mkdtemp(prefix="rl_loop_base_"), seed=args.seed)
     service = LocalServiceClient(base, state_dir=tempfile.mkdtemp(prefix="rl_loop_states_"))
     try:
-        run(service, base, rl_steps=args.rl_steps)
+        run(service, base, rl_steps=args.rl_steps, seed=args.seed)
     finally:
         service.scheduler.close()
 

@@ -133,7 +133,7 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
 
     console.print(f"[bold]rlgraph demo[/]: {sum(p.numel() for p in executor.models['policy'].model.parameters()):,}-parameter "
                   f"Qwen2 learns A+B (A, B in [0, 99]); held-out {len(splits.test)} problems, greedy exact match")
-    sft_steps, sft_seconds, dev_acc = _warm_start(config, interpreter, splits, tokenizer, lambda: accuracy(dev), console)
+    sft_steps, sft_seconds, dev_acc = warm_start(config, interpreter, splits, tokenizer, lambda: accuracy(dev), console)
     before = accuracy(test)
     console.print(f"SFT: {sft_steps} steps in {sft_seconds:.1f} s, dev {dev_acc:.1%}; "
                   f"held-out accuracy before RL: [bold]{before:.1%}[/]")
@@ -162,7 +162,7 @@ def _check_runtime(config: DemoConfig) -> None:
         raise ValueError(f"demo: --timeout must be a positive number of seconds, got {config.timeout_s}")
 
 
-def _warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer, dev_accuracy, console: Console):
+def warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer, dev_accuracy, console: Console):
     """SFT until the dev split shows some signal (RL needs some to start from); (steps, seconds, dev acc)."""
     sampler = arithmetic.PromptSampler(splits.train, batch_size=config.sft_batch, seed=config.seed)
     sft_trainer = Trainer(sft.trace(), interpreter, lambda: arithmetic.to_demonstrations(sampler.next_batch(), tokenizer), sampler)

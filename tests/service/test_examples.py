@@ -44,17 +44,40 @@ def test_the_grpo_loop_gives_identical_results_in_process_and_over_http(server, 
     assert in_process == over_http
 
 
+@pytest.mark.parametrize("target", [0.0, 1.5, "0.3"])
+def test_the_warm_base_refuses_a_target_accuracy_sft_cannot_stop_at(target, tmp_path):
+    with pytest.raises(ValueError, match=r"target is the dev accuracy SFT stops at, a number in \(0, 1\)"):
+        load("rl_loop").warm_base(str(tmp_path / "base"), target=target)
+    assert not (tmp_path / "base").exists()  # refused before any training
+
+
+@pytest.mark.parametrize("flags, message", [(["--seed", "-1"], "--seed must be a whole number >= 0, got -1"),
+                                            (["--seed", "x"], "invalid int value: 'x'"),
+                                            (["--rl-steps", "0"], "--rl-steps must be at least 1, got 0")])
+def test_the_grpo_loop_flags_refuse_bad_values_before_training(flags, message, monkeypatch, capsys):
+    rl_loop = load("rl_loop")
+    monkeypatch.setattr(rl_loop, "warm_base", lambda *args, **kwargs: pytest.fail("trained despite a bad flag"))
+    monkeypatch.setattr(sys, "argv", ["rl_loop.py", *flags])
+    with pytest.raises(SystemExit):
+        rl_loop.main()
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
-    """~40 s idle (2 min on a loaded 2-core machine): 300 SFT steps make the base, 60 GRPO steps of 16 x 8 on a LoRA tenant.
-    One seed on this machine: 33% -> 48% held-out; the issue asks for more than 10 points."""
+    """~35 s idle (70 s on a loaded 2-core machine): SFT to the demo's 30% dev accuracy makes the
+    base (310 steps for seed 0), then 100 GRPO steps of 16 x 8 on a LoRA tenant. Measured held-out
+    gains (docs/service.md): seed 0 +28 points, seed 1 +19, seed 2 +16; the first recipe gave seeds 1
+    and 2 -2 and -1. The bound, +10 points = 10 of the 100 greedy test problems, is the issue's: seed
+    0 clears it by 18 problems, so another CPU's rounding (another trajectory, which moves accuracy by
+    about 5 points) has room before it fails."""
     from rlgraph.service.client import LocalServiceClient
 
     rl_loop = load("rl_loop")
-    base = rl_loop.warm_base(str(tmp_path / "base"))
+    base = rl_loop.warm_base(str(tmp_path / "base"), seed=0)
     service = LocalServiceClient(base, state_dir=tmp_path / "states")
     try:
-        result = rl_loop.run(service, base, rl_steps=60)
+        result = rl_loop.run(service, base, seed=0)
     finally:
         service.scheduler.close()
     assert result["after"] - result["before"] > 0.10, result
