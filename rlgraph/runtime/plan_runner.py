@@ -122,6 +122,9 @@ class PlanRunner(Interpreter):
             if isinstance(node.meta["spec"], S.ModelSpec):
                 for rank in self.groups[node.meta["role"]].ranks:
                     bindings.setdefault(rank, {})[node.name] = value
+            elif isinstance(node.meta["spec"], S.EnvSpec):  # a name: every rank that runs a rollout resolves it
+                for rank in {rank for group in self.groups.values() for rank in group.ranks}:
+                    bindings.setdefault(rank, {})[node.name] = value
             env[node] = value
         self.transport.begin(bindings)
         return env

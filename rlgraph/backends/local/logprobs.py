@@ -40,7 +40,9 @@ def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts) -> torch.
     width = rollouts.prompt_ids.shape[1]
     steps = rollouts.response_ids.shape[1]
     ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1)  # [N, P+T]
-    mask = torch.cat([rollouts.prompt_mask, rollouts.mask], dim=1).long()  # [N, P+T]
+    # attend to every real token, the environment's observations too (a multi-turn rollout's
+    # `context_mask`): they are context for the policy's later tokens, though never trained on
+    mask = torch.cat([rollouts.prompt_mask, rollouts.attention_mask], dim=1).long()  # [N, P+T]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     hidden = _decoder(model)(input_ids=ids, attention_mask=mask, position_ids=positions,
                              use_cache=False).last_hidden_state  # [N, P+T, H]
