@@ -21,6 +21,8 @@ ABOVE = {
     "backends": {"passes", "plan", "runtime", "algorithms", "api", "train", "testing"},
     "algorithms": {"passes", "runtime", "backends", "train", "testing"},
     "train": {"testing"},
+    # environments and tools: beside data and rewards, below the backends that step them between turns
+    "agents": {"passes", "plan", "runtime", "backends", "algorithms", "api", "train", "testing"},
 }
 # Upward edges tolerated for now, each with the reason (none: runtime's `Compiled` / `CONTROLLER`
 # moved to plan in issue 19, and the error types to rlgraph.errors below every layer).

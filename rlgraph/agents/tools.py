@@ -146,6 +146,8 @@ def _evaluate(node: ast.AST) -> int | float:
 
 def calculate(expression: str) -> str:
     """The value of an arithmetic `expression`, parsed with `ast` (never `eval`): '12*(3+4)' -> '84'."""
+    if type(expression) in (int, float):  # a plain call's literal: calculator(12)
+        expression = repr(expression)
     if not isinstance(expression, str):
         raise ValueError(f"the expression must be text, got {type(expression).__name__}")
     if len(expression) > MAX_EXPRESSION_CHARS:
