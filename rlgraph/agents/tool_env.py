@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from rlgraph.agents.env import ObservationFormat, Step
-from rlgraph.agents.tools import MAX_OUTPUT_CHARS, Tool, ToolResult, run_tool
+from rlgraph.agents.tools import BUILTIN_TOOLS, MAX_OUTPUT_CHARS, Tool, ToolResult, run_tool
 from rlgraph.errors import ConfigError
 
 
@@ -89,7 +89,41 @@ def _plain_call(name: str, raw: str) -> Call:
     return Call(name, keywords or positional)
 
 
+@attrs.frozen
+class ScoreAnswer:
+    """A reward function of the library (`fn(completions, **fields) -> scores`) as a ToolEnv's
+    `reward(answer_text, row)`: the final answer scored alone, with its row's fields."""
+
+    fn: Callable[..., Any]
+
+    def __call__(self, answer: str, row: Mapping[str, Any]) -> float:
+        return float(self.fn([answer], **{key: [value] for key, value in row.items()})[0])
+
+
+@attrs.frozen
+class ToolEnvRecipe:
+    """A picklable recipe of a `ToolEnv` of built-in tools, named with their options: a worker
+    process builds the tools once (`BUILTIN_TOOLS`), then one environment per rollout row."""
+
+    tools: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+    format: str = "hermes"
+    reward: Callable[[str, Mapping[str, Any]], float] | None = None
+    max_calls: int = 4
+
+    def build_tools(self) -> list[Tool]:
+        if id(self) not in _BUILT:  # the entry keeps the recipe alive, so its id is not reused
+            _BUILT[id(self)] = (self, [BUILTIN_TOOLS[name](**dict(options)) for name, options in self.tools])
+        return _BUILT[id(self)][1]
+
+    def __call__(self) -> ToolEnv:
+        return ToolEnv(self.build_tools(), format=self.format, reward=self.reward, max_calls=self.max_calls)
+
+
+_BUILT: dict[int, tuple[ToolEnvRecipe, list[Tool]]] = {}  # per process: a search index is built once, not once per row
+
+
 PARSERS: dict[str, Callable[[str], list[Call]]] = {"hermes": parse_hermes, "plain": parse_plain}
+STOPS = {"hermes": ("</tool_call>",), "plain": ("</tool>",)}  # a call's closing tag ends the policy's turn
 OBSERVATION_FORMATS = {"hermes": ObservationFormat("\n<tool_response>\n", "\n</tool_response>\n"),
                        "plain": ObservationFormat("\n<result>", "</result>\n")}
 
@@ -121,7 +155,7 @@ class ToolEnv:
         self.tools = {tool.name: tool for tool in tools}
         self.format, self.parse = format, PARSERS[format]
         self.reward, self.max_calls, self.max_chars = reward, max_calls, max_chars
-        self.observation_format = OBSERVATION_FORMATS[format]
+        self.observation_format, self.stop = OBSERVATION_FORMATS[format], STOPS[format]
         self.row: Mapping[str, Any] = {}
 
     def reset(self, row: Mapping[str, Any]) -> None:

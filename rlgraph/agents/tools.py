@@ -208,10 +208,17 @@ def _words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
 
-def search(corpus: Sequence[str], top_k: int = 3) -> Tool:
-    """Keyword search over `corpus` (a list of passages the user gives): the `top_k` passages that
-    share the most query words, ties in corpus order."""
-    if isinstance(corpus, str) or not all(isinstance(item, str) for item in corpus) or not corpus:
+def search(corpus: Sequence[str] | None = None, top_k: int = 3, corpus_file: str | None = None) -> Tool:
+    """Keyword search over `corpus` (a list of passages the user gives, or the non-empty lines of
+    `corpus_file`): the `top_k` passages that share the most query words, ties in corpus order."""
+    if corpus_file is not None:
+        from pathlib import Path
+
+        if corpus is not None or not Path(corpus_file).is_file():
+            raise ConfigError(f"search tool: corpus_file {corpus_file!r} is not a file, or a corpus is given too",
+                              fix="give one of corpus (a list of passages) or corpus_file (a text file, a passage a line)")
+        corpus = [line.strip() for line in Path(corpus_file).read_text().splitlines() if line.strip()]
+    if corpus is None or isinstance(corpus, str) or not all(isinstance(item, str) for item in corpus) or not corpus:
         raise ConfigError("search tool: corpus must be a non-empty list of text passages",
                           fix="search(['passage one', 'passage two']); read a file's lines with Path(f).read_text().splitlines()")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:

@@ -4,7 +4,7 @@ from rlgraph.algorithms.agent_grpo import agent_grpo
 from rlgraph.algorithms.cispo import cispo
 from rlgraph.algorithms.dapo import dapo
 from rlgraph.algorithms.dr_grpo import dr_grpo
-from rlgraph.algorithms.evaluate import evaluate
+from rlgraph.algorithms.evaluate import evaluate, evaluate_agent
 from rlgraph.algorithms.grpo import grpo
 from rlgraph.algorithms.gspo import gspo
 from rlgraph.algorithms.ppo import ppo

@@ -79,6 +79,9 @@ class RolloutSection(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)             # nucleus sampling (1.0: the whole vocabulary)
     stop: list[str] = Field(default_factory=list)     # a response ends after the first of these strings (kept)
+    max_turns: int = Field(1, ge=1)                   # multi-turn (env:): policy turns per episode
+    max_tokens_per_turn: int | None = Field(None, ge=1)  # multi-turn: tokens of one turn (None: what is left)
+    step_timeout: float | None = Field(30.0, gt=0)    # multi-turn: seconds one env step may take (null: no limit)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -89,6 +92,34 @@ class RolloutSection(Section):
             raise ValueError("a stop string is empty, which every response would match at once; "
                              "write the text to stop after, e.g. stop: ['\\n\\n']")
         return stop
+
+
+class ToolSection(Section):
+    name: str                                         # a built-in tool: calculator, python, search
+    options: dict[str, Any] = Field(default_factory=dict)  # its keyword arguments (search: corpus or corpus_file)
+
+
+class EnvSection(Section):
+    """The environment of a multi-turn algorithm (`rg.rollout`, docs/agents.md): a built-in tool
+    environment (`tools`), or the user's environment class (`path: file.py:MyEnv`, built with `options`)."""
+
+    tools: list[ToolSection] = Field(default_factory=list)
+    format: Literal["hermes", "plain"] = "hermes"     # the tool-call syntax the policy writes
+    max_calls: int = Field(4, ge=1)                   # tool calls run per turn
+    path: str | None = None                           # "file.py:MyEnv" or "module:MyEnv"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_names(cls, tools: Any) -> Any:
+        return [{"name": tool} if isinstance(tool, str) else tool for tool in tools] if isinstance(tools, list) else tools
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EnvSection:
+        if bool(self.tools) == (self.path is not None):
+            raise ValueError("give env.tools (a built-in tool environment) or env.path (your environment class, "
+                             "file.py:MyEnv), exactly one of them")
+        return self
 
 
 class RuntimeSection(Section):
@@ -161,6 +192,7 @@ class TrainConfig(Section):
     reward_on_error: Literal["fail", "zero"] = "fail"  # a reward that raises, times out, returns NaN or a wrong shape
     reward_timeout_s: float | None = Field(600.0, gt=0)  # one term's call on one batch; null: no limit (a hung reward hangs the run)
     rollout: RolloutSection = RolloutSection()
+    env: EnvSection | None = None                     # multi-turn algorithms (agent_grpo): what rg.rollout steps
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()
     warm_start: WarmStartSection = WarmStartSection()
