@@ -156,6 +156,7 @@ def test_a_hanging_env_is_stopped_at_its_timeout():
 
 def test_an_unknown_env_role_and_a_bad_recipe_are_named():
     executor = tiny_executor()
+    executor.envs.clear()  # the tiny executor's OnesEnv
     with pytest.raises(EnvError, match="no environment role 'env' here; the executor has none"):
         executor.rollout(executor.current("policy"), EnvRef("env"), tiny_prompts(1))
     with pytest.raises(EnvError, match="recipe must be callable"):
