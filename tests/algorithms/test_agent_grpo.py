@@ -93,3 +93,10 @@ def test_rollout_refuses_a_turn_longer_than_the_response_and_a_wrong_env():
 
     with pytest.raises(rg.SpecError, match="rg.rollout: the environment must be an environment role such as state.env"):
         reward_as_env.trace()
+
+
+def test_multi_turn_generation_runs_on_the_native_engine():
+    auto = rg.compile(agent_grpo, mesh="1x2:h100", sizes={"B": 2, "P": 8, "T": 20}, **HPARAMS)
+    assert auto.plan.group("policy").generate.engine == "native"  # auto would pick vLLM for generate
+    with pytest.raises(rg.RLGraphError, match=r"multi-turn episodes \(rg.rollout\), which run on the native engine only"):
+        rg.compile(agent_grpo, mesh="1x2:h100", engine="vllm", sizes={"B": 2, "P": 8, "T": 20}, **HPARAMS)
