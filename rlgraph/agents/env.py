@@ -194,6 +194,15 @@ def as_token_env(env: Any, tokenizer: Tokenizer, format: ObservationFormat | Non
                    "(rg.Env), or initial_observation(row) and step(action_tokens) (a token env)")
 
 
+def observation_format(env: Any, tokenizer: Any) -> ObservationFormat | None:
+    """The markers around `env`'s observations: the chat template's when it puts any text around a
+    tool message, else the environment's own (`env.observation_format`), else None (newlines)."""
+    template = ObservationFormat.from_chat_template(tokenizer)
+    if template.before.strip() or template.after.strip():
+        return template
+    return getattr(env, "observation_format", None)
+
+
 def build_env(recipe: Callable[[], Any], where: str) -> Any:
     """One fresh environment from its recipe, refusing a recipe that is not callable or builds nothing."""
     if not callable(recipe):

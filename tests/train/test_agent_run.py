@@ -73,3 +73,19 @@ def test_max_turns_with_a_single_turn_algorithm_is_refused(tmp_path):
     config, _ = make_config(tmp_path, "single", rollout={"max_turns": 3})
     with pytest.raises(ConfigError, match="rollout.max_turns=3, but the algorithm 'grpo' takes no 'max_turns'"):
         prepare(config)
+
+
+def test_a_warm_start_on_tool_use_traces_trains_the_policy_turns(tmp_path):
+    rows = [{"question": f"{a}*{b}=", "answer": str(a * b),
+             "trace": [f"<tool>calculator({a}*{b})</tool>", str(a * b), str(a * b)]} for a in range(2, 6) for b in range(2, 6)]
+    data = tmp_path / "traces.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config, _ = make_config(tmp_path, "traced", **{**AGENT, "data": {"train": str(data), "extra_fields": ["trace"]},
+                                                   "warm_start": {"steps": 2, "batch_size": 8, "trace_field": "trace"},
+                                                   "train": {"steps": 1}})
+    train(config)
+    rows = [json.loads(line) for line in (tmp_path / "traced" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["warm_start/steps"] == 2.0
+    untraced, _ = make_config(tmp_path, "untraced", **{**AGENT, "warm_start": {"steps": 1, "trace_field": "trace"}})
+    with pytest.raises(ConfigError, match="no trace field 'trace'"):
+        train(untraced)

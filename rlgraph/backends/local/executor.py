@@ -196,7 +196,7 @@ class LocalExecutor:
 
     def _environment(self, env: EnvRef) -> Any:
         """A fresh environment of role `env`, speaking the token protocol (`rlgraph.agents.as_token_env`)."""
-        from rlgraph.agents.env import EnvError, ObservationFormat, as_token_env, build_env
+        from rlgraph.agents.env import EnvError, as_token_env, build_env, observation_format
 
         if env.role not in self.envs:
             raise EnvError(f"rg.rollout: no environment role {env.role!r} here; the executor has "
@@ -204,9 +204,7 @@ class LocalExecutor:
                            fix="pass envs={'env': MyEnv} (a class or functools.partial building one) to the executor, "
                                "or an env: section to `rlgraph train`")
         built = build_env(self.envs[env.role], f"environment role {env.role!r}")
-        template = ObservationFormat.from_chat_template(self.tokenizer)
-        markers = template if (template.before.strip() or template.after.strip()) else None
-        return as_token_env(built, self.tokenizer, markers or getattr(built, "observation_format", None))
+        return as_token_env(built, self.tokenizer, observation_format(built, self.tokenizer))
 
     def cut_at_stop(self, rollouts: Rollouts, stop: Sequence[str]) -> Rollouts:
         """Each response ended after its first stop string, read as the rewards read it (`decode_responses`)."""
