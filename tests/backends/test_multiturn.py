@@ -163,3 +163,32 @@ def test_an_unknown_env_role_and_a_bad_recipe_are_named():
         run(executor, "Countdown", tiny_prompts(1))
     with pytest.raises(EnvError, match="int is not an environment"):
         run(executor, lambda: 3, tiny_prompts(1))
+
+
+def test_a_token_env_answers_with_ids_that_go_into_the_response_as_given():
+    class Ids:
+        def initial_observation(self, row):
+            return [5, 6]  # "12", before the first turn
+
+        def step(self, action_tokens):
+            return rg.Step([7, 8, 9], 1.0, len(action_tokens) < 0)  # never done: max_turns ends it
+
+    ro, episodes, _ = run(tiny_executor(), Ids, tiny_prompts(1), n=1, max_turns=2, max_tokens_per_turn=3)
+    context = ro.response_ids[0][ro.context_mask[0]].tolist()
+    observation = (~ro.mask[0][ro.context_mask[0]]).tolist()
+    assert context[:2] == [5, 6] and observation[:2] == [True, True]
+    turn = observation.index(True, 2)  # the second observation starts after the first turn
+    assert context[turn:turn + 3] == [7, 8, 9]
+    assert episodes[0, rg.EPISODE_FIELDS.index("budget_cut")] == 1.0  # max_turns, not the env, ended it
+
+
+def test_a_tool_call_s_closing_tag_ends_the_turn():
+    from rlgraph.agents import ToolEnv, TextEnvAdapter, calculator
+    from rlgraph.backends.local.multiturn import stop_checker
+
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731 - a stand-in tokenizer: one char per id
+    envs = [TextEnvAdapter(ToolEnv([calculator()], format="plain"), TOKENIZER), Countdown()]
+    ends_turn = stop_checker(envs, decode)
+    said = [ord(c) for c in "<tool>calculator(1)</tool"]
+    assert not ends_turn(0, said) and ends_turn(0, said + [ord(">")])
+    assert not ends_turn(1, said + [ord(">")])  # an env without stop strings: EOS or the cap end its turns
