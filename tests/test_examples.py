@@ -97,3 +97,19 @@ def test_calculator_agent_example_runs_multi_turn_from_the_command_line(tmp_path
     steps = [row for row in rows if "env/turns" in row]
     assert len(steps) == 2 and all(row["env/turns"] >= 1.0 for row in steps)
     assert "between turns env 'env'.step" in (run_dir / "plan.txt").read_text()
+
+
+@pytest.mark.slow
+def test_calculator_agent_example_raises_held_out_accuracy(tmp_path, monkeypatch):
+    """The agent example as shipped (warm start on traces to 30%), 40 of its 100 GRPO steps on
+    multi-turn episodes: greedy held-out accuracy rises by more than 10 points."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import train
+
+    config = load_config(ROOT / "examples/calculator_agent/config.yaml",
+                         [f"run_dir={tmp_path / 'agent'}", "train.steps=40", "eval.every=0", "logging.progress=false",
+                          "logging.plots=false", "logging.tensorboard=false"])
+    result = train(config)
+    assert result.eval_before >= 0.25                      # the warm start reached its target
+    assert result.eval_after >= result.eval_before + 0.10  # measured: 0.34 -> 0.58 at step 40 (2 threads)

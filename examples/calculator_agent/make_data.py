@@ -7,8 +7,8 @@
   Every pair appears once: `test_size` in test.jsonl, the rest in train.jsonl (a seeded shuffle).
 - tokenizer/: the shipped character tokenizer plus "<", ">", "/" and the newline, which the plain
   tool-call format (<tool>calculator(A*B)</tool>) and its answers (<result>...</result>) need.
-- model/config.json: the shipped tiny Qwen2 sized for that vocabulary and longer episodes
-  (no weights: the run initialises it from its seed).
+- model/config.json: the shipped tiny Qwen2 sized for that vocabulary and longer episodes, wider
+  (128) and with 3 layers (no weights: the run initialises it from its seed).
 """
 
 import json
@@ -46,7 +46,10 @@ def write_tokenizer() -> int:
 
 def write_model_config(vocab: int) -> None:
     config = json.loads((ASSETS / "tiny_qwen2.json").read_text())
-    config.update(vocab_size=vocab, max_position_embeddings=128)
+    # wider and one layer deeper than the shipped tiny Qwen2: at width 64 it copies digits (the operands
+    # into the call, the result back) too unreliably for sampled episodes to succeed (docs/agents.md)
+    config.update(vocab_size=vocab, max_position_embeddings=128, hidden_size=128, intermediate_size=512,
+                  num_hidden_layers=3)
     (HERE / "model").mkdir(exist_ok=True)
     (HERE / "model" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
