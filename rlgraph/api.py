@@ -6,6 +6,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlgraph.agents import Env, Step, Tool, ToolEnv  # noqa: F401 - re-exported: rg.Env, rg.Step, rg.Tool, rg.ToolEnv
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import ConfigError
 from rlgraph.ir.program import Program
@@ -96,4 +97,10 @@ def reward_fn(role: str = "reward") -> S.RewardSpec:
     return S.RewardSpec(role)
 
 
-__all__ = ["State", "Algorithm", "algorithm", "compile", "roles", "lm", "critic", "reward_fn", "DEFAULT_ROLES"]
+def env(role: str = "env") -> S.EnvSpec:
+    """An environment role for `rg.rollout` (the default roles have one named "env")."""
+    return S.EnvSpec(role)
+
+
+__all__ = ["State", "Algorithm", "algorithm", "compile", "roles", "lm", "critic", "reward_fn", "env", "DEFAULT_ROLES",
+           "Env", "Step", "Tool", "ToolEnv"]

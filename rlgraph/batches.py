@@ -101,6 +101,10 @@ def _check_rollout_values(rollouts: Rollouts) -> None:
         row = int((group < 0).nonzero()[0])
         raise BatchError(f"Rollouts.group holds a negative id {int(group[row])} at sample {row}; group ids are prompt indices >= 0",
                          fix="number the prompts 0, 1, ... (rows of one prompt share its id)")
+    if rollouts.context_mask is not None and bool((rollouts.mask & ~rollouts.context_mask).any()):
+        row = _first_row(rollouts.mask & ~rollouts.context_mask)
+        raise BatchError(f"Rollouts: sample {row} trains on a token its context_mask leaves out; the policy's tokens "
+                         "(mask) are part of the context", fix="set context_mask = mask | observation tokens")
     bad = rollouts.mask & ~torch.isfinite(rollouts.logprobs)  # [N, T]
     if bool(bad.any()):
         row = _first_row(bad)
@@ -171,6 +175,11 @@ class Rollouts:
 
     prompt_ids i64[N,P], prompt_mask bool[N,P], response_ids i64[N,T], mask bool[N,T],
     logprobs f32[N,T] (sampling log-probs; zeros for demonstrations), group i64[N].
+
+    `context_mask` bool[N,T] (multi-turn rollouts, `rg.rollout`): the response tokens the model
+    reads, the policy's and the environment's observations; `mask` marks only the policy's, the
+    tokens trained on. None (single-turn) means `mask`. A forward over the rollouts attends to
+    `attention_mask`, so an observation is context for the tokens after it, never a target.
     """
 
     prompt_ids: torch.Tensor
@@ -180,9 +189,14 @@ class Rollouts:
     logprobs: torch.Tensor
     group: torch.Tensor
     meta: Meta = attrs.field(factory=dict)
+    context_mask: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         rows = self.response_ids.shape[0]
+        if self.context_mask is not None and (self.context_mask.shape != self.mask.shape
+                                              or self.context_mask.dtype != torch.bool):
+            raise BatchError(f"Rollouts.context_mask must be bool [N, T] like mask {tuple(self.mask.shape)}, got "
+                             f"{self.context_mask.dtype} {tuple(self.context_mask.shape)}")
         for name in ("prompt_ids", "prompt_mask", "response_ids", "mask", "logprobs", "group"):
             value = getattr(self, name)
             if value.shape[0] != rows:
@@ -199,6 +213,11 @@ class Rollouts:
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """bool[N,T]: the response tokens a forward attends to (`context_mask`, else `mask`)."""
+        return self.mask if self.context_mask is None else self.context_mask
+
     def select(self, index: Sequence[int] | torch.Tensor) -> Rollouts:
         """Rows `index` (for mini/micro-batching and data-parallel scatter)."""
         index = torch.as_tensor(index, dtype=torch.long)
@@ -206,6 +225,7 @@ class Rollouts:
             return Rollouts(
                 self.prompt_ids[index], self.prompt_mask[index], self.response_ids[index], self.mask[index],
                 self.logprobs[index], self.group[index], _take(self.meta, index.tolist()),
+                None if self.context_mask is None else self.context_mask[index],
             )
 
     def pad_responses(self, steps: int, *, pad_id: int = 0) -> Rollouts:
@@ -215,7 +235,8 @@ class Rollouts:
         if steps == self.response_ids.shape[1]:
             return self
         with _derived():  # the added columns are masked out
-            return attrs.evolve(self, response_ids=_pad(self.response_ids, steps, pad_id),
+            context = None if self.context_mask is None else _pad(self.context_mask, steps, False)
+            return attrs.evolve(self, response_ids=_pad(self.response_ids, steps, pad_id), context_mask=context,
                                 mask=_pad(self.mask, steps, False), logprobs=_pad(self.logprobs, steps, 0.0))
 
     @staticmethod
@@ -248,6 +269,7 @@ class Rollouts:
             torch.cat([_pad(part.logprobs, steps, 0.0) for part in parts]),                         # [N, T]
             torch.cat(groups),                                                                      # [N]
             {key: [value for part in parts for value in part.meta[key]] for key in keys},
+            _concat_context(parts, steps),
             )
 
     @staticmethod
@@ -258,6 +280,13 @@ class Rollouts:
             prompts.ids, prompts.mask, response_ids, mask.bool(),
             torch.zeros(response_ids.shape, dtype=torch.float32), torch.arange(rows), dict(prompts.meta),
         )
+
+
+def _concat_context(parts: Sequence[Rollouts], steps: int) -> torch.Tensor | None:
+    """The parts' context masks [N, T] (a part without one reads its `mask`); None when none has one."""
+    if all(part.context_mask is None for part in parts):
+        return None
+    return torch.cat([_pad(part.attention_mask, steps, False) for part in parts])  # [N, T]
 
 
 def check_batch(batch: Any, kind: str, program: str) -> None:

@@ -60,8 +60,8 @@ def test_list_prints_every_algorithm_estimator_and_loss_on_one_line(capsys):
     lines = out.splitlines()
     assert code == 0 and [line for line in lines if not line.startswith("  ")] == [
         "algorithms (rlgraph trace|plan <name>, rlgraph demo --algorithm <name>):",
-        "estimators (group advantage estimators: -p estimator=<name> for grpo; F.get_estimator(name)):",
-        "losses (policy losses: -p loss=<name> for grpo; F.get_loss(name)):",
+        "estimators (group advantage estimators: -p estimator=<name> for grpo, agent_grpo; F.get_estimator(name)):",
+        "losses (policy losses: -p loss=<name> for grpo, agent_grpo; F.get_loss(name)):",
     ]
     assert len(lines) == 3 + len(ALGORITHMS) + len(F.ESTIMATORS) + len(F.LOSSES)
     assert any(line.split()[:2] == ["rloo", "RLOO:"] for line in lines)

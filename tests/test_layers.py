@@ -23,6 +23,8 @@ ABOVE = {
     "train": {"service", "testing"},
     # the training service (issue 23) sits beside `train`: calls on the executors, not a run
     "service": {"train", "testing"},
+    # environments and tools: beside data and rewards, below the backends that step them between turns
+    "agents": {"passes", "plan", "runtime", "backends", "algorithms", "api", "train", "service", "testing"},
 }
 # Upward edges tolerated for now, each with the reason (none: runtime's `Compiled` / `CONTROLLER`
 # moved to plan in issue 19, and the error types to rlgraph.errors below every layer).

@@ -1,9 +1,10 @@
 """The algorithm library: each algorithm is a short pure function over the primitives."""
 
+from rlgraph.algorithms.agent_grpo import agent_grpo
 from rlgraph.algorithms.cispo import cispo
 from rlgraph.algorithms.dapo import dapo
 from rlgraph.algorithms.dr_grpo import dr_grpo
-from rlgraph.algorithms.evaluate import evaluate
+from rlgraph.algorithms.evaluate import evaluate, evaluate_agent
 from rlgraph.algorithms.grpo import grpo
 from rlgraph.algorithms.gspo import gspo
 from rlgraph.algorithms.ppo import ppo
@@ -15,8 +16,8 @@ from rlgraph.algorithms.sft import sft
 ALGORITHMS = {
     "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline, "remax": remax, "gspo": gspo, "cispo": cispo, "dapo": dapo,
-    "ppo": ppo, "sft": sft, "evaluate": evaluate,
+    "ppo": ppo, "sft": sft, "evaluate": evaluate, "agent_grpo": agent_grpo,
 }
 
 __all__ = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "cispo", "dapo", "ppo", "sft",
-           "evaluate", "ALGORITHMS"]
+           "evaluate", "agent_grpo", "ALGORITHMS"]

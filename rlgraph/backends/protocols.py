@@ -31,6 +31,13 @@ class RewardRef:
 
 
 @attrs.frozen
+class EnvRef:
+    """An environment role of a running plan (`state.env`): the executor holds its recipe."""
+
+    role: str
+
+
+@attrs.frozen
 class LossCounts:
     """The token and sequence counts of a whole mini-batch, across every data-parallel rank.
 
@@ -101,6 +108,10 @@ class Executor(Protocol):
 
     def generate(self, model: ModelRef, prompts: Prompts, *, n: int, temperature: float, top_p: float,
                  max_new_tokens: int | None, stop: Sequence[str] = ()) -> Rollouts: ...
+
+    def rollout(self, model: ModelRef, env: EnvRef, prompts: Prompts, *, n: int, temperature: float, top_p: float,
+                max_turns: int, max_tokens_per_turn: int | None, max_total_tokens: int | None,
+                step_timeout: float | None) -> tuple[Rollouts, torch.Tensor, torch.Tensor]: ...
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool) -> Any: ...
 

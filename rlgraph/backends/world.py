@@ -153,6 +153,9 @@ class WorldSpec:
     max_new_tokens: int = 16
     seed: int = 0
     fsdp_unit_params: int = 1_000_000  # a decoder layer with at least this many parameters is its own FSDP2 unit
+    # env role -> a picklable recipe (a class, a functools.partial): each rank that runs rg.rollout
+    # builds its environments from it, in its own process, beside the generation engine
+    envs: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict)
 
     @classmethod
     def of_executor(cls, executor: Any, rewards: Mapping[str, Callable[..., Any]], *, source: Any = None,
@@ -184,7 +187,8 @@ class WorldSpec:
             roles[role] = RoleSpec(source=source, kind=worker.kind, optimizer=kind, lr=group.get("lr", 0.0),
                                    optimizer_options={key: group[key] for key in OPTIMIZER_OPTIONS if key in group},
                                    lora=lora.get(role), **carried)
-        return cls(roles, dict(rewards), tokenizer=tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+        return cls(roles, dict(rewards), tokenizer=tokenizer, max_new_tokens=max_new_tokens, seed=seed,
+                   envs=dict(getattr(executor, "envs", {})))
 
     def load_tokenizer(self) -> Any:
         from rlgraph.backends.local.models import load_tokenizer
@@ -210,7 +214,7 @@ class WorldSpec:
                 models[role] = LMWorker(reference_of(models[self.viewed(role)].model))
         models = {role: models[role] for role in self.roles}
         return LocalExecutor(models, {name: RewardWorker(fn) for name, fn in self.rewards.items()}, tokenizer,
-                             max_new_tokens=self.max_new_tokens, seed=self.seed, device=device)
+                             max_new_tokens=self.max_new_tokens, seed=self.seed, device=device, envs=self.envs)
 
     def viewed(self, role: str) -> str:
         """The role whose module `role` (a `base_of` view) runs with adapters off, checked."""

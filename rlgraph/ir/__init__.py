@@ -3,11 +3,11 @@
 from rlgraph.ir.errors import RLGraphError, SpecError, TraceError, VerifyError
 from rlgraph.ir.ops import traceable
 from rlgraph.ir.program import Program, verify
-from rlgraph.ir.specs import B, N, P, T, V, H, Dim, Layout, ModelSpec, RecordSpec, RewardSpec, TensorSpec, n
+from rlgraph.ir.specs import B, N, P, T, V, H, Dim, EnvSpec, Layout, ModelSpec, RecordSpec, RewardSpec, TensorSpec, n
 from rlgraph.ir.tracing import trace_algorithm
 
 __all__ = [
     "RLGraphError", "SpecError", "TraceError", "VerifyError", "traceable", "Program", "verify",
-    "B", "N", "P", "T", "V", "H", "n", "Dim", "Layout", "ModelSpec", "RecordSpec", "RewardSpec", "TensorSpec",
+    "B", "N", "P", "T", "V", "H", "n", "Dim", "EnvSpec", "Layout", "ModelSpec", "RecordSpec", "RewardSpec", "TensorSpec",
     "trace_algorithm",
 ]

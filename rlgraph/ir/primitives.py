@@ -107,25 +107,52 @@ def declare(spec_rule: Callable[..., S.Spec], *, returns: int | None = None):
 # -- spec rules ---------------------------------------------------------------------------------
 
 
-def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens, stop) -> S.Spec:
-    _expect(model, S.ModelSpec, "a language-model version such as state.policy", "generate", "the model")
-    _expect(prompts, S.RecordSpec, "Prompts[B,P]", "generate", "the prompts")
+def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens, stop, prim="generate") -> S.Spec:
+    _expect(model, S.ModelSpec, "a language-model version such as state.policy", prim, "the model")
+    _expect(prompts, S.RecordSpec, "Prompts[B,P]", prim, "the prompts")
     if prompts.kind != "Prompts":
-        raise SpecError(f"rg.generate: the prompts must be Prompts[B,P], got {prompts}", user_location(),
+        raise SpecError(f"rg.{prim}: the prompts must be Prompts[B,P], got {prompts}", user_location(),
                         fix="generate from the algorithm's prompts; rollouts already hold responses: score or "
                         "train on them directly (rg.score, rg.logprobs, rg.update)")
     if not isinstance(n, int) or n < 1:
-        raise TraceError(f"rg.generate: n must be a positive int (samples per prompt), got {n!r}", user_location())
-    check_number("rg.generate", "max_new_tokens", max_new_tokens, low=1, integer=True, optional=True,
+        raise TraceError(f"rg.{prim}: n must be a positive int (samples per prompt), got {n!r}", user_location())
+    length = "max_new_tokens" if prim == "generate" else "max_total_tokens"
+    check_number(f"rg.{prim}", length, max_new_tokens, low=1, integer=True, optional=True,
                  why="the response length T; None uses the run's rollout.max_new_tokens")
-    check_number("rg.generate", "temperature", temperature, low=0)  # "hot" from the CLI is refused here, named
-    check_number("rg.generate", "top_p", top_p, low=0, low_open=True, high=1)
+    check_number(f"rg.{prim}", "temperature", temperature, low=0)  # "hot" from the CLI is refused here, named
+    check_number(f"rg.{prim}", "top_p", top_p, low=0, low_open=True, high=1)
     if temperature < 0 or not 0 < top_p <= 1:
-        raise TraceError(f"rg.generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}", user_location())
+        raise TraceError(f"rg.{prim}: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}", user_location())
     if not isinstance(stop, (tuple, list)) or not all(isinstance(item, str) and item for item in stop):
         raise TraceError(f"rg.generate: stop must be a tuple (or list) of non-empty strings, got {stop!r}", user_location(),
                          fix="e.g. stop=('\\n\\n',); a response ends after the first of them")
     return rollouts_spec(S.B if n == 1 else S.N)
+
+
+# Columns of the per-episode statistics f32[N, E] that `rollout` returns beside its rollouts.
+EPISODE_FIELDS = ("reward", "turns", "tool_calls", "tool_errors", "tool_truncated", "observation_tokens",
+                  "env_seconds", "budget_cut")
+MAX_TURNS = 1000  # a cap past this is a mistake (each turn is a decode and an env call per row), not a budget
+GENERATORS = ("generate", "rollout")  # primitives that sample from a model: generation phase, weight sync first
+
+
+def _rollout_spec(model, env, prompts, *, n, temperature, top_p, max_turns, max_tokens_per_turn, max_total_tokens,
+                  step_timeout) -> S.Spec:
+    _expect(model, S.ModelSpec, "a language-model version such as state.policy", "rollout", "the model")
+    _expect(env, S.EnvSpec, "an environment role such as state.env", "rollout", "the environment")
+    rows = _generate_spec(model, prompts, n=n, temperature=temperature, top_p=top_p,
+                          max_new_tokens=max_total_tokens, stop=(), prim="rollout").rows
+    check_number("rg.rollout", "max_turns", max_turns, low=1, high=MAX_TURNS, integer=True,
+                 why="a turn is one policy answer and one environment step per row")
+    check_number("rg.rollout", "max_tokens_per_turn", max_tokens_per_turn, low=1, integer=True, optional=True,
+                 why="None: a turn may use what is left of max_total_tokens")
+    check_number("rg.rollout", "step_timeout", step_timeout, low=0, low_open=True, optional=True,
+                 why="seconds one environment step may take; None lifts the limit (a hung env then hangs the run)")
+    if max_tokens_per_turn is not None and max_total_tokens is not None and max_tokens_per_turn > max_total_tokens:
+        raise TraceError(f"rg.rollout: max_tokens_per_turn={max_tokens_per_turn} is more than max_total_tokens="
+                         f"{max_total_tokens}, the whole response of all turns", user_location(),
+                         fix="lower max_tokens_per_turn, or raise max_total_tokens")
+    return S.TupleSpec((rollouts_spec(rows), S.f32(rows, len(EPISODE_FIELDS)), S.f32(rows, S.T)))
 
 
 def rollouts_spec(rows: S.Dim) -> S.RecordSpec:
@@ -204,6 +231,19 @@ def _filter_groups_spec(rollouts, rewards, keep, *, max_rounds) -> S.Spec:
 def generate(model, prompts, *, n=1, temperature=1.0, top_p=1.0, max_new_tokens=None, stop=()):
     """Sample `n` responses per prompt from `model`: Prompts[B,P] -> Rollouts[N=B*n, T]; a response
     ends at EOS, after `max_new_tokens`, or after the first of the `stop` strings (kept, tuple)."""
+
+
+@declare(_rollout_spec)
+def rollout(model, env, prompts, *, n=1, temperature=1.0, top_p=1.0, max_turns=4, max_tokens_per_turn=None,
+            max_total_tokens=None, step_timeout=30.0):
+    """Multi-turn episodes with environment `env` (state.env): `n` per prompt, each up to `max_turns`
+    policy turns of at most `max_tokens_per_turn` tokens, all turns and observations within
+    `max_total_tokens` (the response length T; None: the run's rollout.max_new_tokens).
+
+    Returns `(Rollouts[N,T], episodes f32[N,E], turn_rewards f32[N,T])`: the response holds every
+    turn, `mask` marks only the policy's tokens (observations are context: `context_mask`);
+    `episodes[:, k]` is the statistic `EPISODE_FIELDS[k]` (column 0: the env's reward, summed over
+    turns); `turn_rewards` holds each turn's reward at that turn's last policy token."""
 
 
 @declare(_logprobs_spec)

@@ -202,6 +202,17 @@ class RewardSpec:
 
 
 @attrs.frozen
+class EnvSpec:
+    """An environment role (`state.env`): what `rg.rollout` steps between the policy's turns; the
+    runtime binds it to the executor's environment recipe of that name."""
+
+    role: str
+
+    def __str__(self) -> str:
+        return "Env"
+
+
+@attrs.frozen
 class StatsSpec:
     """Scalars an update reports (loss, grad norm, the loss closure's metrics)."""
 
@@ -219,4 +230,4 @@ class TupleSpec:
         return "(" + ", ".join(str(item) for item in self.items) + ")"
 
 
-Spec = TensorSpec | RecordSpec | ModelSpec | RewardSpec | StatsSpec | TupleSpec
+Spec = TensorSpec | RecordSpec | ModelSpec | RewardSpec | EnvSpec | StatsSpec | TupleSpec

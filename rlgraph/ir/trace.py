@@ -327,7 +327,7 @@ class Tracer(fx.proxy.TracerBase):
             return RecordHandle(node, self)
         if isinstance(spec, S.ModelSpec):
             return ModelHandle(node, self)
-        if isinstance(spec, (S.RewardSpec, S.StatsSpec)):
+        if isinstance(spec, (S.RewardSpec, S.EnvSpec, S.StatsSpec)):
             return Handle(node, self)
         return TracedValue(node, self)
 

@@ -30,6 +30,7 @@ DEFAULT_ROLES: dict[str, S.Spec] = {
     "ref": S.ModelSpec("ref"),
     "critic": S.ModelSpec("critic", kind="critic"),
     "reward": S.RewardSpec("reward"),
+    "env": S.EnvSpec("env"),  # what rg.rollout steps; pruned, as every role, from algorithms that do not use it
 }
 BATCH_TYPES: dict[Any, S.RecordSpec] = {Prompts: S.PROMPTS, Rollouts: S.ROLLOUTS, "Prompts": S.PROMPTS, "Rollouts": S.ROLLOUTS}
 

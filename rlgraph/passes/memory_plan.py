@@ -18,7 +18,7 @@ import torch
 
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import ConfigError, did_you_mean
-from rlgraph.ir.primitives import primitive_name
+from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.program import Program
 from rlgraph.passes.options import CompileOptions
 from rlgraph.plan import memory as M
@@ -46,7 +46,9 @@ def param_bytes(shape: ModelShape, mesh: Mesh) -> int:
 def batch_rows(node, sizes: dict[str, int]) -> int:
     """Rows a primitive works on at concrete sizes: its rollouts' row dim (B for `n=1` generations
     such as ReMax's greedy baseline, N otherwise)."""
-    record = node.meta["spec"] if primitive_name(node) == "generate" else node.args[1].meta["spec"]
+    prim = primitive_name(node)
+    record = node.meta["spec"] if prim in GENERATORS else node.args[1].meta["spec"]
+    record = record.items[0] if isinstance(record, S.TupleSpec) else record  # rollout: (Rollouts, episodes, rewards)
     return sizes[str(record.rows)] if isinstance(record, S.RecordSpec) else sizes["N"]
 
 
@@ -113,7 +115,7 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
         rows = -(-batch // group.dp)
         if prim == "update":
             phase, breakdown = "train", M.train_memory(shape, _train_config(node, group, options, rows, seq))
-        elif prim == "generate":
+        elif prim in GENERATORS:
             replicas = group.generate.dp
             phase, breakdown = "generate", M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-batch // replicas),
                                                              max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])

@@ -23,13 +23,13 @@ import torch.fx as fx
 
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.primitives import primitive_name
+from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.plan.layouts import CONTROLLER  # re-exported: the passes import it from here
 
-PHASES = {"generate": "generate", "logprobs": "infer", "values": "infer", "score": "reward", "update": "train",
+PHASES = {"generate": "generate", "rollout": "generate", "logprobs": "infer", "values": "infer", "score": "reward", "update": "train",
           "filter_groups": "filter"}
 
 
@@ -52,7 +52,7 @@ def _role_of_primitive(node: fx.Node, name: str, options: CompileOptions) -> str
     if name == "filter_groups":
         return CONTROLLER  # it holds the kept groups across refill rounds
     model = node.args[0].meta["spec"]
-    if name == "generate":
+    if name in GENERATORS:
         return generator_role(model.role, options)
     if name == "score":
         return options.reward_on

@@ -174,7 +174,23 @@ def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ..
             raise PlacementConfigError(f"explicit placement has no group for role(s) {', '.join(missing)}")
     else:
         raise PlacementConfigError(f"unknown placement {placement!r}; use rg.colocated(), rg.split({{...}}) or rg.explicit(...)")
-    return tuple(_with_engine(group, options) for group in groups)
+    multi_turn = {node.meta.get("role") for node in program.graph.nodes if primitive_name(node) == "rollout"}
+    return tuple(_multi_turn_engine(_with_engine(group, options), options) if group.name in multi_turn
+                 else _with_engine(group, options) for group in groups)
+
+
+def _multi_turn_engine(group: Group, options: CompileOptions) -> Group:
+    """A group that runs `rg.rollout` generates with the native engine: "auto" picks it, and vLLM,
+    whose multi-turn path is not written yet, is refused."""
+    layout = group.generate
+    if layout is None or layout.engine == "native":
+        return group
+    if options.engine == "auto" and layout.tp == 1:
+        return attrs.evolve(group, generate=attrs.evolve(layout, engine="native"))
+    raise PlacementConfigError(
+        f"role {group.name!r} runs multi-turn episodes (rg.rollout), which run on the native engine only; it would "
+        f"generate with {layout.engine!r} (tp={layout.tp})\n  fix: compile with engine='native' (--engine native) and "
+        "tp=1 generation; multi-turn through vLLM is not written yet")
 
 
 def _with_engine(group: Group, options: CompileOptions) -> Group:

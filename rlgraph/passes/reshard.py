@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from rlgraph.ir import specs as S
-from rlgraph.ir.primitives import primitive_name
+from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
@@ -57,7 +57,7 @@ def layout_of(node: fx.Node, groups: dict[str, Group], value: fx.Node | None = N
 
 
 def _movable(node: fx.Node) -> bool:
-    return not isinstance(node.meta.get("spec"), (S.ModelSpec, S.RewardSpec, S.StatsSpec))
+    return not isinstance(node.meta.get("spec"), (S.ModelSpec, S.RewardSpec, S.EnvSpec, S.StatsSpec))
 
 
 def reshard(program: Program, options: CompileOptions) -> Program:
@@ -68,7 +68,7 @@ def reshard(program: Program, options: CompileOptions) -> Program:
     for node in list(out.graph.nodes):
         if node.op in ("placeholder", "output"):
             continue
-        if primitive_name(node) == "generate":
+        if primitive_name(node) in GENERATORS:
             _insert_sync(out, node, groups, options)
         for arg in list(node.all_input_nodes):
             consumer_layout = layout_of(node, groups, arg)

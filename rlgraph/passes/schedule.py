@@ -30,7 +30,7 @@ import operator
 import torch.fx as fx
 
 from rlgraph.ir import specs as S
-from rlgraph.ir.primitives import primitive_name
+from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.printer import op_name
 from rlgraph.ir.program import Program
 from rlgraph.ir.infer import get_field
@@ -81,6 +81,8 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
         flops = shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * samples * (sizes["P"] + sizes["T"])
         return (f"{samples} samples ({sizes['B']} prompts x n={node.kwargs['n']}), <= {sizes['T']} new tokens"
                 f"{_sampling_text(node.kwargs)}; {layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), flops
+    if prim == "rollout":
+        return _rollout_text(node, group, sizes), flops_of_generation(shape, node, sizes)
     if prim in ("logprobs", "values"):
         return f"forward only, {-(-batch // group.dp)} sequences/rank", shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
     kwargs = node.kwargs
@@ -92,6 +94,25 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     text = (f"loss {loss}: {kwargs['epochs']} epoch(s) x {kwargs['minibatches']} minibatch(es) x {count} micro-batch(es) "
             f"of {min(micro, per_mini)} rows/rank; grad clip {kwargs['grad_clip']}")
     return text, shape.flops_per_token(sizes["P"] + sizes["T"], training=True) * tokens * kwargs["epochs"]
+
+
+def flops_of_generation(shape, node: fx.Node, sizes: dict[str, int]) -> float:
+    """Forward FLOPs of sampling B*n sequences of P + T tokens (a rollout's observations included)."""
+    samples = sizes["B"] * node.kwargs["n"]
+    return shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * samples * (sizes["P"] + sizes["T"])
+
+
+def _rollout_text(node: fx.Node, group, sizes: dict[str, int]) -> str:
+    """A rollout stage: its episodes, turn budgets, and where and how long the environment's steps run."""
+    kwargs, layout = node.kwargs, group.generate
+    samples = sizes["B"] * kwargs["n"]
+    per_turn = kwargs["max_tokens_per_turn"] or sizes["T"]
+    timeout = "no timeout" if kwargs["step_timeout"] is None else f"timeout {kwargs['step_timeout']:g} s"
+    env = node.args[1].target if node.args[1].op == "placeholder" else node.args[1].name
+    return (f"{samples} episodes ({sizes['B']} prompts x n={kwargs['n']}), <= {kwargs['max_turns']} turns x <= {per_turn} "
+            f"tokens, <= {sizes['T']} response tokens (policy + observations){_sampling_text({**kwargs, 'stop': ()})}; "
+            f"{layout.dp} replica(s) x tp={layout.tp}; between turns env {env!r}.step per row in the generating "
+            f"rank's process, concurrently, {timeout}; each row continues from its KV cache")
 
 
 def _sampling_text(kwargs: dict) -> str:
@@ -295,7 +316,7 @@ def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: s
         phases = memory.get(role, {})
         if "train" not in phases or "generate" not in phases:
             continue
-        if (prim == "generate" and role not in offloaded) or (prim == "update" and role in offloaded):
+        if (prim in GENERATORS and role not in offloaded) or (prim == "update" and role in offloaded):
             parked = sum(phases["train"].get(part, 0) for part in PARKED)
             # Under cpu_offload nothing of the trainer is on the device; the step stays, as the generator's turn.
             what = "optimizer+grads" if parked else "nothing (cpu_offload: optimizer+grads stay in host memory)"

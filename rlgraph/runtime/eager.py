@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from rlgraph.backends.protocols import Executor, LossCounts, LossFn, RewardRef, UpdateConfig
+from rlgraph.backends.protocols import EnvRef, Executor, LossCounts, LossFn, RewardRef, UpdateConfig
 from rlgraph.batches import Rollouts, check_batch, to_device
 from rlgraph.functional.aggregate import active_loss_normalization, loss_normalization
 from rlgraph.ir import ops
@@ -122,6 +122,8 @@ class Interpreter:
                 inputs.append(self.model_ref(node.target))
             elif isinstance(spec, S.RewardSpec):
                 inputs.append(RewardRef(node.target))
+            elif isinstance(spec, S.EnvSpec):
+                inputs.append(EnvRef(node.target))
             elif "carry" in node.meta:
                 inputs.append(self.carried.get(node.target, torch.tensor(node.meta["carry"]["init"])))
             else:

@@ -284,6 +284,9 @@ class PlanRunner(Interpreter):
             if isinstance(node.meta["spec"], S.ModelSpec):
                 for rank in self.groups[node.meta["role"]].ranks:
                     bindings.setdefault(rank, {}).update({slot_name(node.name, slot): value for slot in slots})
+            elif isinstance(node.meta["spec"], S.EnvSpec):  # a name: every rank that runs a rollout resolves it
+                for rank in {rank for group in self.groups.values() for rank in group.ranks}:
+                    bindings.setdefault(rank, {}).update({slot_name(node.name, slot): value for slot in slots})
             env[node] = value
         self.transport.begin(bindings, keep)
         return env

@@ -129,7 +129,7 @@ def _check_loops(compiled: Compiled, position: dict[str, int]) -> None:
 
 
 def _movable(node) -> bool:
-    return not isinstance(node.meta.get("spec"), (S.ModelSpec, S.RewardSpec, S.StatsSpec))
+    return not isinstance(node.meta.get("spec"), (S.ModelSpec, S.RewardSpec, S.EnvSpec, S.StatsSpec))
 
 
 def _check_collectives(compiled: Compiled) -> None:

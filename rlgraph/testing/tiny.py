@@ -1,17 +1,20 @@
 """A tiny, seeded, CPU-sized world to run algorithms in tests: models, rewards, prompts.
 
 `tiny_executor()` builds the local executor with the shipped character tokenizer and a small
-randomly initialised Qwen2 per model role (a value-head critic for "critic"), so a property such
+randomly initialised Qwen2 per model role (a value-head critic for "critic") and `OnesEnv` as the
+environment role "env", so a property such
 as compiled == eager runs in seconds. Two calls with the same arguments build identical workers.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from rlgraph.agents.env import Step
 from rlgraph.backends.local.critic import build_critic
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
@@ -22,6 +25,21 @@ from rlgraph.data import arithmetic
 def length_parity_reward(completions: list[str], **_) -> list[float]:
     """A verifiable reward that varies on an untrained model (exact match is all zeros there)."""
     return [float(len(text) % 2) for text in completions]
+
+
+class OnesEnv:
+    """A tiny two-turn environment for multi-turn tests (`rg.rollout(state.policy, state.env, ...)`):
+    after the first turn it answers "7+7", after the second the episode ends with the number of
+    "1"s the policy wrote in both turns as its reward (which varies on an untrained model)."""
+
+    def reset(self, row: Mapping[str, Any]) -> None:
+        self.turn, self.ones = 0, 0
+
+    def step(self, action_text: str) -> Step:
+        self.turn += 1
+        self.ones += action_text.count("1")
+        done = self.turn >= 2
+        return Step("" if done else "7+7", float(self.ones) if done else 0.0, done, {"tool_calls": 1})
 
 
 def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: float = 0.1, optimizer: str = "sgd",
@@ -45,7 +63,8 @@ def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: floa
             models[role] = LMWorker(module, _optimizer(optimizer, module, lr))
         else:
             models[role] = LMWorker(build_causal_lm(tokenizer=tokenizer, seed=seed))
-    return LocalExecutor(models, {"reward": RewardWorker(reward)}, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+    return LocalExecutor(models, {"reward": RewardWorker(reward)}, tokenizer, max_new_tokens=max_new_tokens, seed=seed,
+                         envs={"env": OnesEnv})
 
 
 def _optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

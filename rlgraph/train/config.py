@@ -81,6 +81,9 @@ class RolloutSection(Section):
     stop: list[str] = Field(default_factory=list)     # a response ends after the first of these strings (kept)
     staleness: int = Field(0, strict=True, ge=0)       # asynchronous RL: batches generated up to k versions back (docs/async.md)
     staleness_policy: Literal["wait"] = "wait"        # generation is paced so no batch passes the bound
+    max_turns: int = Field(1, ge=1)                   # multi-turn (env:): policy turns per episode
+    max_tokens_per_turn: int | None = Field(None, ge=1)  # multi-turn: tokens of one turn (None: what is left)
+    step_timeout: float | None = Field(30.0, gt=0)    # multi-turn: seconds one env step may take (null: no limit)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -91,6 +94,34 @@ class RolloutSection(Section):
             raise ValueError("a stop string is empty, which every response would match at once; "
                              "write the text to stop after, e.g. stop: ['\\n\\n']")
         return stop
+
+
+class ToolSection(Section):
+    name: str                                         # a built-in tool: calculator, python, search
+    options: dict[str, Any] = Field(default_factory=dict)  # its keyword arguments (search: corpus or corpus_file)
+
+
+class EnvSection(Section):
+    """The environment of a multi-turn algorithm (`rg.rollout`, docs/agents.md): a built-in tool
+    environment (`tools`), or the user's environment class (`path: file.py:MyEnv`, built with `options`)."""
+
+    tools: list[ToolSection] = Field(default_factory=list)
+    format: Literal["hermes", "plain"] = "hermes"     # the tool-call syntax the policy writes
+    max_calls: int = Field(4, ge=1)                   # tool calls run per turn
+    path: str | None = None                           # "file.py:MyEnv" or "module:MyEnv"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_names(cls, tools: Any) -> Any:
+        return [{"name": tool} if isinstance(tool, str) else tool for tool in tools] if isinstance(tools, list) else tools
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EnvSection:
+        if bool(self.tools) == (self.path is not None):
+            raise ValueError("give env.tools (a built-in tool environment) or env.path (your environment class, "
+                             "file.py:MyEnv), exactly one of them")
+        return self
 
 
 class RuntimeSection(Section):
@@ -123,6 +154,7 @@ class WarmStartSection(Section):
     lr: float = Field(1e-3, gt=0)
     target_accuracy: float | None = Field(None, gt=0, le=1)  # stop early once held-out greedy accuracy reaches it
     eval_every: int = Field(10, ge=1)
+    trace_field: str | None = None                    # multi-turn: the data field of each row's trace (docs/agents.md)
 
 
 class TrainSection(Section):
@@ -166,6 +198,7 @@ class TrainConfig(Section):
     reward_memory_mb: int = Field(4096, ge=1024)      # RLIMIT_AS of each reward worker (torch alone takes ~700 MiB)
     reward_isolation: Literal["auto", "pidns", "process"] = "auto"  # how workers are kept from the controller (docs/security.md)
     rollout: RolloutSection = RolloutSection()
+    env: EnvSection | None = None                     # multi-turn algorithms (agent_grpo): what rg.rollout steps
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()
     warm_start: WarmStartSection = WarmStartSection()

@@ -41,7 +41,8 @@ from rlgraph.train.loop import Trainer
 # Demo-specific hyper-parameters: answers are <= 4 tokens (3 digits + EOS) of max_new_tokens=5, so
 # DAPO's overlong punishment starts at the 5th token (a response that never stopped).
 DEMO_HPARAMS: dict[str, dict[str, Any]] = {"dapo": {"overlong_buffer": 1}}
-RL_ALGORITHMS = tuple(name for name in ALGORITHMS if name not in ("sft", "evaluate"))
+# agent_grpo needs an environment (rg.rollout): `rlgraph train` with an env: section runs it, not the demo
+RL_ALGORITHMS = tuple(name for name in ALGORITHMS if name not in ("sft", "evaluate", "agent_grpo"))
 
 
 @attrs.frozen

@@ -25,7 +25,8 @@ def build_roles(setup: Setup, policy: torch.nn.Module | None = None) -> LocalExe
     model = (policy if policy is not None else build_policy(config, setup.tokenizer)).to(setup.device)
     policy = LMWorker(model, role_optimizer(config, model, config.optimizer.lr))
     executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
-                             max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device)
+                             max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device,
+                             envs={"env": setup.env} if setup.env is not None else None)
     return executor
 
 

@@ -132,8 +132,9 @@ class _Session:
         interpreter, program = Interpreter(self.executor), sft.trace()
         local = PlanRunner(self.setup.eval, self.executor)
         start, accuracy = time.perf_counter(), None
+        demonstrations = self._demonstrations()
         for step in range(1, warm.steps + 1):
-            interpreter.run(program, to_demonstrations(sampler.next_batch(), self.setup.tokenizer))
+            interpreter.run(program, demonstrations(sampler.next_batch()))
             if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
                 accuracy = self.evaluate(local)["eval/accuracy"]
                 if accuracy >= warm.target_accuracy:
@@ -141,6 +142,18 @@ class _Session:
         shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
         self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
         self.warm = {"warm_start/steps": float(step), "time/warm_start_s": time.perf_counter() - start}
+
+    def _demonstrations(self) -> Any:
+        """rows -> an SFT batch: the answers, or with `warm_start.trace_field` multi-turn traces whose
+        observations are rendered as the rollouts render them (context, never targets)."""
+        field, tokenizer = self.config.warm_start.trace_field, self.setup.tokenizer
+        if field is None:
+            return lambda rows: to_demonstrations(rows, tokenizer)
+        from rlgraph.agents.demonstrations import trace_demonstrations
+        from rlgraph.agents.env import observation_format
+
+        format = observation_format(self.setup.env(), tokenizer) if self.setup.env is not None else None
+        return lambda rows: trace_demonstrations(rows, tokenizer, field, format)
 
     def first_row(self) -> dict[str, float]:
         """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its

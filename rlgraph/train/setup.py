@@ -10,7 +10,8 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.algorithms import evaluate
+from rlgraph.algorithms import evaluate, evaluate_agent
+from rlgraph.ir.primitives import primitive_name
 from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout
@@ -18,7 +19,8 @@ from rlgraph.ir.errors import ConfigError, RLGraphError
 from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.config import TrainConfig
-from rlgraph.train.user_code import ROLLOUT_HPARAMS, build_rewards, import_modules, load_algorithm, with_resolved_hparams
+from rlgraph.train.user_code import (ROLLOUT_HPARAMS, build_env, build_rewards, import_modules, load_algorithm,
+                                     with_resolved_hparams)
 
 
 @attrs.define
@@ -34,6 +36,7 @@ class Setup:
     rl: Any                 # Compiled: the RL algorithm's plan
     eval: Any               # Compiled: the evaluate algorithm's plan
     device: str
+    env: Any = None         # the env: section's environment recipe (multi-turn algorithms), or None
 
 
 # -- setup ----------------------------------------------------------------------------------------
@@ -67,8 +70,21 @@ def prepare(config: TrainConfig) -> Setup:
     config = with_resolved_hparams(config)
     device = _device(config)
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
+    env = build_env(config)
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows), rewards.describe())
-    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device)
+    _check_env_is_used(config, rl)
+    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env)
+
+
+def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
+    """An env: section goes with an algorithm that calls rg.rollout, and such an algorithm needs one."""
+    rolls_out = any(primitive_name(node) == "rollout" for node in rl.program.graph.nodes)
+    if rolls_out and config.env is None:
+        raise ConfigError(f"algorithm {config.algorithm.name!r} runs multi-turn episodes (rg.rollout) but the config "
+                          "has no env: section", fix="add env: {tools: [calculator]} or env: {path: my_env.py:MyEnv}")
+    if not rolls_out and config.env is not None:
+        raise ConfigError(f"the config has an env: section but algorithm {config.algorithm.name!r} never steps it "
+                          "(it calls no rg.rollout)", fix="use algorithm.name: agent_grpo, or remove the env: section")
 
 
 def _device(config: TrainConfig) -> str:
@@ -176,8 +192,13 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     # on spmd/ray): a generate-only plan over the training workers would read an engine no
     # sync_weights step has loaded since the last update.
     eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
-    evaluation = compile_algorithm(evaluate, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
+    if config.env is not None:  # multi-turn: greedy episodes with the environment, scored by it
+        chosen, eval_hparams = evaluate_agent, dict(max_total_tokens=eval_tokens, max_turns=rollout.max_turns,
+                                                    max_tokens_per_turn=rollout.max_tokens_per_turn,
+                                                    step_timeout=rollout.step_timeout)
+    else:
+        chosen, eval_hparams = evaluate, dict(max_new_tokens=eval_tokens, stop=tuple(rollout.stop))  # ended as the rollouts are
+    evaluation = compile_algorithm(chosen, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
                                    engine="native", models=models, reward_pool=reward_pool,
-                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
-                                   max_new_tokens=eval_tokens, stop=tuple(rollout.stop))  # ended as the rollouts are
+                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens}, **eval_hparams)
     return rl, evaluation

@@ -196,7 +196,8 @@ def _check_reward_fields(where: str, fn: Any, provided: list[str]) -> None:
 
 
 # Hyper-parameters the rollout section sets (the algorithm's own defaults for them never apply).
-ROLLOUT_HPARAMS = ("n", "temperature", "top_p", "max_new_tokens", "stop")
+ROLLOUT_HPARAMS = ("n", "temperature", "top_p", "max_new_tokens", "stop", "max_turns", "max_tokens_per_turn",
+                   "step_timeout")
 
 
 def resolved_hparams(algorithm: str, hparams: dict[str, Any]) -> dict[str, Any]:
@@ -217,3 +218,44 @@ def with_resolved_hparams(config: TrainConfig) -> TrainConfig:
     algorithm = config.algorithm
     hparams = resolved_hparams(algorithm.name, algorithm.hparams)
     return config.model_copy(update={"algorithm": algorithm.model_copy(update={"hparams": hparams})})
+
+
+def build_env(config: TrainConfig) -> Any:
+    """The `env:` section as a picklable environment recipe (None without one): a built-in tool
+    environment, its final answers scored by the first reward term, or the user's class with its
+    options. Built once here, so a bad tool name, option or class is a ConfigError before any step."""
+    section = config.env
+    if section is None:
+        return None
+    if section.path is not None:
+        import functools
+
+        cls = load_object(section.path, "env.path")
+        recipe = functools.partial(cls, **section.options)
+        _try_build(recipe, f"env.path {section.path!r} with env.options {section.options}")
+        return recipe
+    from rlgraph.agents.tool_env import ScoreAnswer, ToolEnvRecipe
+    from rlgraph.agents.tools import BUILTIN_TOOLS
+
+    tools = []
+    for index, tool in enumerate(section.tools):
+        if tool.name not in BUILTIN_TOOLS:
+            raise ConfigError(f"env.tools[{index}] {tool.name!r} is not a built-in tool{did_you_mean(tool.name, BUILTIN_TOOLS)}",
+                              fix=f"one of {', '.join(BUILTIN_TOOLS)}; for your own tools write an environment "
+                                  "(env.path: file.py:MyEnv) that returns rg.ToolEnv([...]) from its class")
+        tools.append((tool.name, tuple(sorted(tool.options.items()))))
+    first = config.rewards[0]
+    spec = load_object(first.name, "rewards[0]:") if ":" in first.name else first.name
+    recipe = ToolEnvRecipe(tuple(tools), section.format, ScoreAnswer(build_reward(spec, **first.options)),
+                           section.max_calls)
+    _try_build(recipe, "env.tools")
+    return recipe
+
+
+def _try_build(recipe: Any, where: str) -> None:
+    try:
+        recipe()
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error.summary}", fix=error.fix) from None
+    except TypeError as error:  # an option the tool or class does not take
+        raise ConfigError(f"{where}: {error}", fix="pass only the keyword arguments it takes") from None

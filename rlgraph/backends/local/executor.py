@@ -1,7 +1,8 @@
 """The local executor: every role in this process, on its `device` (the CPU, or one local GPU).
 
 Holds the live weights of each role and runs the five primitives:
-- `generate` with the native KV-cache engine;
+- `generate` with the native KV-cache engine; `rollout` (multi-turn) with it and the environment
+  recipes in `envs`, whose steps run here, in the generating process (`multiturn.py`);
 - `logprobs` / `values` without gradients (reference log-probs, old log-probs, critic values);
 - `score` by decoding responses and calling the reward function;
 - `update`: epochs x mini-batches x micro-batches of the loss closure, gradient accumulation,
@@ -29,7 +30,9 @@ import torch
 
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream, cut_at_stop
 from rlgraph.backends.local.logprobs import sequence_logprobs
-from rlgraph.backends.protocols import ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
+from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
+from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
+                                        UpdateConfig)
 from rlgraph.functional.aggregate import global_counts
 from rlgraph.ir.errors import RewardError, RLGraphError
 from rlgraph.batches import Prompts, Rollouts, check_token_ids, to_device
@@ -90,9 +93,11 @@ class LocalExecutor:
     """Every role of `models` on `device` (their modules must be there already)."""
 
     def __init__(self, models: Mapping[str, LMWorker], rewards: Mapping[str, RewardWorker], tokenizer: Any, *,
-                 max_new_tokens: int = 16, seed: int = 0, device: torch.device | str = "cpu"):
+                 max_new_tokens: int = 16, seed: int = 0, device: torch.device | str = "cpu",
+                 envs: Mapping[str, Callable[[], Any]] | None = None):
         self.models = dict(models)
         self.rewards = dict(rewards)
+        self.envs = dict(envs or {})  # env role -> recipe: a picklable callable building one environment
         self.tokenizer = check_tokenizer(tokenizer)
         self.max_new_tokens = max_new_tokens
         self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling, on the CPU whatever the device
@@ -161,6 +166,45 @@ class LocalExecutor:
         # shards concatenate and move between ranks without re-padding, and horizon-normalised
         # losses see the same T on one rank or many.
         return to_device(rollouts.pad_responses(params.max_new_tokens, pad_id=self.tokenizer.pad_token_id), home)
+
+    def rollout(self, model: ModelRef, env: EnvRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
+                top_p: float = 1.0, max_turns: int = 4, max_tokens_per_turn: int | None = None,
+                max_total_tokens: int | None = None, step_timeout: float | None = 30.0
+                ) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
+        """Multi-turn episodes of `env`'s environments (one per row, built here from its recipe)."""
+        home = prompts.ids.device
+        engine = self._engine(model)
+        if not isinstance(engine, torch.nn.Module):
+            raise NotImplementedError(f"rg.rollout runs on the native engine; {model.role!r} generates with "
+                                      f"{type(engine).__name__} (multi-turn with vLLM is not written yet: compile with "
+                                      "engine='native')")
+        total = max_total_tokens or self.max_new_tokens
+        limits = TurnLimits(max_turns, max_tokens_per_turn or total, total, step_timeout)
+        envs = [self._environment(env) for _ in range(len(prompts) * n)]
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=limits.per_turn)
+        was_training = engine.training
+        engine.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                outputs = multi_turn_rollouts(
+                    engine, to_device(prompts, self.device), envs, n=n, params=params, limits=limits,
+                    seed=self.sampling.seed, call=self.sampling.advance(temperature), eos=self.tokenizer.eos_token_id,
+                    pad=self.tokenizer.pad_token_id, decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        finally:
+            engine.train(was_training)
+        return to_device(outputs, home)
+
+    def _environment(self, env: EnvRef) -> Any:
+        """A fresh environment of role `env`, speaking the token protocol (`rlgraph.agents.as_token_env`)."""
+        from rlgraph.agents.env import EnvError, as_token_env, build_env, observation_format
+
+        if env.role not in self.envs:
+            raise EnvError(f"rg.rollout: no environment role {env.role!r} here; the executor has "
+                           f"{', '.join(self.envs) or 'none'}",
+                           fix="pass envs={'env': MyEnv} (a class or functools.partial building one) to the executor, "
+                               "or an env: section to `rlgraph train`")
+        built = build_env(self.envs[env.role], f"environment role {env.role!r}")
+        return as_token_env(built, self.tokenizer, observation_format(built, self.tokenizer))
 
     def cut_at_stop(self, rollouts: Rollouts, stop: Sequence[str]) -> Rollouts:
         """Each response ended after its first stop string, read as the rewards read it (`decode_responses`)."""

@@ -40,11 +40,18 @@ def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts) -> torch.
     width = rollouts.prompt_ids.shape[1]
     steps = rollouts.response_ids.shape[1]
     ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1)  # [N, P+T]
-    mask = torch.cat([rollouts.prompt_mask, rollouts.mask], dim=1).long()  # [N, P+T]
+    # attend to every real token, the environment's observations too (a multi-turn rollout's
+    # `context_mask`): they are context for the policy's later tokens, though never trained on
+    mask = torch.cat([rollouts.prompt_mask, rollouts.attention_mask], dim=1).long()  # [N, P+T]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     hidden = _decoder(model)(input_ids=ids, attention_mask=mask, position_ids=positions,
                              use_cache=False).last_hidden_state  # [N, P+T, H]
-    return hidden[:, width - 1 : width - 1 + steps]  # [N, T, H]
+    # token t is predicted by the state of the last real token before it: t-1, unless padding sits
+    # between turns of a multi-turn rollout (a padding column's state reads a pad id, not the context)
+    columns = torch.arange(ids.shape[1], device=ids.device)  # [P+T]
+    last_real = torch.where(mask.bool(), columns, 0).cummax(dim=1).values  # [N, P+T]: last real column <= j
+    before = last_real[:, width - 1 : width - 1 + steps]  # [N, T]: last real column < the response's column t
+    return hidden.gather(1, before[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [N, T, H]
 
 
 def sequence_logprobs(
