@@ -44,6 +44,10 @@ def overlap(program: Program, options: CompileOptions) -> Program:
         return program
     out, _ = copy_program(program, annotations={**program.annotations, "staleness": options.staleness})
     k = options.staleness
+    if out.primitive_nodes("rollout"):  # multi-turn episodes: their env steps and lanes are not built yet
+        raise ConfigError(f"staleness={k}: algorithm {program.name!r} runs multi-turn episodes (rg.rollout), which "
+                          "asynchronous RL does not overlap yet (only rg.generate's single-turn batches)",
+                          fix="staleness=0 (or leave it out) for multi-turn agents")
     generates = out.primitive_nodes("generate")
     if not generates:
         raise ConfigError(f"staleness={k}: algorithm {program.name!r} generates nothing (no rg.generate), so there is "

@@ -43,6 +43,12 @@ def test_staleness_on_an_algorithm_that_generates_nothing_is_refused():
     assert "fix: staleness=0" in str(error.value)
 
 
+def test_staleness_on_multi_turn_episodes_is_refused_naming_rollout():
+    with pytest.raises(ConfigError, match=r"runs multi-turn episodes \(rg.rollout\), which asynchronous RL does not overlap"):
+        rg.compile(ALGORITHMS["agent_grpo"], mesh="cpu:2", placement=rg.split({"policy": 1, "rollout": 1}),
+                   sizes={"B": 4, "P": 8, "T": 16}, n=2, staleness=1)
+
+
 def test_a_ratio_free_loss_is_refused_off_policy_unless_truncated_importance_weights_correct_it():
     with pytest.raises(ConfigError, match="uses gpg_loss, a policy gradient with no ratio to the policy that sampled"):
         compile_tiny(staleness=1, loss="gpg_loss")
@@ -137,7 +143,8 @@ def test_auto_placement_counts_the_overlap_and_picks_a_split_when_staleness_lets
     assert ranked == sorted(ranked)
 
 
-OFF_POLICY = sorted(name for name in ALGORITHMS if name not in ("sft", "evaluate"))
+# sft and evaluate generate nothing to overlap; agent_grpo's multi-turn episodes are refused (below)
+OFF_POLICY = sorted(name for name in ALGORITHMS if name not in ("sft", "evaluate", "evaluate_agent", "agent_grpo"))
 
 
 @settings(max_examples=40, deadline=None)
