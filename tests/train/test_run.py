@@ -183,12 +183,9 @@ def test_a_checkpoint_without_the_first_evaluation_takes_it_from_metrics_jsonl(f
     assert session.first_eval is None
 
 
-@pytest.mark.slow
-def test_kill_at_a_random_step_and_resume_gives_the_same_run(full_run, tmp_path):
-    run_dir, _, _ = full_run
-    _, path = make_config(tmp_path, "killed")
-    target = tmp_path / "killed"
-    kill_after = int(torch.randint(1, 4, (1,)))  # a random step of 1..3
+def kill_after_checkpoint_and_resume(path: Path, target: Path, kill_after: int) -> None:
+    """Run `rlgraph train path`, SIGKILL it once a checkpoint of step >= `kill_after` is in
+    `target`, then `rlgraph train --resume target` to the end."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-m", "rlgraph", "train", str(path)], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -204,7 +201,14 @@ def test_kill_at_a_random_step_and_resume_gives_the_same_run(full_run, tmp_path)
     done = subprocess.run([sys.executable, "-m", "rlgraph", "train", "--resume", str(target)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert_same_run(run_dir, target)
+
+
+@pytest.mark.slow
+def test_kill_at_a_random_step_and_resume_gives_the_same_run(full_run, tmp_path):
+    run_dir, _, _ = full_run
+    _, path = make_config(tmp_path, "killed")
+    kill_after_checkpoint_and_resume(path, tmp_path / "killed", int(torch.randint(1, 4, (1,))))  # a random step of 1..3
+    assert_same_run(run_dir, tmp_path / "killed")
 
 
 def test_a_truncated_checkpoint_is_refused(full_run, tmp_path):
@@ -649,20 +653,5 @@ def test_a_loss_invalid_off_policy_is_refused_naming_the_config_key(tmp_path):
 @pytest.mark.slow
 def test_an_async_run_killed_and_resumed_gives_the_same_run(async_run, tmp_path):
     _, path = make_config(tmp_path, "killed", rollout=ASYNC)
-    target = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "rlgraph", "train", str(path)], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        latest = latest_checkpoint(target) if (target / "latest").exists() else None
-        if latest is not None and int(latest.name.split("-")[1]) >= 2:  # a batch is in flight at every checkpoint
-            os.killpg(process.pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
-    done = subprocess.run([sys.executable, "-m", "rlgraph", "train", "--resume", str(target)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert_same_run(async_run, target)
+    kill_after_checkpoint_and_resume(path, tmp_path / "killed", 2)  # a batch is in flight at every checkpoint
+    assert_same_run(async_run, tmp_path / "killed")
