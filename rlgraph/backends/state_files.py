@@ -44,13 +44,25 @@ def chunk_rows(rows: int, part: int, parts: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
+def untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied embeddings, a tied shard): the later names
+    get their own copies."""
+    seen: set[int] = set()
+    out = {}
+    for name, value in tensors.items():
+        out[name] = value.clone() if value.numel() and value.data_ptr() in seen else value
+        seen.add(value.data_ptr())
+    return out
+
+
 def write_part(directory: Path, role: str, part: int, parts: int, rows: Mapping[str, torch.Tensor],
                whole: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> Path:
     """Save part `part` of `parts` of `role`: `rows` (this position's rows of each sharded tensor) and,
     in part 0 only, the unsharded tensors `whole`; `shapes` are the full shapes of every tensor."""
     tensors = {name: value.detach().cpu().contiguous() for name, value in rows.items()}
     if part == 0:
-        tensors.update({name: value.detach().cpu().contiguous().clone() for name, value in whole.items()})
+        tensors.update({name: value.detach().cpu().contiguous() for name, value in whole.items()})
+    tensors = untied(tensors)
     file = directory / part_file(role, part, parts)
     save_file(tensors, str(file), metadata={"shapes": json.dumps({k: list(v) for k, v in shapes.items()}),
                                             "whole": json.dumps(sorted(whole))})

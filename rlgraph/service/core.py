@@ -75,13 +75,9 @@ class Service:
         self.check_base_model(base_model)
         if model_id in self.tenants:
             raise CallError(f"model {model_id!r} exists", field="model_seq_id")
-        held = sum(tenant.owner == owner for tenant in self.tenants.values())
-        if held >= self.limits.max_models:
-            raise CallError(f"this API key holds {held} training models, the server's limit", field="base_model",
-                            fix="save_state what you need and let old clients go (a server restart drops live models)")
-        self._adapters += 1
-        adapter = f"t{self._adapters}"
-        params = self.base.add_adapter(adapter, lora)
+        _check_quota(self.tenants.values(), owner, self.limits.max_models, "training models", "base_model",
+                     "save_state what you need and let old clients go (a server restart drops live models)")
+        adapter, params = self._new_adapter("t", lora)
         # Not make_optimizer: it keeps only parameters that require grad, and an inactive peft adapter's do not.
         optimizer = torch.optim.AdamW(params, **_adam_kwargs(ADAM_DEFAULTS))
         executor = self.base.executor(params, Accumulating(optimizer), seed=lora.seed,
@@ -89,6 +85,12 @@ class Service:
         self.tenants[model_id] = Tenant(model_id, owner, adapter, lora, executor, optimizer)
         self.store.claim(model_id, owner)
         return model_id
+
+    def _new_adapter(self, prefix: str, lora: LoraSpec) -> tuple[str, Any]:
+        """A fresh adapter on the base (`t3` a tenant's, `s4` a sampler snapshot's) and its parameters."""
+        self._adapters += 1
+        adapter = f"{prefix}{self._adapters}"
+        return adapter, self.base.add_adapter(adapter, lora)
 
     def tenant(self, owner: str, model_id: object) -> Tenant:
         tenant = self.tenants.get(model_id) if isinstance(model_id, str) else None
@@ -226,13 +228,9 @@ class Service:
 
     def _add_sampler(self, owner: str, sampler_id: str, tensors: Mapping[str, torch.Tensor], lora: LoraSpec,
                      path: str | None) -> None:
-        held = sum(sampler.owner == owner for sampler in self.samplers.values())
-        if held >= self.limits.max_samplers:
-            raise CallError(f"this API key holds {held} samplers, the server's limit", field="sampling_session_id",
-                            fix="reuse a sampling client; a training model keeps only its newest snapshots")
-        self._adapters += 1
-        adapter = f"s{self._adapters}"
-        self.base.add_adapter(adapter, lora)
+        _check_quota(self.samplers.values(), owner, self.limits.max_samplers, "samplers", "sampling_session_id",
+                     "reuse a sampling client; a training model keeps only its newest snapshots")
+        adapter, _ = self._new_adapter("s", lora)
         self.base.load_adapter_state(adapter, tensors, "model_path")
         executor = self.base.executor([], None, seed=lora.seed, max_new_tokens=self.limits.max_new_tokens)
         self.samplers[sampler_id] = Sampler(sampler_id, owner, adapter, executor, path)
@@ -314,6 +312,13 @@ def check_adam(adam: Mapping[str, float]) -> dict[str, float]:
             bound = f"in [{low}, {high})" if high is not None else ("> 0" if key == "eps" else f">= {low}")
             raise CallError(f"{key} must be a finite number {bound}, got {value!r}", field=f"adam_params.{key}")
     return {key: float(value) for key, value in params.items()}
+
+
+def _check_quota(held_by_all: Any, owner: str, limit: int, what: str, field: str, fix: str) -> None:
+    """Refuse a key one more of `what` past the server's per-key `limit`."""
+    held = sum(item.owner == owner for item in held_by_all)
+    if held >= limit:
+        raise CallError(f"this API key holds {held} {what}, the server's limit", field=field, fix=fix)
 
 
 def _adam_kwargs(params: Mapping[str, float]) -> dict[str, Any]:

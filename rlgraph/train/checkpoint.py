@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.backends.protocols import ExecutorState, RoleState
-from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite
+from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite, untied
 from rlgraph.ir.errors import ConfigError
 
 _HASH_CHUNK = 1 << 20  # 1 MiB reads: the hash streams, a multi-GB weight file never sits in memory twice
@@ -122,22 +122,11 @@ def _write_full(directory: Path, state: ExecutorState) -> dict[str, dict[str, An
     """Each role whole: `role.safetensors` and `role.optim.pt`; the roles as meta.json records them."""
     roles = {}
     for role, held in state.roles.items():
-        save_file(_untie({k: v.contiguous() for k, v in held.model.items()}), str(directory / f"{role}.safetensors"))
+        save_file(untied({k: v.contiguous() for k, v in held.model.items()}), str(directory / f"{role}.safetensors"))
         if held.optimizer is not None:
             torch.save(dict(held.optimizer), directory / f"{role}.optim.pt")
         roles[role] = {"version": held.version, "optimizer": held.optimizer_kind}
     return roles
-
-
-def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing memory (tied embeddings): store independent copies."""
-    seen: dict[int, str] = {}
-    out = {}
-    for key, value in state.items():
-        ptr = value.data_ptr()
-        out[key] = value.clone() if ptr in seen else value
-        seen.setdefault(ptr, key)
-    return out
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:

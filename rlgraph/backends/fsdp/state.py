@@ -97,7 +97,7 @@ class ShardedState:
             position, ways = self._position(role)
             names = self._checkpointed(role)
             state = {name: value for name, value in role_module(worker).state_dict().items() if name in names}
-            rows = _untied({name: value.to_local() for name, value in state.items() if isinstance(value, DTensor)})
+            rows = {name: value.to_local() for name, value in state.items() if isinstance(value, DTensor)}
             whole = {name: value for name, value in state.items() if not isinstance(value, DTensor)}
             write_part(directory, role, position, ways, rows, whole, {name: tuple(value.shape) for name, value in state.items()})
             if worker.optimizer is not None:
@@ -156,16 +156,6 @@ def _shard_optimizer_state(full: Mapping[str, Any], params: list[torch.Tensor], 
         state[index] = {key: shard_rows(value, position, ways) if isinstance(value, torch.Tensor) and tuple(value.shape) == shape
                         else value for key, value in entries.items()}
     return {"state": state, "param_groups": full["param_groups"]}
-
-
-def _untied(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing memory (a tied embedding's shard): copy the later names."""
-    seen: set[int] = set()
-    out = {}
-    for name, value in tensors.items():
-        out[name] = value.clone() if value.data_ptr() in seen and value.numel() else value
-        seen.add(value.data_ptr())
-    return out
 
 
 def merge_rank_states(parts: Mapping[int, Mapping[str, Any]]) -> ExecutorState:
