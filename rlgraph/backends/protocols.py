@@ -64,6 +64,8 @@ class UpdateConfig:
     # Set by the plan (`TrainLayout.grad_sync_last`), not the algorithm: reduce gradients across
     # ranks on the last micro-batch of each optimizer step only.
     grad_sync_last: bool = False
+    step: bool = True  # False: accumulate gradients only (no zero_grad, no step); `optimizer_step` applies them
+    outputs: bool = False  # also return the training forward's per-token outputs [N, T], detached
 
     def __attrs_post_init__(self) -> None:
         if self.on_nonfinite not in ("raise", "skip"):
@@ -120,6 +122,10 @@ class Executor(Protocol):
     def score(self, reward: RewardRef, rollouts: Rollouts) -> torch.Tensor: ...
 
     def update(self, model: ModelRef, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig) -> tuple[ModelRef, dict[str, float]]: ...
+
+    def optimizer_step(self, model: ModelRef, *, lr: float | None, betas: tuple[float, float] | None,
+                       eps: float | None, weight_decay: float | None, grad_clip: float | None
+                       ) -> tuple[ModelRef, dict[str, float]]: ...
 
     def sync_weights(self, model: ModelRef, route: Any = None) -> ModelRef:
         """Load `model`'s weights into the generation engine that serves it (`route`: where from and to)."""

@@ -194,9 +194,11 @@ def _score_spec(reward, rollouts) -> S.Spec:
     return S.f32(rollouts.rows)
 
 
-def _update_spec(model, batch, *captures, stats=(), **config) -> S.Spec:
+def _update_spec(model, batch, *captures, stats=(), outputs=False, **config) -> S.Spec:
     _expect(model, S.ModelSpec, "a trainable model version (state.policy or state.critic)", "update", "the model")
     expect_rollouts("update", batch, "the batch")
+    if outputs:  # the model's per-token outputs of the training forward, beside the new version
+        return S.TupleSpec((model.next(), S.f32(batch.rows, S.T), S.StatsSpec(tuple(stats))))
     return S.TupleSpec((model.next(), S.StatsSpec(tuple(stats))))
 
 
@@ -262,12 +264,12 @@ def score(reward, rollouts):
 
 
 UPDATE_DEFAULTS = dict(epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0, temperature=1.0, shuffle=False,
-                       on_nonfinite="raise")
+                       on_nonfinite="raise", step=True, outputs=False)
 NONFINITE_POLICIES = ("raise", "skip")
 
 
 def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0,
-           temperature=1.0, shuffle=False, on_nonfinite="raise"):
+           temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False):
     """Train `model` on `batch` by minimising the traced `loss` closure; returns `model@v+1`.
 
     The closure receives the model's per-token output with gradients (log-probs f32[N,T] for a
@@ -278,6 +280,12 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
     A mini-batch whose gradient norm is NaN or inf never reaches the weights: `on_nonfinite="raise"`
     stops the run naming the update, the mini-batch and the rows; `"skip"` drops that mini-batch's
     step and counts it (`<role>/skipped_steps`).
+
+    `step=False` only accumulates: the loss's gradients are added to the ones the model holds, no
+    optimizer step is taken and none are cleared (`rg.optimizer_step` applies them later; Tinker's
+    forward_backward). It needs `grad_clip=None` (clip when stepping) and `on_nonfinite="raise"`.
+    `outputs=True` also returns the training forward's per-token outputs, detached:
+    `policy, lp = rg.update(..., outputs=True)` (f32[N,T], the last epoch's for each row).
     """
     from rlgraph.ir.tracing import trace_loss  # the loss is traced by a child tracer
 
@@ -288,9 +296,12 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
         raise TraceError(f"rg.update(on_nonfinite={on_nonfinite!r}) is not a policy", user_location(),
                          fix=f"use one of {', '.join(map(repr, NONFINITE_POLICIES))}")
     _check_update_config(epochs, minibatches, micro_batch_size, grad_clip, temperature)
+    _check_accumulation(step, outputs, grad_clip, on_nonfinite)
     expect_rollouts("update", getattr(batch, "spec", type(batch).__name__), "the batch")  # before the loss closure is traced
     config = dict(epochs=epochs, minibatches=minibatches, micro_batch_size=micro_batch_size,
                   grad_clip=grad_clip, temperature=temperature, shuffle=shuffle, on_nonfinite=on_nonfinite)
+    if not step or outputs:  # only when asked, so the programs (and printed plans) of every other update are as before
+        config.update(step=step, outputs=outputs)
     return trace_loss(_update_primitive, model, batch, loss, config)
 
 
@@ -305,15 +316,71 @@ def _check_update_config(epochs: Any, minibatches: Any, micro_batch_size: Any, g
     check_number("rg.update", "temperature", temperature, low=0, low_open=True)
 
 
+def _check_accumulation(step: Any, outputs: Any, grad_clip: Any, on_nonfinite: str) -> None:
+    """`step=False` leaves the gradients to a later `optimizer_step`: clipping a part of them, or
+    skipping a part by dropping them all, would change what that step applies."""
+    for name, value in (("step", step), ("outputs", outputs)):
+        if not isinstance(value, bool):
+            raise TraceError(f"rg.update({name}={value!r}): {name} must be True or False", user_location())
+    if not step and grad_clip is not None:
+        raise TraceError(f"rg.update(step=False, grad_clip={grad_clip}): an accumulating update cannot clip a part of "
+                         "the gradients it leaves", user_location(),
+                         fix="grad_clip=None here, and clip in rg.optimizer_step(model, grad_clip=...)")
+    if not step and on_nonfinite != "raise":
+        raise TraceError(f"rg.update(step=False, on_nonfinite={on_nonfinite!r}): an accumulating update has no step "
+                         "to skip; a non-finite gradient raises", user_location(), fix="on_nonfinite='raise'")
+
+
 @declare(_update_spec)
 def _update_primitive(model, batch, *captures, stats=(), epochs=1, minibatches=1, micro_batch_size=None,
-                      grad_clip=1.0, temperature=1.0, shuffle=False, on_nonfinite="raise"):
+                      grad_clip=1.0, temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False):
     """(recorded form of rg.update: the loss closure lives in node.meta['program'])"""
 
 
 PRIMITIVES["update"] = attrs.evolve(PRIMITIVES.pop("_update_primitive"), name="update", doc=update.__doc__.strip())
 _update_primitive.__rlgraph_op__ = ops.OpInfo("update", _update_primitive.__rlgraph_op__.impl, _update_spec)
 _update_primitive.__name__ = "update"
+
+
+OPTIMIZER_STATS = ("grad_norm",)
+
+
+def _optimizer_step_spec(model, *, lr, betas, eps, weight_decay, grad_clip) -> S.Spec:
+    _expect(model, S.ModelSpec, "a trainable model version (state.policy or state.critic)", "optimizer_step",
+            "the model")
+    check_number("rg.optimizer_step", "lr", lr, low=0, optional=True)
+    check_number("rg.optimizer_step", "eps", eps, low=0, low_open=True, optional=True)
+    check_number("rg.optimizer_step", "weight_decay", weight_decay, low=0, optional=True)
+    check_number("rg.optimizer_step", "grad_clip", grad_clip, low=0, low_open=True, optional=True,
+                 why="None measures the norm without clipping")
+    if betas is not None and not (isinstance(betas, tuple) and len(betas) == 2
+                                  and all(isinstance(b, float) and 0 <= b < 1 for b in betas)):
+        raise TraceError(f"rg.optimizer_step: betas must be a pair of floats in [0, 1), got {betas!r}", user_location(),
+                         fix="betas=(0.9, 0.95)")
+    return S.TupleSpec((model.next(), S.StatsSpec(OPTIMIZER_STATS)))
+
+
+@declare(_optimizer_step_spec)
+def _optimizer_step_primitive(model, *, lr=None, betas=None, eps=None, weight_decay=None, grad_clip=None):
+    """(recorded form of rg.optimizer_step)"""
+
+
+def optimizer_step(model, *, lr=None, betas=None, eps=None, weight_decay=None, grad_clip=None):
+    """Apply the gradients `model` holds (accumulated by `rg.update(..., step=False)`) with its
+    optimizer, then clear them; returns `model@v+1`. Each setting given replaces the optimizer's
+    own for this and later steps (None keeps it); `grad_clip` clips to that global norm (None:
+    measured only). A NaN or inf gradient norm changes no weight: the gradients are dropped and
+    the step raises. Its statistic `grad_norm` becomes the metric `<role>/grad_norm`."""
+    new_model, _stats = _optimizer_step_primitive(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                                  grad_clip=grad_clip)
+    return new_model
+
+
+PRIMITIVES["optimizer_step"] = attrs.evolve(PRIMITIVES.pop("_optimizer_step_primitive"), name="optimizer_step",
+                                            doc=optimizer_step.__doc__.strip())
+_optimizer_step_primitive.__rlgraph_op__ = ops.OpInfo("optimizer_step", _optimizer_step_primitive.__rlgraph_op__.impl,
+                                                      _optimizer_step_spec)
+_optimizer_step_primitive.__name__ = "optimizer_step"
 
 
 @declare(_filter_groups_spec, returns=2)

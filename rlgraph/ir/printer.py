@@ -131,7 +131,9 @@ def _lines(program: Program, names: _Names, indent: str, source: bool) -> list[s
         shown_value = "state{" + ", ".join(f"{k}={names[v]}" for k, v in value.items()) + "}"
     else:
         shown_value = names[value]
-    lines.append(f"{indent}  in ({shown_value}, {{{shown_metrics}}}) }}")
+    outputs = program.output.kwargs.get("outputs", {})
+    shown_outputs = ", {" + ", ".join(f"{k}={names[v]}" for k, v in outputs.items()) + "}" if outputs else ""
+    lines.append(f"{indent}  in ({shown_value}, {{{shown_metrics}}}{shown_outputs}) }}")
     return lines
 
 

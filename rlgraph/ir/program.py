@@ -6,7 +6,9 @@ Node metadata (`node.meta`):
 - `"program"`: on `update` nodes, the loss closure's own `Program`.
 
 Outputs: an algorithm returns `(state, metrics)`, recorded as the output node's argument
-`({role: node}, {metric: node})`; a loss program returns `(loss, {metric: node})`.
+`({role: node}, {metric: node})`; a loss program returns `(loss, {metric: node})`. An algorithm
+that also returns values to its caller (`(state, metrics, outputs)`: per-token log-probs,
+rollouts) keeps them in the output node's `outputs` keyword (`Program.outputs`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class Program:
     def result(self) -> tuple[Any, Mapping[str, fx.Node]]:
         """`(state or loss, metrics)` as nodes."""
         return self.output.args[0]
+
+    @property
+    def outputs(self) -> Mapping[str, fx.Node]:
+        """The values handed back to the caller whole, by name (empty for most algorithms)."""
+        return self.output.kwargs.get("outputs", {})
 
     def spec(self, node: fx.Node) -> S.Spec:
         return node.meta["spec"]
@@ -132,7 +139,9 @@ def copy_program(program: Program, **changes: Any) -> tuple[Program, dict[fx.Nod
     graph = fx.Graph()
     mapping: dict[fx.Node, fx.Node] = {}
     result = graph.graph_copy(program.graph, mapping)
-    graph.output(result)
+    output = graph.output(result)
+    if program.outputs:
+        output.kwargs = {"outputs": {key: mapping[node] for key, node in program.outputs.items()}}
     for old, new in mapping.items():
         new.meta = dict(old.meta)
         if "program" in old.meta:

@@ -103,14 +103,16 @@ def trace_algorithm(fn: Callable[..., Any], *, roles: Mapping[str, S.Spec] | Non
         state = StateView({role: tracer.placeholder(role, spec) for role, spec in roles.items()}, tracer)
         batch = tracer.placeholder(batch_param.name, batch_spec)
         result = fn(state, batch, **hparams)
-        new_state, metrics = _check_algorithm_result(fn, result)
+        new_state, metrics, outputs = _check_algorithm_result(fn, result)
         metrics = dict(metrics)
         for node in list(tracer.graph.nodes):
             if isinstance(node.meta.get("spec"), S.StatsSpec):
                 metrics.setdefault(_stats_key(node.args[0]), tracer.wrap(node))
         _check_metrics(fn, metrics)
-        outputs = {role: tracer.create_arg(handle) for role, handle in new_state.roles.items()}
-        tracer.graph.output((outputs, {key: tracer.create_arg(item) for key, item in metrics.items()}))
+        state_out = {role: tracer.create_arg(handle) for role, handle in new_state.roles.items()}
+        output = tracer.graph.output((state_out, {key: tracer.create_arg(item) for key, item in metrics.items()}))
+        if outputs:  # kept beside (state, metrics), so every reader of output.args[0] is unchanged
+            output.kwargs = {"outputs": {key: tracer.create_arg(item) for key, item in outputs.items()}}
     _prune_unused_roles(tracer.graph)
     loops = _check_refill_loops(tracer.graph, fn)
     return Program(fn.__name__, tracer.graph, "algorithm", hparams, {"loops": loops} if loops else {})
@@ -202,13 +204,26 @@ def _bind_hparams(fn: Callable[..., Any], given: Mapping[str, Any]) -> dict[str,
     return bound
 
 
-def _check_algorithm_result(fn: Callable[..., Any], result: Any) -> tuple[StateView, Mapping[str, Any]]:
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], StateView) and isinstance(result[1], Mapping)):
+def _check_algorithm_result(fn: Callable[..., Any], result: Any
+                            ) -> tuple[StateView, Mapping[str, Any], Mapping[str, Any]]:
+    """`(state, metrics)` or `(state, metrics, outputs)`: outputs are values handed back to the caller
+    whole (per-token log-probs, rollouts), where metrics are scalars to log."""
+    ok = isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], StateView) \
+        and all(isinstance(part, Mapping) for part in result[1:])
+    if not ok:
         raise TraceError(
-            f"{fn.__name__} must return (state, metrics), got {type(result).__name__}", _definition_site(fn),
+            f"{fn.__name__} must return (state, metrics) or (state, metrics, outputs), got "
+            f"{type(result).__name__}", _definition_site(fn),
             fix="return state.replace(policy=policy), {\"reward\": r.mean()}",
         )
-    return result
+    outputs = result[2] if len(result) == 3 else {}
+    for key, value in outputs.items():
+        spec = getattr(value, "spec", None)
+        if not isinstance(key, str) or not isinstance(spec, (S.TensorSpec, S.RecordSpec)):
+            raise TraceError(f"output {key!r} of {fn.__name__} must be a traced tensor or record under a string "
+                             f"key, got {spec or type(value).__name__}", _definition_site(fn),
+                             fix="return state, metrics, {\"logprobs\": lp}")
+    return result[0], result[1], outputs
 
 
 def _check_metrics(fn: Callable[..., Any], metrics: Mapping[str, Any]) -> None:
@@ -283,5 +298,5 @@ def trace_loss(update_op: Callable[..., Any], model: Any, batch: Any, loss: Call
     node = parent.graph.create_node("call_function", update_op, args, dict(config, stats=stats), name="update")
     node.meta.update(source=user_location(), program=program)
     node.meta["spec"] = infer(node)
-    new_model, _stats = parent.wrap(node)
-    return new_model
+    new_model, *per_token, _stats = parent.wrap(node)
+    return (new_model, *per_token) if per_token else new_model  # outputs=True: (model@v+1, outputs f32[N,T])

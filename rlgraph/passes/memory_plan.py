@@ -47,6 +47,8 @@ def batch_rows(node, sizes: dict[str, int]) -> int:
     """Rows a primitive works on at concrete sizes: its rollouts' row dim (B for `n=1` generations
     such as ReMax's greedy baseline, N otherwise)."""
     prim = primitive_name(node)
+    if prim == "optimizer_step":
+        return 0  # it reads no batch: the gradients are already there
     record = node.meta["spec"] if prim in GENERATORS else node.args[1].meta["spec"]
     record = record.items[0] if isinstance(record, S.TupleSpec) else record  # rollout: (Rollouts, episodes, rewards)
     return sizes[str(record.rows)] if isinstance(record, S.RecordSpec) else sizes["N"]
@@ -68,11 +70,12 @@ def micro_batching(node, rows: int) -> tuple[int, int]:
 
 def _train_config(node, group: Group, options: CompileOptions, rows: int, seq: int) -> M.TrainMemoryConfig:
     """How `group` trains for the `update` node `node` on `rows` rows per rank of `seq` tokens."""
-    micro, count = micro_batching(node, rows)
+    # An optimizer step holds the training state and no activations (no micro-batch).
+    micro, count = micro_batching(node, rows) if primitive_name(node) == "update" else (0, 1)
     dtype, offloaded = param_dtype(options.mesh), state_on_host(group, options.mesh)
     return M.TrainMemoryConfig(
         param_dtype=dtype, mixed_precision=dtype != torch.float32, fsdp_shards=group.train.fsdp,
-        checkpointing=group.train.checkpointing, micro_batch_tokens=micro * seq, seq_len=seq,
+        checkpointing=group.train.checkpointing, micro_batch_tokens=max(micro * seq, 1), seq_len=seq,
         offload_params=offloaded, offload_optimizer=offloaded, lora=options.lora.get(node.args[0].meta["spec"].role),
         unsharded_grads=group.train.grad_sync_last and count > 1,
     )
@@ -113,7 +116,7 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
         shape = model_shape(options, node.args[0].meta["spec"].role)
         batch = batch_rows(node, sizes)
         rows = -(-batch // group.dp)
-        if prim == "update":
+        if prim in ("update", "optimizer_step"):
             phase, breakdown = "train", M.train_memory(shape, _train_config(node, group, options, rows, seq))
         elif prim in GENERATORS:
             replicas = group.generate.dp

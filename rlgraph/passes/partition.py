@@ -30,7 +30,7 @@ from rlgraph.passes.options import CompileOptions
 from rlgraph.plan.layouts import CONTROLLER  # re-exported: the passes import it from here
 
 PHASES = {"generate": "generate", "rollout": "generate", "logprobs": "infer", "values": "infer", "score": "reward", "update": "train",
-          "filter_groups": "filter"}
+          "optimizer_step": "train", "filter_groups": "filter"}
 
 
 def value_bytes(spec: S.Spec, sizes: dict[str, int]) -> int:

@@ -86,13 +86,18 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     if prim in ("logprobs", "values"):
         return f"forward only, {-(-batch // group.dp)} sequences/rank", shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
     kwargs = node.kwargs
+    if prim == "optimizer_step":
+        settings = " ".join(f"{key}={kwargs[key]}" for key in ("lr", "betas", "eps", "weight_decay") if kwargs[key] is not None)
+        return f"apply the accumulated gradients {settings or '(optimizer settings kept)'}; grad clip {kwargs['grad_clip']}", 0.0
     rows = -(-batch // group.dp)
     per_mini = -(-rows // kwargs["minibatches"])
     micro = kwargs["micro_batch_size"] or per_mini
     count = -(-per_mini // micro)
     loss = node.meta["program"].name
     text = (f"loss {loss}: {kwargs['epochs']} epoch(s) x {kwargs['minibatches']} minibatch(es) x {count} micro-batch(es) "
-            f"of {min(micro, per_mini)} rows/rank; grad clip {kwargs['grad_clip']}")
+            f"of {min(micro, per_mini)} rows/rank; grad clip {kwargs['grad_clip']}"
+            + ("; gradients accumulated, no optimizer step" if not kwargs.get("step", True) else "")
+            + ("; per-token outputs returned" if kwargs.get("outputs") else ""))
     return text, shape.flops_per_token(sizes["P"] + sizes["T"], training=True) * tokens * kwargs["epochs"]
 
 

@@ -75,6 +75,7 @@ class Interpreter:
     def __init__(self, executor: Executor):
         self.executor = executor
         self.carried: dict[str, torch.Tensor] = {}  # state.carry values, fed back each iteration
+        self.outputs: dict[str, Any] = {}  # the last iteration's `outputs` (an algorithm's third result)
 
     def remember(self, state: Mapping[str, Any]) -> None:
         """Keep the carried scalars of an iteration's output state for the next iteration."""
@@ -104,6 +105,7 @@ class Interpreter:
             else:
                 env[node] = run_node(node, env, self._primitive)
         state, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
+        self.outputs = {key: env[node] for key, node in program.outputs.items()}
         self.remember(state)
         return state, flatten_metrics(metrics)
 

@@ -101,6 +101,7 @@ class PlanRunner(Interpreter):
             self._timed_step(step, env, more_prompts)
         with self._context(plan.steps[-1]):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
+            self.outputs = {key: self._value(env, node) for key, node in lowered.outputs.items()}
             self.transport.flush()  # every command of this iteration has finished
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)
@@ -156,6 +157,7 @@ class PlanRunner(Interpreter):
         self._slot = trained.slot
         with self._context(plan.steps[-1]):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, trained.env))
+            self.outputs = {key: self._value(trained.env, node) for key, node in lowered.outputs.items()}
             self.transport.flush()
         self._slot = None
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})

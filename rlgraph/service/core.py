@@ -3,9 +3,10 @@
 Every call takes the caller's `owner` (a digest of its API key) and touches only what that owner
 created: another owner's model, sampler or saved state reads as "not found". Calls are plain
 methods, run one at a time by the scheduler (`scheduler.py`), which gives fairness and order.
-The training calls run on each tenant's `LocalExecutor`: `forward` through `logprobs`,
-`forward_backward` through `update` (gradients accumulate until `optim_step`), `sample` through
-`generate`. A failing call raises a `CallError` and leaves its tenant as it was: a non-finite
+Every model call runs as a compiled plan (`programs.py`), executed by the plan runner on the
+tenant's (or sampler's) `LocalExecutor`: `forward` through `logprobs`, `forward_backward` through
+`update(step=False)` (gradients accumulate until `optim_step`), `optim_step` through
+`optimizer_step`, `sample` through `generate`; `plan(call)` shows the plans. A failing call raises a `CallError` and leaves its tenant as it was: a non-finite
 loss or gradient restores the gradients the call found (the executor's non-finite guard raises
 before any optimizer step).
 """
@@ -22,12 +23,12 @@ import torch
 
 from rlgraph.backends.local.executor import NonFiniteUpdate
 from rlgraph.backends.local.generation import SamplingStream
-from rlgraph.backends.protocols import UpdateConfig
+from rlgraph.service import programs
 from rlgraph.service.datums import Datum, Limits, check_datums, check_tokens, to_prompts, to_rollouts
 from rlgraph.service.errors import CallError, not_found
-from rlgraph.service.losses import check_loss, make_loss
+from rlgraph.service.losses import check_loss
 from rlgraph.service.store import Store
-from rlgraph.service.tenants import Accumulating, BaseModel, LoraSpec, Sampler, Tenant
+from rlgraph.service.tenants import BaseModel, LoraSpec, Sampler, Tenant
 
 ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
 
@@ -63,6 +64,7 @@ class Service:
         self.names = {self.base.name, self.public_name, model}
         self.tenants: dict[str, Tenant] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.plans = programs.Plans()
         self._adapters = 0
 
     # -- tenants -------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ class Service:
         adapter, params = self._new_adapter("t", lora)
         # Not make_optimizer: it keeps only parameters that require grad, and an inactive peft adapter's do not.
         optimizer = torch.optim.AdamW(params, **_adam_kwargs(ADAM_DEFAULTS))
-        executor = self.base.executor(params, Accumulating(optimizer), seed=lora.seed,
+        executor = self.base.executor(params, optimizer, seed=lora.seed,
                                       max_new_tokens=self.limits.max_new_tokens)
         self.tenants[model_id] = Tenant(model_id, owner, adapter, lora, executor, optimizer)
         self.store.claim(model_id, owner)
@@ -113,25 +115,17 @@ class Service:
         tenant = self.tenant(owner, model_id)
         config = check_loss(loss_fn, loss_fn_config)
         checked = check_datums(data, loss_fn, self.limits)
-        rollouts, batch = to_rollouts(checked, self.base.tokenizer.pad_token_id)
-        executor = tenant.executor
+        rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
+        compiled = self.plans.get("forward_backward" if backward else "forward", loss_fn=loss_fn, loss_config=config)
         with self.base.active(tenant.adapter):
             if not backward:
-                lp = executor.logprobs(executor.current("policy"), rollouts)  # [N, T]
-                value, per_token = make_loss(loss_fn, config, batch)(lp)
-                return _fb_result(checked, lp, per_token, value)
-            seen: dict[str, torch.Tensor] = {}
-
-            def loss_closure(rows: torch.Tensor, counts: Any, lp: torch.Tensor, entropy: Any):
-                value, per_token = make_loss(loss_fn, config, _rows(batch, rows))(lp)
-                seen.update(lp=lp.detach(), per_token=per_token.detach(), value=value.detach())
-                return value, {}
-
+                metrics, outputs = programs.run(compiled, tenant.executor, rollouts)
+                return _fb_result(checked, outputs["logprobs"], outputs["elementwise_loss"], metrics["loss:sum"])
             saved = [None if p.grad is None else p.grad.clone() for p in tenant.params]
             try:
-                executor.update(executor.current("policy"), rollouts, loss_closure, UpdateConfig(grad_clip=None))
-                if not bool(torch.isfinite(seen["value"])):  # an inf loss whose gradient stayed finite
-                    raise NonFiniteUpdate(f"the loss is {float(seen['value'])}")
+                metrics, outputs = programs.run(compiled, tenant.executor, rollouts)
+                if not math.isfinite(metrics["loss:sum"]):  # an inf loss whose gradient stayed finite
+                    raise NonFiniteUpdate(f"the loss is {metrics['loss:sum']}")
             except NonFiniteUpdate:
                 _restore_grads(tenant.params, saved)
                 raise CallError("the loss or its gradient is not finite (NaN or inf); this call changed nothing",
@@ -139,23 +133,18 @@ class Service:
             except BaseException:
                 _restore_grads(tenant.params, saved)
                 raise
-        return _fb_result(checked, seen["lp"], seen["per_token"], seen["value"])
+        return _fb_result(checked, outputs["logprobs"], outputs["elementwise_loss"], metrics["loss:sum"])
 
     def optim_step(self, owner: str, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
         """One AdamW step with Tinker's `AdamParams` on the accumulated gradients, which it clears."""
         tenant = self.tenant(owner, model_id)
-        params = check_adam(adam)
-        for group in tenant.optimizer.param_groups:
-            group.update(_adam_kwargs(params))
-        clip = params["grad_clip_norm"] if params["grad_clip_norm"] > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(tenant.params, clip))
-        if not math.isfinite(norm):  # cannot happen through forward_backward's guard; kept as the last line
-            tenant.optimizer.zero_grad(set_to_none=True)
-            raise CallError(f"the accumulated gradient norm is {norm}; the gradients were dropped", field="optim_step")
-        tenant.optimizer.step()
-        tenant.optimizer.zero_grad(set_to_none=True)
+        compiled = self.plans.get("optim_step", **check_adam(adam))
+        try:
+            metrics, _ = programs.run(compiled, tenant.executor, None)
+        except NonFiniteUpdate as error:  # cannot happen through forward_backward's guard; kept as the last line
+            raise CallError(f"{error}", field="optim_step") from None
         tenant.steps += 1
-        return {"grad_norm:mean": norm, "step:max": float(tenant.steps)}
+        return {"grad_norm:mean": metrics["policy/grad_norm"], "step:max": float(tenant.steps)}
 
     # -- states --------------------------------------------------------------------------------
     def save_state(self, owner: str, model_id: str, name: str, *, overwrite: bool = False) -> str:
@@ -253,11 +242,12 @@ class Service:
         stream = executor.sampling
         if params.seed is not None:
             executor.sampling = SamplingStream(int(params.seed))  # a seeded request leaves the sampler's stream alone
+        compiled = self.plans.get("sample", num_samples=num_samples, temperature=float(params.temperature),
+                                  top_p=float(params.top_p), max_tokens=steps,
+                                  stop=tuple(s for s in stops if isinstance(s, str)))
         try:
             with self.base.active(sampler.adapter):
-                rollouts = executor.generate(executor.current("policy"), to_prompts(tokens), n=num_samples,
-                                             temperature=float(params.temperature), top_p=float(params.top_p),
-                                             max_new_tokens=steps, stop=[s for s in stops if isinstance(s, str)])
+                rollouts = programs.run(compiled, executor, to_prompts(tokens))[1]["rollouts"]
                 scored = self._prompt_logprobs(executor, tokens) if prompt_logprobs else None
         finally:
             if params.seed is not None:
@@ -271,16 +261,12 @@ class Service:
             return [None]
         checked = [(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])})]
         rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
-        lp = executor.logprobs(executor.current("policy"), rollouts)[0]  # [P - 1]
+        lp = programs.run(self.plans.get("logprobs"), executor, rollouts)[1]["logprobs"][0]  # [P - 1]
         return [None, *lp.tolist()]
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
-
-
-def _rows(batch: Any, rows: torch.Tensor) -> Any:
-    return attrs.evolve(batch, **{f.name: getattr(batch, f.name)[rows] for f in attrs.fields(type(batch))})
 
 
 def _restore_grads(params: list[torch.nn.Parameter], saved: list[torch.Tensor | None]) -> None:

@@ -145,8 +145,10 @@ def to_rollouts(checked: Sequence[tuple[list[int], Mapping[str, torch.Tensor]]],
             if name in inputs:
                 fields[name][i, :length] = inputs[name]
     first = torch.tensor([[tokens[0]] for tokens, _ in checked], dtype=torch.long)  # [N, 1]
+    # weights and advantages ride as metadata columns, read in the plan by rg.column (programs.py)
+    columns = {name: list(fields[name]) for name in ("weights", "advantages")}  # N rows of [T] each
     rollouts = Rollouts(first, torch.ones_like(first, dtype=torch.bool), response, mask,
-                        fields["logprobs"] * mask, torch.arange(rows))
+                        fields["logprobs"] * mask, torch.arange(rows), meta=columns)
     return rollouts, LossBatch(response, mask, fields["weights"], fields["logprobs"], fields["advantages"])
 
 

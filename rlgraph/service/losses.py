@@ -30,6 +30,7 @@ from torch import Tensor
 
 from rlgraph import functional as F
 from rlgraph.functional.aggregate import masked_sum
+from rlgraph.ir.ops import traceable
 from rlgraph.service.errors import CallError
 
 BUILTIN = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
@@ -130,3 +131,15 @@ def make_loss(name: str, config: Mapping[str, float], batch: LossBatch) -> LossF
         per_token = torch.where(mask, per_token, 0.0)  # [N, T]
         return per_token.sum(), per_token
     return loss
+
+
+@traceable(name="tinker_loss")
+def tinker_loss(lp: Tensor, mask: Tensor, weights: Tensor, old: Tensor, adv: Tensor, *, loss_fn: str,
+                config: Mapping[str, float]) -> tuple[Tensor, Tensor]:
+    """`make_loss` as one op of a traced program: (loss [], per-token loss [N, T]) from the
+    log-probs `lp` [N, T] and the batch's `mask`, `weights`, sampler log-probs `old` and advantages
+    `adv` (each [N, T]). One node, so a plan prints `tinker_loss[loss_fn='ppo' ...]` and the
+    fusion pass, whose kernels aggregate by mean, leaves Tinker's sums alone."""
+    # The loss reads no target tokens: `lp` are already the log-probs of the targets.
+    batch = LossBatch(mask.new_zeros((0,), dtype=torch.long), mask, weights, old, adv)
+    return make_loss(loss_fn, config, batch)(lp)

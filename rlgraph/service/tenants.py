@@ -4,15 +4,14 @@ one shared module), its own AdamW state, random streams and version counter, run
 
     base = BaseModel.build("tiny")
     tenant = base.add_tenant("m1", owner, LoraSpec(rank=8, seed=0))
-    with base.active(tenant.adapter): tenant.executor.update(...)   # only this adapter trains
+    with base.active(tenant.adapter): programs.run(plan, tenant.executor, batch)   # only this adapter trains
 
 Why one module and named adapters: the base weights are held once, whatever the number of
 tenants; a call activates its tenant's adapter (`set_adapter` also makes only that adapter
 require grad), and calls run one at a time (`scheduler.py`), so a call sees exactly its adapter.
-Why the executor's optimizer is `Accumulating`: Tinker splits a step in two calls
-(`forward_backward` adds gradients, `optim_step` applies them), where `LocalExecutor.update`
-does both; the wrapper makes its zero_grad/step no-ops so `update` only accumulates, and
-`optim_step` steps the real AdamW.
+Tinker splits a step in two calls (`forward_backward` adds gradients, `optim_step` applies
+them): the service's plans run `update(step=False)`, which only accumulates, and
+`optimizer_step`, which steps the tenant's AdamW (`programs.py`).
 """
 
 from __future__ import annotations
@@ -62,24 +61,6 @@ class LoraSpec:
     @property
     def targets(self) -> tuple[str, ...]:
         return (ATTENTION if self.train_attn else ()) + (MLP if self.train_mlp else ())
-
-
-class Accumulating:
-    """An optimizer whose `zero_grad` and `step` do nothing: `LocalExecutor.update` through it only
-    adds this call's gradients to the adapter's `.grad` (Tinker's forward_backward)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer  # the name LocalExecutor reads for the optimizer kind
-        self.param_groups = optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def step(self) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
 
 
 class TenantExecutor(LocalExecutor):

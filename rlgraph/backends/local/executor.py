@@ -259,9 +259,32 @@ class LocalExecutor:
             raise ValueError(f"role {model.role!r} is frozen (no optimizer); only trainable roles can be updated")
         _check_ids(worker, batch, f"rg.update({model.role})")
         # `loss_fn` must hold its captured values on this device too (the interpreter moves them).
-        stats = self._train_epochs(worker, to_device(batch, self.device), loss_fn, config)
+        kept = torch.zeros(batch.mask.shape, device=self.device) if config.outputs else None  # [N, T]
+        stats = self._train_epochs(worker, to_device(batch, self.device), loss_fn, config, kept)
         worker.version += 1
+        if kept is not None:
+            return ModelRef(model.role, worker.version), kept.to(batch.mask.device), stats
         return ModelRef(model.role, worker.version), stats
+
+    def optimizer_step(self, model: ModelRef, *, lr: float | None = None, betas: tuple[float, float] | None = None,
+                       eps: float | None = None, weight_decay: float | None = None, grad_clip: float | None = None
+                       ) -> tuple[ModelRef, dict[str, float]]:
+        """Apply the gradients the role holds (`update(step=False)` accumulated them), then clear them."""
+        worker = self._live(model)
+        if worker.optimizer is None:
+            raise ValueError(f"role {model.role!r} is frozen (no optimizer); only trainable roles can step")
+        given = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        for group in worker.optimizer.param_groups:
+            group.update({key: value for key, value in given.items() if value is not None})
+        grad_norm = self._clip_grads(worker, grad_clip if grad_clip is not None else float("inf"))
+        if not math.isfinite(grad_norm):
+            worker.optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights
+            raise NonFiniteUpdate(f"optimizer_step of {model}: the accumulated gradient norm is {grad_norm}; the "
+                                  "gradients were dropped and no weight changed")
+        worker.optimizer.step()
+        worker.optimizer.zero_grad(set_to_none=True)
+        worker.version += 1
+        return ModelRef(model.role, worker.version), {"grad_norm": grad_norm}
 
     # -- training: the data-parallel hooks a sharded executor overrides -------------------------
     def _all_reduce_sum(self, role: str, values: torch.Tensor) -> torch.Tensor:
@@ -276,12 +299,14 @@ class LocalExecutor:
         """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping."""
         return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
 
-    def _train_epochs(self, worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig) -> dict[str, float]:
+    def _train_epochs(self, worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig,
+                      kept: torch.Tensor | None = None) -> dict[str, float]:
         """Epochs x mini-batches x micro-batches; returns the mean of each statistic over optimizer steps.
 
         Each mini-batch's token and sequence counts, and each step's statistics, are summed over
         the data-parallel ranks (`_all_reduce_sum`), so N ranks holding N shards compute the loss,
-        gradients and statistics of the whole batch.
+        gradients and statistics of the whole batch. `config.step=False` only adds gradients
+        (no zero_grad, no step); `kept` [N, T] receives each row's per-token output.
         """
         role, optimizer = self._role_of(worker), worker.optimizer
         worker.model.train()
@@ -292,7 +317,8 @@ class LocalExecutor:
         for epoch in range(config.epochs):
             order = torch.randperm(len(batch), generator=self.generator) if config.shuffle else torch.arange(len(batch))
             for index, minibatch in enumerate(split_rows(order, parts=config.minibatches)):
-                optimizer.zero_grad(set_to_none=True)
+                if config.step:
+                    optimizer.zero_grad(set_to_none=True)
                 counts = self._all_reduce_sum(role, torch.stack(global_counts(batch.mask[minibatch.to(batch.mask.device)])))
                 step: dict[str, torch.Tensor] = {}
                 micros = split_rows(minibatch, size=config.micro_batch_size or len(minibatch))
@@ -302,6 +328,8 @@ class LocalExecutor:
                         output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
                                                         with_entropy=wants_entropy)
                     loss, metrics = loss_fn(micro, LossCounts(counts[0], counts[1]), output, entropy)
+                    if kept is not None:
+                        kept[micro.to(kept.device)] = output.detach()
                     finite.append(torch.isfinite(loss.detach()))
                     self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
                     loss.backward()
@@ -313,12 +341,14 @@ class LocalExecutor:
                 # The step's one host sync: the global norm decides, on every rank alike, whether to step.
                 grad_norm = self._clip_grads(worker, clip)
                 if not math.isfinite(grad_norm):
-                    optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights
+                    if config.step:  # an accumulating update leaves the gradients to its caller
+                        optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights
                     bad_rows = [row for micro, ok in zip(micros, torch.stack(finite).tolist()) if not ok for row in micro.tolist()]
                     self._refuse_nonfinite(role, worker, config, grad_norm, epoch, index, bad_rows)
                     skipped += 1
                     continue
-                optimizer.step()
+                if config.step:
+                    optimizer.step()
                 for key, value in zip(step, summed.tolist()):
                     totals[key] = totals.get(key, 0.0) + value
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
