@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 import torch
 
+from rlgraph.service import programs
 from rlgraph.service.core import SampleParams, Service
 from rlgraph.service.datums import Datum
 from rlgraph.service.scheduler import Scheduler
@@ -131,6 +132,16 @@ class LocalServiceClient:
             return LocalTrainingClient(self, model_id)
         return self._submit(model_id, call)
 
+    def plan(self, call: str, **settings: Any) -> str:
+        """The compiled plan(s) the call `call` runs with `settings` (the call's own keywords:
+        loss_fn, loss_fn_config, adam_params, num_samples, sampling_params, include_prompt_logprobs),
+        as text: the traced program, then the placement plan. Nothing runs."""
+        if "sampling_params" in settings and settings["sampling_params"] is not None:
+            settings["sampling_params"] = as_params(settings["sampling_params"])
+        if "adam_params" in settings:
+            settings["adam_params"] = as_adam(settings["adam_params"])
+        return programs.as_text(self.service.plan(call, **settings))
+
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> Future:
         sampler_id = f"{self.session}:sample:{next(self._samplers)}"
 
@@ -196,6 +207,11 @@ class LocalTrainingClient:
     def get_info(self) -> dict[str, Any]:
         return self.service.info(self.client.owner, self.model_id)
 
+    def plan(self, call: str = "forward_backward", **settings: Any) -> str:
+        """The plan(s) `call` runs on this model (`LocalServiceClient.plan`)."""
+        self.service.tenant(self.client.owner, self.model_id)
+        return self.client.plan(call, **settings)
+
     def get_tokenizer(self) -> Any:
         return self.service.base.tokenizer
 
@@ -214,6 +230,11 @@ class LocalSamplingClient:
                                          prompt_logprobs=include_prompt_logprobs)
             return SampleResult(result["sequences"], result["prompt_logprobs"])
         return self.client._submit(self.sampler_id, call)
+
+    def plan(self, call: str = "sample", **settings: Any) -> str:
+        """The plan(s) `call` runs on this sampler (`LocalServiceClient.plan`)."""
+        self.service.sampler(self.client.owner, self.sampler_id)
+        return self.client.plan(call, **settings)
 
     def compute_logprobs(self, prompt: Any) -> Future:
         future: Future = Future()

@@ -30,6 +30,7 @@ from rlgraph.service.losses import check_loss
 from rlgraph.service.store import Store
 from rlgraph.service.tenants import BaseModel, LoraSpec, Sampler, Tenant
 
+PLAN_CALLS = ("forward", "forward_backward", "optim_step", "sample", "compute_logprobs")
 ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
 
 
@@ -116,7 +117,7 @@ class Service:
         config = check_loss(loss_fn, loss_fn_config)
         checked = check_datums(data, loss_fn, self.limits)
         rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
-        compiled = self.plans.get("forward_backward" if backward else "forward", loss_fn=loss_fn, loss_config=config)
+        compiled = self._plan("forward_backward" if backward else "forward", loss_fn=loss_fn, loss_config=config)
         with self.base.active(tenant.adapter):
             if not backward:
                 metrics, outputs = programs.run(compiled, tenant.executor, rollouts)
@@ -138,7 +139,7 @@ class Service:
     def optim_step(self, owner: str, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
         """One AdamW step with Tinker's `AdamParams` on the accumulated gradients, which it clears."""
         tenant = self.tenant(owner, model_id)
-        compiled = self.plans.get("optim_step", **check_adam(adam))
+        compiled = self._plan("optim_step", **check_adam(adam))
         try:
             metrics, _ = programs.run(compiled, tenant.executor, None)
         except NonFiniteUpdate as error:  # cannot happen through forward_backward's guard; kept as the last line
@@ -242,9 +243,7 @@ class Service:
         stream = executor.sampling
         if params.seed is not None:
             executor.sampling = SamplingStream(int(params.seed))  # a seeded request leaves the sampler's stream alone
-        compiled = self.plans.get("sample", num_samples=num_samples, temperature=float(params.temperature),
-                                  top_p=float(params.top_p), max_tokens=steps,
-                                  stop=tuple(s for s in stops if isinstance(s, str)))
+        compiled = self._sample_plan(params, num_samples, steps)
         try:
             with self.base.active(sampler.adapter):
                 rollouts = programs.run(compiled, executor, to_prompts(tokens))[1]["rollouts"]
@@ -256,12 +255,40 @@ class Service:
         sequences = [_sequence(rollouts, row, steps, self.base.tokenizer.eos_token_id, ids) for row in range(num_samples)]
         return {"sequences": sequences, "prompt_logprobs": scored}
 
+    # -- plans -----------------------------------------------------------------------------------
+    def _plan(self, call: str, **settings: Any) -> Any:
+        return self.plans.get(call, **settings)
+
+    def _sample_plan(self, params: SampleParams, num_samples: int, steps: int) -> Any:
+        stops = tuple(s for s in _stop(params.stop) if isinstance(s, str))  # stop token ids are cut here, after it
+        return self._plan("sample", num_samples=num_samples, temperature=float(params.temperature),
+                          top_p=float(params.top_p), max_tokens=steps, stop=stops)
+
+    def plan(self, call: object, *, loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None,
+             adam_params: Mapping[str, float] | None = None, num_samples: int = 1,
+             sampling_params: SampleParams | None = None, prompt_length: int = 1,
+             include_prompt_logprobs: bool = False) -> list[tuple[str, Any]]:
+        """The compiled plans (name, `Compiled`) the call `call` runs with these settings, checked as
+        the call checks them: the very objects the call executes (compiled once, then kept)."""
+        if call in ("forward", "forward_backward"):
+            return [(call, self._plan(call, loss_fn=loss_fn, loss_config=check_loss(loss_fn, loss_fn_config)))]
+        if call == "optim_step":
+            return [(call, self._plan(call, **check_adam(dict(adam_params or {}))))]
+        if call in ("sample", "compute_logprobs"):
+            if call == "compute_logprobs":  # what the SDK's compute_logprobs asks: one token, and the prompt's log-probs
+                num_samples, sampling_params, include_prompt_logprobs = 1, SampleParams(max_tokens=1), True
+            params = sampling_params or SampleParams()
+            steps = check_sample(params, num_samples, prompt_length, self.limits)
+            found = [("sample", self._sample_plan(params, num_samples, steps))]
+            return found + ([("prompt_logprobs", self._plan("logprobs"))] if include_prompt_logprobs else [])
+        raise CallError(f"no call {call!r} runs a plan", field="call", fix=f"one of {', '.join(PLAN_CALLS)}")
+
     def _prompt_logprobs(self, executor: Any, tokens: list[int]) -> list[float | None]:
         if len(tokens) < 2:
             return [None]
         checked = [(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])})]
         rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
-        lp = programs.run(self.plans.get("logprobs"), executor, rollouts)[1]["logprobs"][0]  # [P - 1]
+        lp = programs.run(self._plan("logprobs"), executor, rollouts)[1]["logprobs"][0]  # [P - 1]
         return [None, *lp.tolist()]
 
 

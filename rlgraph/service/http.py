@@ -23,13 +23,14 @@ import uuid
 from collections.abc import Callable, Collection
 from typing import Any
 
+import attrs
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
-from rlgraph.service import wire
+from rlgraph.service import programs, wire
 from rlgraph.service.core import SampleParams, Service, check_adam, check_sample
 from rlgraph.service.datums import check_datums, check_tokens
 from rlgraph.service.errors import CallError, not_found
@@ -91,6 +92,10 @@ class Server:
             raise CallError(f"no call {request_id!r} for this API key (unknown, another key's, or its result was "
                             "dropped)", field="request_id", status=404)
         return future, held[1]
+
+    async def run_sync(self, call: Callable[[], Any]) -> Any:
+        """`call` on a thread (compiling a plan takes milliseconds; the event loop keeps serving)."""
+        return await asyncio.to_thread(call)
 
     async def run(self, queue: str, call: Callable[[], Any]) -> Any:
         """Queue `call` and wait for it (calls whose answer the SDK expects inline)."""
@@ -162,6 +167,7 @@ def build_app(service: Service, keys: Collection[str] | None) -> FastAPI:
     _training_routes(app, server)
     _state_routes(app, server)
     _sampling_routes(app, server)
+    _plan_routes(app, server)
     from rlgraph.service.openai import add_openai_routes
 
     add_openai_routes(app, server)
@@ -173,6 +179,46 @@ def build_app(service: Service, keys: Collection[str] | None) -> FastAPI:
                                       "the calls it serves and those it does not)", "field": f"/{path}",
                              "category": "user"}, status_code=404)
     return app
+
+
+class PlanRequest(pydantic.BaseModel):
+    """rlgraph's extension `POST /rlgraph/v1/plan`: a call's name and the settings its plan depends on."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    call: pydantic.StrictStr
+    loss_fn: pydantic.StrictStr = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+    adam_params: dict[str, float] | None = None
+    num_samples: pydantic.StrictInt = 1
+    sampling_params: dict[str, Any] | None = None
+    prompt_length: pydantic.StrictInt = 1
+    include_prompt_logprobs: pydantic.StrictBool = False
+
+
+def _plan_routes(app: FastAPI, server: Server) -> None:
+    service = server.service
+
+    @app.post("/rlgraph/v1/plan")
+    async def plan(request: Request) -> dict:
+        """The compiled plans a call runs (`Service.plan`), as text; nothing runs."""
+        server.owner(request)
+        body = parse(PlanRequest, await json_body(request))
+        if body.call in ("forward", "forward_backward"):
+            check_loss(body.loss_fn, body.loss_fn_config, registered=False)  # Tinker's losses only, as over HTTP
+        if not 1 <= body.prompt_length <= service.limits.max_tokens:
+            raise CallError(f"must be in 1..{service.limits.max_tokens} (the model's context), got {body.prompt_length}",
+                            field="prompt_length")
+        known = [field.name for field in attrs.fields(SampleParams)]
+        unknown = sorted(set(body.sampling_params or {}) - set(known))
+        if unknown:
+            raise CallError(f"unknown sampling parameter {unknown[0]!r} (known: {', '.join(known)})",
+                            field=f"sampling_params.{unknown[0]}")
+        params = SampleParams(**body.sampling_params) if body.sampling_params is not None else None
+        found = await server.run_sync(lambda: service.plan(
+            body.call, loss_fn=body.loss_fn, loss_fn_config=body.loss_fn_config, adam_params=body.adam_params,
+            num_samples=body.num_samples, sampling_params=params, prompt_length=body.prompt_length,
+            include_prompt_logprobs=body.include_prompt_logprobs))
+        return {"call": body.call, "plans": programs.describe(found), "text": programs.as_text(found)}
 
 
 def _session_routes(app: FastAPI, server: Server) -> None:

@@ -17,6 +17,7 @@ serves every batch).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -86,9 +87,14 @@ class Plans:
     def __init__(self, size: int = 128):
         self.size = size
         self._compiled: OrderedDict[tuple, Compiled] = OrderedDict()
+        self._lock = threading.Lock()  # the scheduler's thread runs calls; HTTP handlers ask for plans
 
     def get(self, call: str, **settings: Any) -> Compiled:
         key = (call, *sorted((name, _frozen(value)) for name, value in settings.items()))
+        with self._lock:
+            return self._get(key, call, settings)
+
+    def _get(self, key: tuple, call: str, settings: Mapping[str, Any]) -> Compiled:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = rg.compile(CALLS[call], mesh="cpu:1", placement=rg.colocated(offload=False), **settings)
@@ -105,6 +111,15 @@ def run(compiled: Compiled, executor: Any, batch: Any) -> tuple[dict[str, float]
     runner = PlanRunner(compiled, executor)
     _, metrics = runner.run(batch)
     return metrics, runner.outputs
+
+
+def describe(plans: list[tuple[str, Compiled]]) -> list[dict[str, str]]:
+    """Each plan a call runs as text: its traced program (like a jaxpr) and the placement plan."""
+    return [{"name": name, "program": str(compiled.source), "plan": compiled.as_text()} for name, compiled in plans]
+
+
+def as_text(plans: list[tuple[str, Compiled]]) -> str:
+    return "\n\n".join(f"{item['program']}\n{item['plan']}" for item in describe(plans))
 
 
 def _frozen(value: Any) -> Any:
