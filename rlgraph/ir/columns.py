@@ -52,10 +52,14 @@ def read_column(batch: Any, key: str, *, per_token: bool = True) -> torch.Tensor
     home = batch.response_ids.device if hasattr(batch, "response_ids") else batch.ids.device
     width = batch.mask.shape[1] if per_token else None
     rows = []
+    want = f"a float tensor [{width}] (one value per response token)" if per_token else "one number"
     for row, value in enumerate(values):
-        tensor = torch.as_tensor(value, dtype=torch.float32)
+        try:
+            tensor = torch.as_tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise BatchError(f"rg.column: meta[{key!r}] row {row} is {type(value).__name__} {value!r:.40}; each row "
+                             f"needs {want}") from None
         if tensor.shape != ((width,) if per_token else ()):
-            want = f"a float tensor [{width}] (one value per response token)" if per_token else "one number"
             raise BatchError(f"rg.column: meta[{key!r}] row {row} has shape {tuple(tensor.shape)}; each row needs {want}")
         rows.append(tensor)
     return torch.stack(rows).to(home)  # [rows, T] or [rows]

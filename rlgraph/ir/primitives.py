@@ -283,7 +283,9 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
 
     `step=False` only accumulates: the loss's gradients are added to the ones the model holds, no
     optimizer step is taken and none are cleared (`rg.optimizer_step` applies them later; Tinker's
-    forward_backward). It needs `grad_clip=None` (clip when stepping) and `on_nonfinite="raise"`.
+    forward_backward). It needs `grad_clip=None` (clip when stepping) and `on_nonfinite="raise"`;
+    a NaN or inf gradient norm raises and leaves the gradients as that call made them (a caller
+    that goes on restores the ones it had: the service does).
     `outputs=True` also returns the training forward's per-token outputs, detached:
     `policy, lp = rg.update(..., outputs=True)` (f32[N,T], the last epoch's for each row).
     """
