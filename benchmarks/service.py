@@ -5,6 +5,8 @@ p50/p99 latency and that every update was applied exactly once (each optim_step'
 must come back as 1, 2, ..., K for its tenant: a lost update leaves a gap, a duplicate a repeat).
 
     .venv/bin/python benchmarks/service.py [--rounds 10] [--clients 4] [--cycles 15]
+    .venv/bin/python benchmarks/service.py --in-process-only     # the in-process column alone, e.g. to
+                                                                  # compare two checkouts (PYTHONPATH=...)
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--cycles", type=int, default=15)
+    parser.add_argument("--in-process-only", action="store_true", help="no server: print the in-process medians")
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench_service_"))
@@ -111,6 +114,12 @@ def main() -> None:
     local = LocalServiceClient(BASE, state_dir=work / "local")
     in_process = per_call(local, args.rounds)
     local.scheduler.close()
+    if args.in_process_only:
+        import rlgraph
+
+        print(f"in-process ms (medians of {args.rounds}), rlgraph from {Path(rlgraph.__file__).parent}")
+        print("\n".join(f"  {name}: {ms:.1f}" for name, ms in in_process.items()))
+        return
     (work / "keys").write_text(KEY + "\n")
     port = 18000 + os.getpid() % 1000
     server = subprocess.Popen([sys.executable, "-m", "rlgraph", "serve", "--model", BASE, "--port", str(port), "--keys",
