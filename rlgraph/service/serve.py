@@ -53,9 +53,16 @@ def check_options(host: str, port: int, runtime: str, keys: set[str] | None, ins
     """Refuse bad options naming the flag; returns the device to serve on."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port", fix="--port 8000 (0 picks a free one)")
+    if runtime not in ("local", "spmd", "ray"):
+        raise ConfigError(f"--runtime {runtime!r} is not a runtime (local, spmd or ray); the server runs on the local "
+                          "runtime only", fix="--runtime local")
     if runtime != "local":
-        raise ConfigError(f"--runtime {runtime}: the server runs on the local runtime only for now (spmd and ray serve "
-                          "is not built; docs/service.md)", fix="--runtime local")
+        # Its calls are compiled plans, but the tenants' adapters are made, loaded and snapshotted in this
+        # process, outside any plan: worker ranks have no command for that yet.
+        raise ConfigError(f"--runtime {runtime}: the server runs on the local runtime only for now: its calls are "
+                          "compiled plans, but each tenant's LoRA adapter is created, loaded and snapshotted in the "
+                          "server's process, and spmd/ray ranks have no command to do that (docs/service.md)",
+                          fix="--runtime local (one process, CPU or one GPU: --device)")
     if keys is None and not insecure_local:
         raise ConfigError("no API keys: the server refuses to start without them",
                           fix=f"--keys FILE (one tml-... key a line) or ${KEYS_ENV}; or --insecure-local on a "

@@ -103,3 +103,13 @@ def test_the_command_serves_the_sdk(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("runtime, message", [
+    ("spmd", r"--runtime spmd: the server runs on the local runtime only for now(.|\n)*no command(.|\n)*fix: --runtime local"),
+    ("ray", r"--runtime ray: the server runs on the local runtime only"),
+    ("gpu", r"--runtime 'gpu' is not a runtime \(local, spmd or ray\)"),
+])
+def test_a_runtime_other_than_local_is_refused_saying_why(runtime, message):
+    with pytest.raises(ConfigError, match=message):
+        check_options("127.0.0.1", 8000, runtime, {KEY_A}, False)
