@@ -83,7 +83,8 @@ def _train_config(node, group: Group, options: CompileOptions, rows: int, seq: i
 
 def check_lora_roles(program: Program, options: CompileOptions) -> None:
     """Each `lora=` role must train in this program, and its model must have the targeted linears."""
-    trained = sorted({node.args[0].meta["spec"].role for node in program.graph.nodes if primitive_name(node) == "update"})
+    trained = sorted({node.args[0].meta["spec"].role for node in program.graph.nodes
+                      if primitive_name(node) in ("update", "optimizer_step")})
     for role, lora in options.lora.items():
         if role not in trained:
             raise ConfigError(f"lora: role {role!r} does not train in this program{did_you_mean(role, trained)} "

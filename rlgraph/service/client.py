@@ -134,13 +134,14 @@ class LocalServiceClient:
 
     def plan(self, call: str, **settings: Any) -> str:
         """The compiled plan(s) the call `call` runs with `settings` (the call's own keywords:
-        loss_fn, loss_fn_config, adam_params, num_samples, sampling_params, include_prompt_logprobs),
-        as text: the traced program, then the placement plan. Nothing runs."""
+        loss_fn, loss_fn_config, adam_params, num_samples, sampling_params, include_prompt_logprobs;
+        model_id for a training call), as text: the traced program, then the placement plan.
+        Nothing runs."""
         if "sampling_params" in settings and settings["sampling_params"] is not None:
             settings["sampling_params"] = as_params(settings["sampling_params"])
         if "adam_params" in settings:
             settings["adam_params"] = as_adam(settings["adam_params"])
-        return programs.as_text(self.service.plan(call, **settings))
+        return programs.as_text(self.service.plan(call, owner=self.owner, **settings))
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> Future:
         sampler_id = f"{self.session}:sample:{next(self._samplers)}"
@@ -209,8 +210,7 @@ class LocalTrainingClient:
 
     def plan(self, call: str = "forward_backward", **settings: Any) -> str:
         """The plan(s) `call` runs on this model (`LocalServiceClient.plan`)."""
-        self.service.tenant(self.client.owner, self.model_id)
-        return self.client.plan(call, **settings)
+        return self.client.plan(call, model_id=self.model_id, **settings)
 
     def get_tokenizer(self) -> Any:
         return self.service.base.tokenizer

@@ -65,7 +65,7 @@ class Service:
         self.names = {self.base.name, self.public_name, model}
         self.tenants: dict[str, Tenant] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.plans = programs.Plans()
+        self.plans = programs.Plans(_unwrapped(self.base.module).config.to_dict())
         self._adapters = 0
 
     # -- tenants -------------------------------------------------------------------------------
@@ -117,7 +117,8 @@ class Service:
         config = check_loss(loss_fn, loss_fn_config)
         checked = check_datums(data, loss_fn, self.limits)
         rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
-        compiled = self._plan("forward_backward" if backward else "forward", loss_fn=loss_fn, loss_config=config)
+        compiled = self._plan("forward_backward" if backward else "forward", lora=_trained(tenant, backward),
+                              loss_fn=loss_fn, loss_config=config)
         with self.base.active(tenant.adapter):
             if not backward:
                 metrics, outputs = programs.run(compiled, tenant.executor, rollouts)
@@ -139,7 +140,7 @@ class Service:
     def optim_step(self, owner: str, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
         """One AdamW step with Tinker's `AdamParams` on the accumulated gradients, which it clears."""
         tenant = self.tenant(owner, model_id)
-        compiled = self._plan("optim_step", **check_adam(adam))
+        compiled = self._plan("optim_step", lora=tenant.lora.plan_settings, **check_adam(adam))
         try:
             metrics, _ = programs.run(compiled, tenant.executor, None)
         except NonFiniteUpdate as error:  # cannot happen through forward_backward's guard; kept as the last line
@@ -256,24 +257,29 @@ class Service:
         return {"sequences": sequences, "prompt_logprobs": scored}
 
     # -- plans -----------------------------------------------------------------------------------
-    def _plan(self, call: str, **settings: Any) -> Any:
-        return self.plans.get(call, **settings)
+    def _plan(self, call: str, lora: Mapping[str, Any] | None = None, **settings: Any) -> Any:
+        return self.plans.get(call, lora, **settings)
 
     def _sample_plan(self, params: SampleParams, num_samples: int, steps: int) -> Any:
         stops = tuple(s for s in _stop(params.stop) if isinstance(s, str))  # stop token ids are cut here, after it
         return self._plan("sample", num_samples=num_samples, temperature=float(params.temperature),
                           top_p=float(params.top_p), max_tokens=steps, stop=stops)
 
-    def plan(self, call: object, *, loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None,
-             adam_params: Mapping[str, float] | None = None, num_samples: int = 1,
-             sampling_params: SampleParams | None = None, prompt_length: int = 1,
+    def plan(self, call: object, *, owner: str | None = None, model_id: str | None = None, loss_fn: str = "cross_entropy",
+             loss_fn_config: Mapping[str, float] | None = None, adam_params: Mapping[str, float] | None = None,
+             num_samples: int = 1, sampling_params: SampleParams | None = None, prompt_length: int = 1,
              include_prompt_logprobs: bool = False) -> list[tuple[str, Any]]:
         """The compiled plans (name, `Compiled`) the call `call` runs with these settings, checked as
-        the call checks them: the very objects the call executes (compiled once, then kept)."""
-        if call in ("forward", "forward_backward"):
-            return [(call, self._plan(call, loss_fn=loss_fn, loss_config=check_loss(loss_fn, loss_fn_config)))]
-        if call == "optim_step":
-            return [(call, self._plan(call, **check_adam(dict(adam_params or {}))))]
+        the call checks them: the very objects the call executes (compiled once, then kept). A
+        training call's plan depends on its model's adapter: name the model (`owner`'s `model_id`)."""
+        if call in ("forward", "forward_backward", "optim_step"):
+            if model_id is None:
+                raise CallError(f"the plan of {call} depends on the model's LoRA adapter: name the model",
+                                field="model_id", fix="TrainingClient.plan(...), or model_id= of a model you created")
+            lora = _trained(self.tenant(owner, model_id), call != "forward")
+            if call == "optim_step":
+                return [(call, self._plan(call, lora=lora, **check_adam(dict(adam_params or {}))))]
+            return [(call, self._plan(call, lora=lora, loss_fn=loss_fn, loss_config=check_loss(loss_fn, loss_fn_config)))]
         if call in ("sample", "compute_logprobs"):
             if call == "compute_logprobs":  # what the SDK's compute_logprobs asks: one token, and the prompt's log-probs
                 num_samples, sampling_params, include_prompt_logprobs = 1, SampleParams(max_tokens=1), True
@@ -290,6 +296,11 @@ class Service:
         rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
         lp = programs.run(self._plan("logprobs"), executor, rollouts)[1]["logprobs"][0]  # [P - 1]
         return [None, *lp.tolist()]
+
+
+def _trained(tenant: Tenant, trains: bool) -> dict[str, Any] | None:
+    """The adapter a training plan sizes its memory by; None for a forward (nothing trains)."""
+    return tenant.lora.plan_settings if trains else None
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:

@@ -186,6 +186,7 @@ class PlanRequest(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid")
     call: pydantic.StrictStr
+    model_id: pydantic.StrictStr | None = None  # a training call's model (its adapter sizes the plan)
     loss_fn: pydantic.StrictStr = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
     adam_params: dict[str, float] | None = None
@@ -201,7 +202,7 @@ def _plan_routes(app: FastAPI, server: Server) -> None:
     @app.post("/rlgraph/v1/plan")
     async def plan(request: Request) -> dict:
         """The compiled plans a call runs (`Service.plan`), as text; nothing runs."""
-        server.owner(request)
+        owner = server.owner(request)
         body = parse(PlanRequest, await json_body(request))
         if body.call in ("forward", "forward_backward"):
             check_loss(body.loss_fn, body.loss_fn_config, registered=False)  # Tinker's losses only, as over HTTP
@@ -215,7 +216,8 @@ def _plan_routes(app: FastAPI, server: Server) -> None:
                             field=f"sampling_params.{unknown[0]}")
         params = SampleParams(**body.sampling_params) if body.sampling_params is not None else None
         found = await server.run_sync(lambda: service.plan(
-            body.call, loss_fn=body.loss_fn, loss_fn_config=body.loss_fn_config, adam_params=body.adam_params,
+            body.call, owner=owner, model_id=body.model_id, loss_fn=body.loss_fn, loss_fn_config=body.loss_fn_config,
+            adam_params=body.adam_params,
             num_samples=body.num_samples, sampling_params=params, prompt_length=body.prompt_length,
             include_prompt_logprobs=body.include_prompt_logprobs))
         return {"call": body.call, "plans": programs.describe(found), "text": programs.as_text(found)}

@@ -10,9 +10,10 @@
 A datum's loss inputs enter as the batch's metadata columns (`rg.column(data, "advantages")`),
 its sampler log-probs as `data.logprobs`. `Plans` compiles each (call, settings) once and keeps
 it; `run` executes a plan with the one plan runner (`PlanRunner`) over the tenant's executor and
-returns the metrics and the values the program hands back (`outputs`). The plan's byte and FLOP
-estimates are at the compiler's nominal sizes (the program itself has symbolic dims: one plan
-serves every batch).
+returns the metrics and the values the program hands back (`outputs`). The plan's memory and FLOP
+estimates are for the served model (its config) at the compiler's nominal sizes, but a sample
+plan's, which are its call's (one prompt, `num_samples`, `max_tokens`): the program itself has
+symbolic dims, so one plan serves every batch.
 """
 
 from __future__ import annotations
@@ -84,20 +85,28 @@ CALLS = {"forward": forward, "forward_backward": forward_backward, "optim_step":
 class Plans:
     """The compiled plan of each (call, settings), compiled on first use; the `size` most recent kept."""
 
-    def __init__(self, size: int = 128):
+    def __init__(self, model: Mapping[str, Any] | None = None, size: int = 128):
+        self.models = {"policy": dict(model)} if model is not None else {}  # the served model's HF config
         self.size = size
         self._compiled: OrderedDict[tuple, Compiled] = OrderedDict()
         self._lock = threading.Lock()  # the scheduler's thread runs calls; HTTP handlers ask for plans
 
-    def get(self, call: str, **settings: Any) -> Compiled:
-        key = (call, *sorted((name, _frozen(value)) for name, value in settings.items()))
+    def get(self, call: str, lora: Mapping[str, Any] | None = None, **settings: Any) -> Compiled:
+        """The plan of `call` with `settings` (its hyper-parameters); `lora` ({"r", "target_modules"}):
+        the trained adapter, so the plan's memory counts a LoRA tenant's state, not the whole model's."""
+        key = (call, _frozen(lora), *sorted((name, _frozen(value)) for name, value in settings.items()))
         with self._lock:
-            return self._get(key, call, settings)
+            return self._get(key, call, lora, settings)
 
-    def _get(self, key: tuple, call: str, settings: Mapping[str, Any]) -> Compiled:
+    def _get(self, key: tuple, call: str, lora: Mapping[str, Any] | None, settings: Mapping[str, Any]) -> Compiled:
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = rg.compile(CALLS[call], mesh="cpu:1", placement=rg.colocated(offload=False), **settings)
+            sizes = ({"B": 1, "n": settings["num_samples"], "P": 8, "T": settings["max_tokens"]} if call == "sample"
+                     else None)  # a sample call is one prompt
+            # One process holding every tenant: no offload, and the executor checkpoints no activations.
+            compiled = rg.compile(CALLS[call], mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
+                                  sizes=sizes, models=self.models, lora={"policy": dict(lora)} if lora else None,
+                                  **settings)
             self._compiled[key] = compiled
             if len(self._compiled) > self.size:
                 self._compiled.popitem(last=False)
@@ -124,5 +133,5 @@ def as_text(plans: list[tuple[str, Compiled]]) -> str:
 
 def _frozen(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return tuple(sorted(value.items()))
+        return tuple(sorted((key, _frozen(item)) for key, item in value.items()))
     return tuple(value) if isinstance(value, list) else value

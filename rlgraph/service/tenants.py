@@ -62,6 +62,11 @@ class LoraSpec:
     def targets(self) -> tuple[str, ...]:
         return (ATTENTION if self.train_attn else ()) + (MLP if self.train_mlp else ())
 
+    @property
+    def plan_settings(self) -> dict[str, Any]:
+        """The adapter as `rg.compile(lora=...)` sizes it (the plan's memory of a LoRA tenant)."""
+        return {"r": self.rank, "target_modules": self.targets}
+
 
 class TenantExecutor(LocalExecutor):
     """A `LocalExecutor` whose gradient norm is its own adapter's (the shared module also holds

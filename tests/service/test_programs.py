@@ -53,8 +53,9 @@ def test_every_call_runs_the_plan_that_plan_of_the_call_shows(local, monkeypatch
     sampler.sample([5, 6, 7], 2, params, include_prompt_logprobs=True).result()
     sampler.compute_logprobs([5, 6, 7]).result()
     plan = local.service.plan
-    expected = [plan("forward", loss_fn="ppo"), plan("forward_backward", loss_fn="importance_sampling"),
-                plan("optim_step", adam_params={"learning_rate": 1e-3, "grad_clip_norm": 1.0}),
+    mine = dict(owner=local.owner, model_id=training.model_id)
+    expected = [plan("forward", loss_fn="ppo", **mine), plan("forward_backward", loss_fn="importance_sampling", **mine),
+                plan("optim_step", adam_params={"learning_rate": 1e-3, "grad_clip_norm": 1.0}, **mine),
                 plan("sample", num_samples=2, sampling_params=params, prompt_length=3, include_prompt_logprobs=True),
                 plan("compute_logprobs")]
     # The very compiled objects: each (call, settings) is compiled once and the call runs that plan.
@@ -72,19 +73,27 @@ def test_plan_text_shows_the_accumulating_update_the_loss_and_the_step(local):
     assert "gradients accumulated, no optimizer step; per-token outputs returned" in text
     step = training.plan("optim_step", adam_params={"learning_rate": 3e-4, "grad_clip_norm": 0.5})
     assert "optimizer_step[lr=0.0003 betas=(0.9, 0.95) eps=1e-12 weight_decay=0.0 grad_clip=0.5] policy" in step
+    # Sized as the tenant's rank-4 adapter (fp32 grads, two AdamW moments), not the whole model:
+    adapter = 4 * sum(p.numel() for p in local.service.tenants[training.model_id].params) / 1024  # KiB
+    assert f"grads {adapter:.1f} KiB, optimizer {2 * adapter:.1f} KiB" in step
     sampled = local.plan("sample", num_samples=4, sampling_params={"max_tokens": 5, "stop": ["\n"]})
     assert "generate[n=4 temperature=1.0 top_p=1.0 max_new_tokens=5 stop=('\\n',)] policy prompt" in sampled
+    assert "4 samples (1 prompts x n=4), <= 5 new tokens" in sampled  # a sample plan is sized as its call
 
 
 @pytest.mark.parametrize("call, settings, field", [
     ("train", {}, "call"),
-    ("forward_backward", {"loss_fn": "nope"}, "loss_fn"),
-    ("forward_backward", {"loss_fn": "dro"}, "loss_fn_config.beta"),
-    ("optim_step", {"adam_params": {"learning_rate": -1.0}}, "adam_params.learning_rate"),
+    ("forward_backward", {}, "model_id"),
+    ("optim_step", {"model_id": "someone-else:train:0"}, "model_id"),
+    ("forward_backward", {"model_id": "mine", "loss_fn": "nope"}, "loss_fn"),
+    ("forward_backward", {"model_id": "mine", "loss_fn": "dro"}, "loss_fn_config.beta"),
+    ("optim_step", {"model_id": "mine", "adam_params": {"learning_rate": -1.0}}, "adam_params.learning_rate"),
     ("sample", {"num_samples": 0}, "num_samples"),
     ("sample", {"sampling_params": {"top_k": 5}}, "sampling_params.top_k"),
 ])
 def test_plan_of_a_bad_call_names_the_field(local, call, settings, field):
+    if settings.get("model_id") == "mine":
+        settings = {**settings, "model_id": local.create_lora_training_client("tiny", rank=4).result().model_id}
     with pytest.raises(CallError) as caught:
         local.plan(call, **settings)
     assert caught.value.field == field
@@ -122,20 +131,25 @@ def test_a_forward_backward_and_step_equal_hand_written_torch_bit_for_bit(tmp_pa
 
 def test_the_http_plan_is_the_in_process_plan_and_bad_bodies_name_the_field(server):
     pytest.importorskip("tinker")  # the server speaks the SDK's types (the `service` extra)
-    from tests.service.conftest import KEY_A
+    from tests.service.conftest import KEY_A, KEY_B
 
     def post(body, key=KEY_A):
         headers = {"X-API-Key": key} if key else {}
         return httpx.post(f"{server.url}/rlgraph/v1/plan", json=body, headers=headers, timeout=60)
 
-    answer = post({"call": "forward_backward", "loss_fn": "cispo", "loss_fn_config": {"clip_high_threshold": 1.3}})
+    from rlgraph.service.http import owner_of
+
+    server.service.create_model(owner_of(KEY_A), "plan-a", "tiny", LoraSpec(rank=8, train_mlp=False))
+    answer = post({"call": "forward_backward", "model_id": "plan-a", "loss_fn": "cispo",
+                   "loss_fn_config": {"clip_high_threshold": 1.3}})
     assert answer.status_code == 200
-    expected = programs.as_text(server.service.plan("forward_backward", loss_fn="cispo",
-                                                    loss_fn_config={"clip_high_threshold": 1.3}))
+    expected = programs.as_text(server.service.plan("forward_backward", owner=owner_of(KEY_A), model_id="plan-a",
+                                                    loss_fn="cispo", loss_fn_config={"clip_high_threshold": 1.3}))
     assert answer.json()["text"] == expected and answer.json()["plans"][0]["name"] == "forward_backward"
     assert [p["name"] for p in post({"call": "compute_logprobs"}).json()["plans"]] == ["sample", "prompt_logprobs"]
     for body, status, field in [
-        ({"call": "forward_backward", "loss_fn": "gspo"}, 400, "loss_fn"),  # registered losses: in process only
+        ({"call": "forward_backward", "model_id": "plan-a", "loss_fn": "gspo"}, 400, "loss_fn"),  # in process only
+        ({"call": "forward_backward"}, 400, "model_id"),
         ({"call": 3}, 400, "call"),
         ({"call": "optim"}, 400, "call"),
         ({"call": "sample", "num_samples": "4"}, 400, "num_samples"),
@@ -143,10 +157,11 @@ def test_the_http_plan_is_the_in_process_plan_and_bad_bodies_name_the_field(serv
         ({"call": "sample", "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
         ({"call": "sample", "sampling_params": {"colour": 1}}, 400, "sampling_params.colour"),
         ({"call": "sample", "prompt_length": 0}, 400, "prompt_length"),
-        ({"call": "optim_step", "adam_params": {"beta1": 1.5}}, 400, "adam_params.beta1"),
+        ({"call": "optim_step", "model_id": "plan-a", "adam_params": {"beta1": 1.5}}, 400, "adam_params.beta1"),
         ({"call": "optim_step", "extra": 1}, 400, "extra"),
     ]:
         answer = post(body)
         assert (answer.status_code, answer.json().get("field")) == (status, field), (body, answer.json())
     assert post({"call": "sample"}, key=None).status_code == 401
+    assert post({"call": "optim_step", "model_id": "plan-a"}, key=KEY_B).status_code == 404  # another key's model
     assert server.healthy()
