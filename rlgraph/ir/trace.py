@@ -271,6 +271,11 @@ class Tracer(fx.proxy.TracerBase):
             return a
         if isinstance(a, (StateView, Prompts, Rollouts)):
             raise TraceError(f"a {type(a).__name__} cannot be an argument here", user_location())
+        if callable(a) and not isinstance(a, type):  # fx would fail deep inside with "argument of type: function"
+            name = getattr(a, "__qualname__", repr(a))
+            raise TraceError(f"the plain Python function {name!r} cannot be passed to a traced op", user_location(),
+                             fix=f"decorate it with @rg.traceable so the compiler can record it (e.g. an aggregation "
+                                 f"passed as agg=), or pass one of rlgraph.functional's (F.token_mean, ...)")
         return super().create_arg(a)
 
     def _local(self, node: fx.Node) -> fx.Node:

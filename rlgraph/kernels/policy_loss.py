@@ -67,6 +67,16 @@ def aggregation_name(agg) -> str:
     return name
 
 
+def unsupported_call(args: tuple, kwargs: dict) -> str | None:
+    """Why the fused loss cannot run this traced call (an aggregation it does not implement), or None."""
+    agg = kwargs.get("agg", "token-mean")
+    try:
+        aggregation_name(agg)
+    except ValueError:
+        return f"aggregation {getattr(agg, '__name__', agg)!r} is not one the kernel implements"
+    return None
+
+
 def _check(lp: Tensor, old_lp: Tensor, adv: Tensor, mask: Tensor, dual_clip: float | None, kl_estimator: str) -> None:
     if lp.dim() != 2 or old_lp.shape != lp.shape or mask.shape != lp.shape:
         raise ValueError(f"policy_loss: lp, old_lp and mask must share one shape [N, T]; got {tuple(lp.shape)}, "

@@ -29,19 +29,23 @@ class Kernel:
     implements: str
     reference: Callable
     triton: Callable
+    # (args, kwargs) of one traced call -> why the kernel cannot run it, or None: the `fuse` pass
+    # leaves such a call unfused (e.g. an aggregation the fused loss does not implement).
+    declines: Callable[[tuple, dict], str | None] | None = None
 
 
 _KERNELS: dict[str, Kernel] = {}
 
 
-def register(name: str, *, reference: Callable, triton: Callable, implements: str) -> Kernel:
+def register(name: str, *, reference: Callable, triton: Callable, implements: str,
+             declines: Callable[[tuple, dict], str | None] | None = None) -> Kernel:
     """Add a kernel; names and the ops they implement are both unique."""
     if name in _KERNELS:
         raise ValueError(f"register: a kernel named {name!r} exists already")
     taken = [k.name for k in _KERNELS.values() if k.implements == implements]
     if taken:
         raise ValueError(f"register: {taken[0]!r} already implements {implements!r}; one kernel per op")
-    kernel = Kernel(name, implements, reference, triton)
+    kernel = Kernel(name, implements, reference, triton, declines)
     _KERNELS[name] = kernel
     return kernel
 
@@ -68,9 +72,10 @@ def available_kernels() -> tuple[Kernel, ...]:
 register("logprob_head", reference=logprob_head.token_logprobs_chunked, triton=logprob_head.token_logprobs_triton,
          implements="logprobs")
 register("fused_ppo_clip", reference=policy_loss.ppo_clip_reference, triton=policy_loss.ppo_clip_triton,
+         declines=policy_loss.unsupported_call,
          implements="ppo_clip")
 register("fused_policy_loss", reference=policy_loss.policy_loss_reference, triton=policy_loss.policy_loss_triton,
-         implements="policy_loss")
+         declines=policy_loss.unsupported_call, implements="policy_loss")
 register("fused_group_normalize", reference=advantages.group_normalize_reference,
          triton=advantages.group_normalize_triton, implements="group_normalize")
 register("fused_rloo", reference=advantages.rloo_reference, triton=advantages.rloo_triton, implements="rloo")

@@ -128,10 +128,16 @@ def _sampling_text(kwargs: dict) -> str:
     return "".join(f", {part}" for part in parts if part)
 
 
+def _kernel_text(node: fx.Node) -> str | None:
+    """The fused kernel a node runs, or why its op's kernel declined it."""
+    return node.meta.get("kernel", node.meta.get("kernel_declined"))
+
+
 def _kernels(node: fx.Node) -> list[str]:
-    found = [node.meta["kernel"]] if "kernel" in node.meta else []
+    found = [text] if (text := _kernel_text(node)) else []
     if "program" in node.meta:
-        found += [f"{n.meta['kernel']} (in {node.meta['program'].name})" for n in node.meta["program"].graph.nodes if "kernel" in n.meta]
+        program = node.meta["program"]
+        found += [f"{text} (in {program.name})" for n in program.graph.nodes if (text := _kernel_text(n))]
     return found
 
 

@@ -100,3 +100,51 @@ def test_golden_grpo_plan():
     golden = (Path(__file__).parent / "golden_grpo_split.txt").read_text()
     assert compile_grpo("gpu:8", rg.split({"policy": 4, "rollout": 4, "ref": "policy"})).as_text() + "\n" == golden
     assert golden in (Path(__file__).parents[2] / "docs" / "plans.md").read_text()  # docs/plans.md shows this plan
+
+
+@rg.traceable
+def _sum_over_batch(values, mask):
+    """A user's aggregation the fused loss does not implement: the masked sum over the batch."""
+    return (values * mask).sum()
+
+
+@rg.algorithm
+def _grpo_custom_agg(state: rg.State, prompts: rg.Prompts, *, n=4):
+    ro = rg.generate(state.policy, prompts, n=n)
+    r = rg.score(state.reward, ro)
+    adv = rg.functional.group_normalize(r, ro.group)
+
+    def loss(lp):
+        value, _, _ = rg.functional.ppo_clip(lp, ro.logprobs, adv[:, None], ro.mask, agg=_sum_over_batch)
+        return value
+
+    return state.replace(policy=rg.update(state.policy, ro, loss)), {"reward": r.mean()}
+
+
+def test_a_loss_with_an_aggregation_the_kernel_lacks_runs_unfused_and_the_plan_says_why():
+    """The fused PPO kernel implements four aggregations; any other one used to reach the kernel and raise.
+    Now the call runs as traced (same numbers as eager, tolerances as above) and the plan names the reason."""
+    compiled = rg.compile(_grpo_custom_agg, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
+                          sizes={"B": 4, "P": 8, "T": 4}, n=4)
+    text = compiled.as_text()
+    assert "fused_ppo_clip" not in text
+    assert "ppo_clip not fused: aggregation '_sum_over_batch' is not one the kernel implements (in loss)" in text
+    rgt.assert_compiled_matches_eager(_grpo_custom_agg, executor=rgt.tiny_executor,
+                                      batches=[prompts(4, offset=4 * i) for i in range(2)], sizes={"B": 4, "P": 8, "T": 4}, n=4)
+
+
+def test_a_plain_function_passed_to_a_traced_op_is_a_trace_error_naming_the_line():
+    def plain_sum(values, mask):
+        return (values * mask).sum()
+
+    @rg.algorithm
+    def algo(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=2)
+        adv = rg.functional.group_normalize(rg.score(state.reward, ro), ro.group)
+        policy = rg.update(state.policy, ro,
+                           lambda lp: rg.functional.ppo_clip(lp, ro.logprobs, adv[:, None], ro.mask, agg=plain_sum)[0])
+        return state.replace(policy=policy), {}
+
+    with pytest.raises(rg.TraceError, match=r"plain Python function '.*plain_sum' cannot be passed") as info:
+        rg.compile(algo, mesh="cpu:1", sizes={"B": 2, "P": 8, "T": 4})
+    assert "test_pipeline.py" in str(info.value) and "@rg.traceable" in str(info.value)
