@@ -25,7 +25,7 @@ from rlgraph.backends.local.packing import pack_rows, packed_attention_mask, row
 from rlgraph.batches import Rollouts
 from rlgraph.errors import ConfigError, TraceError
 from rlgraph.runtime.eager import Interpreter
-from rlgraph.testing.tiny import tiny_executor
+from rlgraph.testing.tiny import tiny_executor, tiny_prompts
 
 VOCAB_LOW, VOCAB_HIGH = 4, 47  # the character tokenizer's ordinary ids (0-3 are special)
 
@@ -235,3 +235,41 @@ def test_the_update_prints_the_budget_only_when_set():
 
     assert "micro_batch_tokens=64" in update_line(clipped_surrogate.trace(micro_batch_tokens=64))
     assert "micro_batch_tokens" not in update_line(clipped_surrogate.trace())
+
+
+# -- data-parallel ranks: as many micro-batches on every rank ------------------------------------
+
+
+@pytest.mark.parametrize("extra", [1, 5])
+def test_a_rank_that_needs_fewer_micro_batches_splits_and_fills_without_changing_the_step(monkeypatch, extra):
+    """Under FSDP2 every rank runs as many packed micro-batches as the rank needing most (its
+    forwards are collectives). Here the other ranks are pretended to need `extra` more: this rank
+    splits its widest micro-batches, then (6 rows < 4 + 5) adds fillers whose backward adds 0."""
+    from rlgraph.backends.local.executor import LocalExecutor
+
+    batch = ragged_rollouts([6, 2, 4, 1, 5, 3], [7, 1, 0, 5, 3, 7], 6, 7, seed=3)
+    padded = _train(batch)
+    monkeypatch.setattr(LocalExecutor, "_all_reduce_max", lambda self, role, count: count + extra)
+    seen: list[int] = []
+    original = LocalExecutor._micro_batches
+
+    def recording(self, *args, **kwargs):
+        micros, real = original(self, *args, **kwargs)
+        seen.append(len(micros) - real)
+        return micros, real
+
+    monkeypatch.setattr(LocalExecutor, "_micro_batches", recording)
+    _assert_same_training(_train(batch, micro_batch_tokens=13), padded)
+    assert seen == [max(0, 4 + extra - 6)]  # 4 micro-batches at 13 tokens; 6 rows can make 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [12, 24])
+def test_packed_grpo_on_two_fsdp_ranks_matches_local(budget):
+    """2 gloo ranks, FSDP2: each rank packs its 8 rows (their micro-batch counts agree through an
+    all-reduce), with packed reference log-probs; the metrics and weights equal the local run's."""
+    from rlgraph.backends.world import RoleSpec
+    from tests.runtime.test_spmd import _compile, _matches_local, _world
+
+    world = _world(policy=RoleSpec(optimizer="sgd", lr=0.1), ref=RoleSpec())
+    _matches_local(_compile("grpo", n=4, kl=0.01, micro_batch_tokens=budget), world, tiny_prompts(4))
