@@ -156,8 +156,23 @@ def _assign_ranks(placement: Split, size: int) -> dict[str, tuple[int, ...]]:
     return assigned
 
 
+def _with_trained(used: dict[str, set[str]], trained: tuple[str, ...]) -> dict[str, set[str]]:
+    """`used` with a train phase for each role of `trained` (another plan trains it on these workers),
+    each checked to be a role of this program that it reads."""
+    out = {role: set(phases) for role, phases in used.items()}
+    for role in trained:
+        if not isinstance(role, str) or role not in used:
+            readable = sorted(used)
+            raise PlacementConfigError(
+                f"trained={trained!r}: {role!r} is no role of this program{did_you_mean(str(role), readable)} (it "
+                f"runs {', '.join(readable) or 'no model role'})\n  fix: name the roles it reads that another plan "
+                "trains on the same workers, e.g. trained=('policy',)")
+        out[role].add("train")
+    return out
+
+
 def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ...]:
-    used = roles_used(program)
+    used = _with_trained(roles_used(program), options.trained)
     placement = options.placement
     if isinstance(placement, Colocated):
         groups = _colocated(used, placement, options.mesh.size)
