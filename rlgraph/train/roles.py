@@ -118,9 +118,13 @@ def role_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> to
     """The config's optimizer over the parameters that train (LoRA: the adapters only)."""
     from rlgraph.backends.world import make_optimizer
 
+    return make_optimizer(config.optimizer.name, model.parameters(), lr, **optimizer_options(config))
+
+
+def optimizer_options(config: TrainConfig) -> dict[str, Any]:
+    """The optimizer's keyword arguments besides the learning rate (the workers' `RoleSpec` gets the same)."""
     opt = config.optimizer
-    options = {"weight_decay": opt.weight_decay} if opt.name == "sgd" else {"betas": opt.betas, "weight_decay": opt.weight_decay}
-    return make_optimizer(opt.name, model.parameters(), lr, **options)
+    return {"weight_decay": opt.weight_decay} if opt.name == "sgd" else {"betas": tuple(opt.betas), "weight_decay": opt.weight_decay}
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:

@@ -188,8 +188,9 @@ def test_a_lora_role_given_only_its_base_lacks_the_adapters_so_a_rank_builds_it_
 
 @pytest.mark.slow
 def test_an_spmd_run_removes_its_start_weights_when_it_ends(tmp_path, monkeypatch):
-    """`rlgraph train` on spmd writes the workers' starting weights to RUN_DIR/start_weights (files,
-    not pickled tensors) and removes them at the end: a resume starts from a checkpoint."""
+    """`rlgraph train` on spmd: the warm start's workers write the warm-started policy to
+    RUN_DIR/start_weights (a file, not pickled tensors), the RL workers read it, and it is removed at
+    the end: a resume starts from a checkpoint."""
     from rlgraph.train.config import load_config
     from rlgraph.train.run import train
 
@@ -197,10 +198,12 @@ def test_an_spmd_run_removes_its_start_weights_when_it_ends(tmp_path, monkeypatc
     monkeypatch.chdir(root)
     config = load_config(root / "examples/math_grpo/config.yaml", [
         f"run_dir={tmp_path / 'run'}", "runtime.runtime=spmd", "runtime.nproc=2", "train.steps=1",
-        "warm_start.steps=0", "eval.every=0", "eval.max_prompts=4", "rollout.prompts_per_step=2", "rollout.n=2",
+        "warm_start.steps=1", "eval.every=0", "eval.max_prompts=4", "rollout.prompts_per_step=2", "rollout.n=2",
         "checkpoint.every=1", "logging.progress=false", "logging.plots=false", "logging.tensorboard=false"])
     train(config)
     assert (tmp_path / "run" / "step-000001").is_dir() and not (tmp_path / "run" / "start_weights").exists()
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["warm_start/steps"] == 1.0  # the file was written (by the warm start's workers), then read
 
 
 # -- the model directory read where it lies; critics that start from the policy ----------------------
