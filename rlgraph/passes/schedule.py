@@ -121,9 +121,18 @@ def _rollout_text(node: fx.Node, group, options: CompileOptions, sizes: dict[str
     env = node.args[1].target if node.args[1].op == "placeholder" else node.args[1].name
     return (f"{samples} episodes ({sizes['B']} prompts x n={kwargs['n']}), <= {kwargs['max_turns']} turns x <= {per_turn} "
             f"tokens, <= {sizes['T']} response tokens (policy + observations){_sampling_text({**kwargs, 'stop': ()})}; "
-            f"{layout.dp} replica(s) x tp={layout.tp}; between turns env {env!r}.step per row in the generating "
-            f"rank's process, concurrently, {timeout}; each row continues from its KV cache "
+            f"{layout.dp} replica(s) x tp={layout.tp}; between turns env {env!r}.step per row {_env_place(options)}, "
+            f"concurrently, {timeout}; each row continues from its KV cache "
             f"({format_bytes(cache)}/replica: {-(-samples // layout.dp)} rows x (P + {kwargs['max_total_tokens'] or sizes['T']}) tokens)")
+
+
+def _env_place(options: CompileOptions) -> str:
+    """Where a rollout's environment steps run: the generating rank's process, or its env workers."""
+    if options.env_workers is None:
+        return "in the generating rank's process"
+    count = options.env_workers
+    return (f"in {count} env worker process{'es' if count > 1 else ''} per generating rank ({options.env_memory_mb} "
+            "MiB each; a step past the timeout or a dead worker ends the episode, counted in env/env_errors)")
 
 
 def _sampling_text(kwargs: dict) -> str:
