@@ -49,7 +49,8 @@ class Algorithm:
 def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: Mapping[str, int] | None = None,
             models: Mapping[str, Any] | None = None, roles: Mapping[str, S.Spec] | None = None, engine: str = "auto",
             lora: Mapping[str, Any] | None = None, reward_pool: str = "", staleness: int = 0,
-            staleness_policy: str = "wait", trained: Sequence[str] = (), **hparams: Any):
+            staleness_policy: str = "wait", trained: Sequence[str] = (), env_workers: int | None = None,
+            env_memory_mb: int = 4096, **hparams: Any):
     """Trace `algo` and lower it for `mesh` and `placement`; returns a `Compiled` to inspect and run.
 
     `sizes` gives the concrete dims byte counts use (B, P, T; n comes from the hparams),
@@ -62,7 +63,9 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
     versions before the one it trains (docs/async.md); 0 is the synchronous loop. `trained` names
     roles another plan trains on the same workers (`rlgraph train` evaluates between RL steps on the
     spmd/Ray workers): they keep their train layout, so the plan loads their weights into the
-    generation engine with a sync_weights step. Nothing is run.
+    generation engine with a sync_weights step. `env_workers=k` steps the environments of
+    `rg.rollout` in k supervised worker processes per generating rank, each limited to
+    `env_memory_mb` MiB (None: in the rank's own process; docs/agents.md). Nothing is run.
     """
     from rlgraph.passes import compile_program
     from rlgraph.passes.options import CompileOptions
@@ -74,7 +77,8 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
     mesh = Mesh() if mesh is None else mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)  # Mesh.parse refuses mesh=8
     options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}),
                              engine=engine, lora=lora, reward_pool=reward_pool, staleness=staleness,
-                             staleness_policy=staleness_policy, trained=trained)
+                             staleness_policy=staleness_policy, trained=trained, env_workers=env_workers,
+                             env_memory_mb=env_memory_mb)
     return compile_program(algo.trace(roles=roles, **hparams), options)
 
 

@@ -71,6 +71,17 @@ def check_staleness(staleness: Any, policy: Any, where: str = "staleness") -> No
                           fix=f"{where}_policy='wait'")
 
 
+def check_env_workers(workers: Any, memory_mb: Any, prefix: str = "env_") -> None:
+    """Refuse env workers that are neither None nor a whole number >= 1, and a memory limit under 1024 MiB
+    (a worker imports torch); `prefix` names them as the caller spells them (`env_` of rg.compile, `env.`)."""
+    if workers is not None and number_problem(workers, low=1, integer=True) is not None:
+        raise ConfigError(f"{prefix}workers={workers!r} is not a whole number >= 1 (None: environments step in the "
+                          "generating rank's process)", fix=f"{prefix}workers=2, or None")
+    if number_problem(memory_mb, low=1024, integer=True) is not None:
+        raise ConfigError(f"{prefix}memory_mb={memory_mb!r} is not a whole number >= 1024 (MiB of address space per "
+                          "env worker process; one imports torch: ~700 MiB)", fix=f"{prefix}memory_mb=4096")
+
+
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")  # alpha and dropout: accepted, no bearing on memory
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -137,11 +148,14 @@ class CompileOptions:
     # Roles another plan trains on the same workers (an evaluation between RL steps): they keep their
     # train layout, so a generate from them loads the trained weights through a sync_weights step.
     trained: tuple[str, ...] = attrs.field(default=(), converter=lambda value: (value,) if isinstance(value, str) else tuple(value))
+    env_workers: int | None = None  # rg.rollout's env steps: None in the generating rank's process, k worker processes
+    env_memory_mb: int = 4096  # address space of each env worker process
 
     def __attrs_post_init__(self) -> None:
         check_engine(self.engine, self.mesh)
         check_sizes(self.sizes)
         check_staleness(self.staleness, self.staleness_policy)
+        check_env_workers(self.env_workers, self.env_memory_mb)
 
     @property
     def generation_engine(self) -> str:

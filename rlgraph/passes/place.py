@@ -16,6 +16,8 @@ naming the option to change.
 A placement's `cpu_offload` reaches the train layout of every group that trains. An FSDP trainer
 that accumulates over several micro-batches syncs its gradients once, after the last one, where
 the memory model says the unsharded gradient that needs still fits (`TrainLayout.grad_sync_last`).
+With `env_workers=k` every rollout node carries `meta["env_workers"]`, which the runtime passes to the
+executor's `rollout`: its environments step in k worker processes of each generating rank.
 """
 
 from __future__ import annotations
@@ -263,6 +265,8 @@ def place(program: Program, options: CompileOptions) -> Program:
     for node in out.graph.nodes:  # the executor reads it with the update's other settings
         if primitive_name(node) == "update" and node.meta.get("role") in deferring:
             node.meta["grad_sync_last"] = True
+        if primitive_name(node) == "rollout" and options.env_workers is not None:  # where its env steps run
+            node.meta["env_workers"] = {"env_workers": options.env_workers, "env_memory_mb": options.env_memory_mb}
     return out.verify(after="place")
 
 

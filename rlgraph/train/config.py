@@ -110,6 +110,8 @@ class EnvSection(Section):
     max_calls: int = Field(4, ge=1)                   # tool calls run per turn
     path: str | None = None                           # "file.py:MyEnv" or "module:MyEnv"
     options: dict[str, Any] = Field(default_factory=dict)
+    workers: int | None = Field(None, strict=True, ge=1)  # env steps: null in the generating process, k worker processes
+    memory_mb: int = Field(4096, strict=True, ge=1024)     # address space of each env worker process
 
     @field_validator("tools", mode="before")
     @classmethod

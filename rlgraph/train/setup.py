@@ -180,6 +180,8 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
+    if config.env is not None and config.env.workers is not None:  # env steps in worker processes (docs/agents.md)
+        extra.update(env_workers=config.env.workers, env_memory_mb=config.env.memory_mb)
     if rollout.staleness:  # asynchronous RL: the rollout and train lanes (docs/async.md)
         extra.update(staleness=rollout.staleness, staleness_policy=rollout.staleness_policy)
     try:
@@ -203,7 +205,9 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     chosen, eval_hparams, eval_tokens = _eval_algorithm(config)
     evaluation = compile_algorithm(chosen, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
                                    engine="native", models=models, reward_pool=reward_pool,
-                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens}, **eval_hparams)
+                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
+                                   **{key: extra[key] for key in ("env_workers", "env_memory_mb") if key in extra},
+                                   **eval_hparams)
     return rl, evaluation
 
 

@@ -2,7 +2,8 @@
 
 Holds the live weights of each role and runs the five primitives:
 - `generate` with the native KV-cache engine; `rollout` (multi-turn) with it and the environment
-  recipes in `envs`, whose steps run here, in the generating process (`multiturn.py`);
+  recipes in `envs`, whose steps run here, in the generating process (`multiturn.py`), or, when the
+  plan says `env_workers=k`, in k supervised worker processes of this one (`rlgraph.agents.workers`);
 - `logprobs` / `values` without gradients (reference log-probs, old log-probs, critic values);
 - `score` by decoding responses and calling the reward function;
 - `update`: epochs x mini-batches x micro-batches of the loss closure, gradient accumulation,
@@ -98,6 +99,7 @@ class LocalExecutor:
         self.models = dict(models)
         self.rewards = dict(rewards)
         self.envs = dict(envs or {})  # env role -> recipe: a picklable callable building one environment
+        self.env_workers: dict[str, Any] = {}  # env role -> its EnvWorkers, kept across rollouts (started once)
         self.tokenizer = check_tokenizer(tokenizer)
         self.max_new_tokens = max_new_tokens
         self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling, on the CPU whatever the device
@@ -169,9 +171,10 @@ class LocalExecutor:
 
     def rollout(self, model: ModelRef, env: EnvRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
                 top_p: float = 1.0, max_turns: int = 4, max_tokens_per_turn: int | None = None,
-                max_total_tokens: int | None = None, step_timeout: float | None = 30.0
-                ) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
-        """Multi-turn episodes of `env`'s environments (one per row, built here from its recipe)."""
+                max_total_tokens: int | None = None, step_timeout: float | None = 30.0, env_workers: int | None = None,
+                env_memory_mb: int = 4096) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
+        """Multi-turn episodes of `env`'s environments, one per row, built from its recipe here or, with
+        `env_workers=k` (the plan's), in k worker processes limited to `env_memory_mb` MiB each."""
         home = prompts.ids.device
         engine = self._engine(model)
         if not isinstance(engine, torch.nn.Module):
@@ -180,7 +183,9 @@ class LocalExecutor:
                                       "engine='native')")
         total = max_total_tokens or self.max_new_tokens
         limits = TurnLimits(max_turns, max_tokens_per_turn or total, total, step_timeout)
-        envs = [self._environment(env) for _ in range(len(prompts) * n)]
+        rows = len(prompts) * n
+        envs = (self._worker_environments(env, rows, env_workers, env_memory_mb) if env_workers is not None
+                else [self._environment(env) for _ in range(rows)])
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=limits.per_turn)
         was_training = engine.training
         engine.eval()
@@ -194,16 +199,33 @@ class LocalExecutor:
             engine.train(was_training)
         return to_device(outputs, home)
 
-    def _environment(self, env: EnvRef) -> Any:
-        """A fresh environment of role `env`, speaking the token protocol (`rlgraph.agents.as_token_env`)."""
-        from rlgraph.agents.env import EnvError, as_token_env, build_env, observation_format
+    def _recipe(self, env: EnvRef) -> Callable[[], Any]:
+        from rlgraph.agents.env import EnvError
 
         if env.role not in self.envs:
             raise EnvError(f"rg.rollout: no environment role {env.role!r} here; the executor has "
                            f"{', '.join(self.envs) or 'none'}",
                            fix="pass envs={'env': MyEnv} (a class or functools.partial building one) to the executor, "
                                "or an env: section to `rlgraph train`")
-        built = build_env(self.envs[env.role], f"environment role {env.role!r}")
+        return self.envs[env.role]
+
+    def _worker_environments(self, env: EnvRef, rows: int, workers: int, memory_mb: int) -> list[Any]:
+        """`rows` environments of role `env` in the role's worker processes (started on first use, kept)."""
+        from rlgraph.agents.workers import EnvWorkers
+
+        recipe = self._recipe(env)
+        host = self.env_workers.get(env.role)
+        if host is None or (host.recipe, host.workers, host.memory_mb) != (recipe, workers, memory_mb):
+            if host is not None:
+                host.close()
+            host = self.env_workers[env.role] = EnvWorkers(recipe, workers, memory_mb=memory_mb)
+        return host.environments(rows, self.tokenizer)
+
+    def _environment(self, env: EnvRef) -> Any:
+        """A fresh environment of role `env`, speaking the token protocol (`rlgraph.agents.as_token_env`)."""
+        from rlgraph.agents.env import as_token_env, build_env, observation_format
+
+        built = build_env(self._recipe(env), f"environment role {env.role!r}")
         return as_token_env(built, self.tokenizer, observation_format(built, self.tokenizer))
 
     def cut_at_stop(self, rollouts: Rollouts, stop: Sequence[str]) -> Rollouts:
