@@ -50,7 +50,7 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
             models: Mapping[str, Any] | None = None, roles: Mapping[str, S.Spec] | None = None, engine: str = "auto",
             lora: Mapping[str, Any] | None = None, reward_pool: str = "", staleness: int = 0,
             staleness_policy: str = "wait", trained: Sequence[str] = (), env_workers: int | None = None,
-            env_memory_mb: int = 4096, **hparams: Any):
+            env_memory_mb: int = 4096, micro_batch_tokens: int | None = None, **hparams: Any):
     """Trace `algo` and lower it for `mesh` and `placement`; returns a `Compiled` to inspect and run.
 
     `sizes` gives the concrete dims byte counts use (B, P, T; n comes from the hparams),
@@ -65,7 +65,9 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
     spmd/Ray workers): they keep their train layout, so the plan loads their weights into the
     generation engine with a sync_weights step. `env_workers=k` steps the environments of
     `rg.rollout` in k supervised worker processes per generating rank, each limited to
-    `env_memory_mb` MiB (None: in the rank's own process; docs/agents.md). Nothing is run.
+    `env_memory_mb` MiB (None: in the rank's own process; docs/agents.md).
+    `micro_batch_tokens=k` packs every update's, logprobs' and values' rows into micro-batches of at
+    most k real tokens, run without padding (the `pack` pass; docs/training.md). Nothing is run.
     """
     from rlgraph.passes import compile_program
     from rlgraph.passes.options import CompileOptions
@@ -78,7 +80,7 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
     options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}),
                              engine=engine, lora=lora, reward_pool=reward_pool, staleness=staleness,
                              staleness_policy=staleness_policy, trained=trained, env_workers=env_workers,
-                             env_memory_mb=env_memory_mb)
+                             env_memory_mb=env_memory_mb, micro_batch_tokens=micro_batch_tokens)
     return compile_program(algo.trace(roles=roles, **hparams), options)
 
 

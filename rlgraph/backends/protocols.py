@@ -66,6 +66,9 @@ class UpdateConfig:
     grad_sync_last: bool = False
     step: bool = True  # False: accumulate gradients only (no zero_grad, no step); `optimizer_step` applies them
     outputs: bool = False  # also return the training forward's per-token outputs [N, T], detached
+    # Packed sequences: micro-batches of at most this many real tokens, run without padding
+    # (`rlgraph.backends.local.packing`); None: micro-batches of `micro_batch_size` rows, padded.
+    micro_batch_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.on_nonfinite not in ("raise", "skip"):
@@ -74,6 +77,13 @@ class UpdateConfig:
             raise ValueError(f"update: epochs and minibatches must be >= 1, got {self.epochs}, {self.minibatches}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"update: micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.micro_batch_tokens is not None:
+            from rlgraph.backends.local.packing import check_budget
+
+            check_budget(self.micro_batch_tokens, "update")
+        if self.micro_batch_tokens is not None and self.micro_batch_size is not None:
+            raise ValueError(f"update: micro_batch_size={self.micro_batch_size} and micro_batch_tokens="
+                             f"{self.micro_batch_tokens} both size the micro-batches; give one")
 
 
 @attrs.frozen
@@ -116,9 +126,10 @@ class Executor(Protocol):
                 step_timeout: float | None, env_workers: int | None = None, env_memory_mb: int = 4096
                 ) -> tuple[Rollouts, torch.Tensor, torch.Tensor]: ...
 
-    def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool) -> Any: ...
+    def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool,
+                 micro_batch_tokens: int | None = None) -> Any: ...
 
-    def values(self, model: ModelRef, rollouts: Rollouts) -> torch.Tensor: ...
+    def values(self, model: ModelRef, rollouts: Rollouts, *, micro_batch_tokens: int | None = None) -> torch.Tensor: ...
 
     def score(self, reward: RewardRef, rollouts: Rollouts) -> torch.Tensor: ...
 

@@ -177,13 +177,14 @@ def expect_rollouts(prim: str, batch: Any, position: str) -> None:
                         f"prompts, n=...), then rg.{prim}(..., ro, ...)")
 
 
-def _logprobs_spec(model, rollouts, *, temperature, entropy) -> S.Spec:
+def _logprobs_spec(model, rollouts, *, temperature, entropy, micro_batch_tokens=None) -> S.Spec:
+    # micro_batch_tokens: set by `rg.compile(micro_batch_tokens=)` (the `pack` pass), not by the user
     _scored_batch("logprobs", model, rollouts, "lm")
     token = S.f32(rollouts.rows, S.T)
     return S.TupleSpec((token, token)) if entropy else token
 
 
-def _values_spec(model, rollouts) -> S.Spec:
+def _values_spec(model, rollouts, *, micro_batch_tokens=None) -> S.Spec:
     _scored_batch("values", model, rollouts, "critic")
     return S.f32(rollouts.rows, S.T)
 
@@ -264,12 +265,12 @@ def score(reward, rollouts):
 
 
 UPDATE_DEFAULTS = dict(epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0, temperature=1.0, shuffle=False,
-                       on_nonfinite="raise", step=True, outputs=False)
+                       on_nonfinite="raise", step=True, outputs=False, micro_batch_tokens=None)
 NONFINITE_POLICIES = ("raise", "skip")
 
 
 def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0,
-           temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False):
+           temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False, micro_batch_tokens=None):
     """Train `model` on `batch` by minimising the traced `loss` closure; returns `model@v+1`.
 
     The closure receives the model's per-token output with gradients (log-probs f32[N,T] for a
@@ -288,6 +289,9 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
     that goes on restores the ones it had: the service does).
     `outputs=True` also returns the training forward's per-token outputs, detached:
     `policy, lp = rg.update(..., outputs=True)` (f32[N,T], the last epoch's for each row).
+    `micro_batch_tokens=k` packs the rows into micro-batches of at most k real tokens, run without
+    padding (position ids restart in each row, attention stays within it); the loss, gradients
+    and statistics are those of the padded micro-batches. Exclusive with `micro_batch_size`.
     """
     from rlgraph.ir.tracing import trace_loss  # the loss is traced by a child tracer
 
@@ -298,12 +302,15 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
         raise TraceError(f"rg.update(on_nonfinite={on_nonfinite!r}) is not a policy", user_location(),
                          fix=f"use one of {', '.join(map(repr, NONFINITE_POLICIES))}")
     _check_update_config(epochs, minibatches, micro_batch_size, grad_clip, temperature)
+    _check_micro_batch_tokens(micro_batch_tokens, micro_batch_size)
     _check_accumulation(step, outputs, grad_clip, on_nonfinite)
     expect_rollouts("update", getattr(batch, "spec", type(batch).__name__), "the batch")  # before the loss closure is traced
     config = dict(epochs=epochs, minibatches=minibatches, micro_batch_size=micro_batch_size,
                   grad_clip=grad_clip, temperature=temperature, shuffle=shuffle, on_nonfinite=on_nonfinite)
     if not step or outputs:  # only when asked, so the programs (and printed plans) of every other update are as before
         config.update(step=step, outputs=outputs)
+    if micro_batch_tokens is not None:
+        config.update(micro_batch_tokens=micro_batch_tokens)
     return trace_loss(_update_primitive, model, batch, loss, config)
 
 
@@ -316,6 +323,16 @@ def _check_update_config(epochs: Any, minibatches: Any, micro_batch_size: Any, g
     check_number("rg.update", "grad_clip", grad_clip, low=0, low_open=True, optional=True,
                  why="a negative clip turns the step into gradient ascent; None turns clipping off")
     check_number("rg.update", "temperature", temperature, low=0, low_open=True)
+
+
+def _check_micro_batch_tokens(micro_batch_tokens: Any, micro_batch_size: Any) -> None:
+    """A token budget is a whole number >= 1, and it replaces the row count: not both."""
+    check_number("rg.update", "micro_batch_tokens", micro_batch_tokens, low=1, integer=True, optional=True,
+                 why="the most real tokens (prompt + response) one packed micro-batch holds")
+    if micro_batch_tokens is not None and micro_batch_size is not None:
+        raise TraceError(f"rg.update(micro_batch_size={micro_batch_size}, micro_batch_tokens={micro_batch_tokens}): both "
+                         "size the micro-batches", user_location(),
+                         fix="give micro_batch_tokens (packed, by tokens) or micro_batch_size (padded, by rows)")
 
 
 def _check_accumulation(step: Any, outputs: Any, grad_clip: Any, on_nonfinite: str) -> None:
@@ -335,7 +352,8 @@ def _check_accumulation(step: Any, outputs: Any, grad_clip: Any, on_nonfinite: s
 
 @declare(_update_spec)
 def _update_primitive(model, batch, *captures, stats=(), epochs=1, minibatches=1, micro_batch_size=None,
-                      grad_clip=1.0, temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False):
+                      grad_clip=1.0, temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False,
+                      micro_batch_tokens=None):
     """(recorded form of rg.update: the loss closure lives in node.meta['program'])"""
 
 

@@ -60,22 +60,33 @@ def state_on_host(group: Group, mesh: Mesh) -> bool:
     return group.train is not None and group.train.cpu_offload and mesh.device != "cpu"
 
 
-def micro_batching(node, rows: int) -> tuple[int, int]:
+def micro_batching(node, rows: int, seq: int = 1) -> tuple[int, int]:
     """(rows per micro-batch, micro-batches per optimizer step) of the `update` node `node` on
-    `rows` rows per rank: what the executor's accumulation loop runs."""
+    `rows` rows per rank of `seq` tokens: what the executor's accumulation loop runs. Packed
+    (`micro_batch_tokens`): rows of full length (`seq`), the most a budget of tokens holds."""
     per_mini = -(-rows // node.kwargs["minibatches"])
-    micro = min(node.kwargs["micro_batch_size"] or per_mini, per_mini)
+    budget = node.kwargs.get("micro_batch_tokens")
+    micro = min(budget // seq if budget else node.kwargs["micro_batch_size"] or per_mini, per_mini)
     return micro, -(-per_mini // micro)
+
+
+def packed_tokens(node, rows: int, seq: int) -> int | None:
+    """Tokens of the largest packed micro-batch of `node` on `rows` rows per rank of <= `seq`
+    tokens: its budget, or all the mini-batch's tokens when they fit in it; None when not packed."""
+    budget = node.kwargs.get("micro_batch_tokens")
+    per_mini = -(-rows // node.kwargs.get("minibatches", 1))
+    return None if budget is None else max(min(budget, per_mini * seq), 1)
 
 
 def _train_config(node, group: Group, options: CompileOptions, rows: int, seq: int) -> M.TrainMemoryConfig:
     """How `group` trains for the `update` node `node` on `rows` rows per rank of `seq` tokens."""
     # An optimizer step holds the training state and no activations (no micro-batch).
-    micro, count = micro_batching(node, rows) if primitive_name(node) == "update" else (0, 1)
+    micro, count = micro_batching(node, rows, seq) if primitive_name(node) == "update" else (0, 1)
+    tokens = (packed_tokens(node, rows, seq) if primitive_name(node) == "update" else None) or max(micro * seq, 1)
     dtype, offloaded = param_dtype(options.mesh), state_on_host(group, options.mesh)
     return M.TrainMemoryConfig(
         param_dtype=dtype, mixed_precision=dtype != torch.float32, fsdp_shards=group.train.fsdp,
-        checkpointing=group.train.checkpointing, micro_batch_tokens=max(micro * seq, 1), seq_len=seq,
+        checkpointing=group.train.checkpointing, micro_batch_tokens=tokens, seq_len=seq,
         offload_params=offloaded, offload_optimizer=offloaded, lora=options.lora.get(node.args[0].meta["spec"].role),
         unsharded_grads=group.train.grad_sync_last and count > 1,
     )
@@ -118,7 +129,9 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
         batch = batch_rows(node, sizes)
         rows = -(-batch // group.dp)
         if prim in ("update", "optimizer_step"):
-            phase, breakdown = "train", M.train_memory(shape, _train_config(node, group, options, rows, seq))
+            config = _train_config(node, group, options, rows, seq)
+            packed = prim == "update" and node.kwargs.get("micro_batch_tokens") is not None
+            phase, breakdown = "train", (M.packed_train_memory if packed else M.train_memory)(shape, config)
         elif prim == "rollout":  # multi-turn: each row's cache holds all its turns and observations
             phase, breakdown = "generate", rollout_memory(node, group, options, dtype)
         elif prim in GENERATORS:
@@ -127,9 +140,13 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
                                                              max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])
         else:
             role = node.args[0].meta["spec"].role
+            budget = packed_tokens(node, rows, seq)  # packed forwards of <= budget tokens, with their mask
             phase, breakdown = "infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks),
+                                                       micro_batch_tokens=budget,
                                                        offload_params=state_on_host(group, options.mesh),
                                                        shared_weights=shares_lora_weights(options, role, group, groups))
+            if budget is not None:
+                breakdown += M.MemoryBreakdown(activations=M.packed_mask_bytes(budget, dtype))
         if phase not in phases or breakdown.total > phases[phase].total:
             phases[phase] = breakdown
     return phases
@@ -210,7 +227,8 @@ def defer_grad_sync(program: Program, groups: Sequence[Group], options: CompileO
         if layout is None or layout.fsdp < 2 or layout.cpu_offload:
             continue
         updates = [node for node in _primitives(program, group) if primitive_name(node) == "update"]
-        if not any(micro_batching(node, -(-batch_rows(node, sizes) // group.dp))[1] > 1 for node in updates):
+        seq = sizes["P"] + sizes["T"]
+        if not any(micro_batching(node, -(-batch_rows(node, sizes) // group.dp), seq)[1] > 1 for node in updates):
             continue
         sharing = [other for other in groups if set(other.ranks) & set(group.ranks)]
         reserved = max(need.total for other in sharing for need in _phase_memory(program, other, options, groups).values())

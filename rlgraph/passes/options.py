@@ -82,6 +82,22 @@ def check_env_workers(workers: Any, memory_mb: Any, prefix: str = "env_") -> Non
                           "env worker process; one imports torch: ~700 MiB)", fix=f"{prefix}memory_mb=4096")
 
 
+def check_micro_batch_tokens(budget: Any, sizes: Mapping[str, int]) -> None:
+    """Refuse a token budget that is not a whole number >= 1, or that a full-length row (P prompt
+    tokens + T response tokens) would not fit: rows are never split across micro-batches."""
+    if budget is None:
+        return
+    if number_problem(budget, low=1, integer=True) is not None:
+        raise ConfigError(f"micro_batch_tokens={budget!r} is not a whole number of tokens >= 1",
+                          fix="micro_batch_tokens=4096 (packed micro-batches of at most 4096 real tokens), or None "
+                              "for micro-batches of rows")
+    longest = sizes["P"] + sizes["T"]
+    if budget < longest:
+        raise ConfigError(f"micro_batch_tokens={budget} is smaller than the longest row the sizes allow: P={sizes['P']} "
+                          f"prompt + T={sizes['T']} response tokens = {longest}; a row is never split across micro-batches",
+                          fix=f"micro_batch_tokens >= {longest}")
+
+
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")  # alpha and dropout: accepted, no bearing on memory
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -150,12 +166,15 @@ class CompileOptions:
     trained: tuple[str, ...] = attrs.field(default=(), converter=lambda value: (value,) if isinstance(value, str) else tuple(value))
     env_workers: int | None = None  # rg.rollout's env steps: None in the generating rank's process, k worker processes
     env_memory_mb: int = 4096  # address space of each env worker process
+    # packed sequences: every update, logprobs and values runs micro-batches of at most this many real tokens
+    micro_batch_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         check_engine(self.engine, self.mesh)
         check_sizes(self.sizes)
         check_staleness(self.staleness, self.staleness_policy)
         check_env_workers(self.env_workers, self.env_memory_mb)
+        check_micro_batch_tokens(self.micro_batch_tokens, self.sizes)
 
     @property
     def generation_engine(self) -> str:

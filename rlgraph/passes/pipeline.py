@@ -1,6 +1,6 @@
 """The compiler pipeline, top to bottom, and the `Compiled` result.
 
-    program --infer_specs--> --partition--> --place--> --reshard--> --fuse--> --loops--> --overlap--> --schedule--> Plan
+    program --infer_specs--> --pack--> --partition--> --place--> --reshard--> --fuse--> --loops--> --overlap--> --schedule--> Plan
 
 Each pass is a pure function `(Program, CompileOptions) -> Program` that ends by verifying its
 output; `schedule` lowers to the `Plan`, and `Compiled` (`rlgraph.plan.compiled`) holds both.
@@ -19,6 +19,7 @@ from rlgraph.passes.infer_specs import infer_specs
 from rlgraph.passes.loops import loops
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.overlap import overlap
+from rlgraph.passes.pack import pack
 from rlgraph.passes.partition import partition
 from rlgraph.passes.place import place
 from rlgraph.passes.reshard import reshard
@@ -27,6 +28,7 @@ from rlgraph.plan.compiled import Compiled  # re-exported: `rlgraph.passes.pipel
 
 PIPELINE: list[tuple[str, Callable[[Program, CompileOptions], Program]]] = [
     ("infer_specs", infer_specs),
+    ("pack", pack),  # micro_batch_tokens only: packed micro-batches on every model forward
     ("partition", partition),
     ("place", place),
     ("reshard", reshard),

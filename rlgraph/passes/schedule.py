@@ -84,7 +84,9 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     if prim == "rollout":
         return _rollout_text(node, group, options, sizes), flops_of_generation(shape, node, sizes)
     if prim in ("logprobs", "values"):
-        return f"forward only, {-(-batch // group.dp)} sequences/rank", shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens
+        packed = f", packed in micro-batches of <= {budget} tokens" if (budget := node.kwargs.get("micro_batch_tokens")) else ""
+        return (f"forward only, {-(-batch // group.dp)} sequences/rank{packed}",
+                shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens)
     kwargs = node.kwargs
     if prim == "optimizer_step":
         settings = " ".join(f"{key}={kwargs[key]}" for key in ("lr", "betas", "eps", "weight_decay") if kwargs[key] is not None)
@@ -94,11 +96,23 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     micro = kwargs["micro_batch_size"] or per_mini
     count = -(-per_mini // micro)
     loss = node.meta["program"].name
-    text = (f"loss {loss}: {kwargs['epochs']} epoch(s) x {kwargs['minibatches']} minibatch(es) x {count} micro-batch(es) "
-            f"of {min(micro, per_mini)} rows/rank; grad clip {kwargs['grad_clip']}"
+    micros = f"{count} micro-batch(es) of {min(micro, per_mini)} rows/rank"
+    if kwargs.get("micro_batch_tokens"):
+        micros = _packed_text(kwargs["micro_batch_tokens"], per_mini, sizes["P"] + sizes["T"])
+    text = (f"loss {loss}: {kwargs['epochs']} epoch(s) x {kwargs['minibatches']} minibatch(es) x {micros}; "
+            f"grad clip {kwargs['grad_clip']}"
             + ("; gradients accumulated, no optimizer step" if not kwargs.get("step", True) else "")
             + ("; per-token outputs returned" if kwargs.get("outputs") else ""))
     return text, shape.flops_per_token(sizes["P"] + sizes["T"], training=True) * tokens * kwargs["epochs"]
+
+
+def _packed_text(budget: int, rows: int, seq: int) -> str:
+    """Packed micro-batches of a mini-batch of `rows` rows/rank of <= `seq` tokens each: their
+    token budget, and how many a full-length mini-batch makes (ragged rows pack into fewer)."""
+    per_micro = min(budget // seq, rows)
+    count = -(-rows // per_micro)
+    return (f"packed micro-batches of <= {budget} tokens/rank, no padding (at full length P+T={seq}: {count} micro-batch(es) of "
+            f"{per_micro} rows = {per_micro * seq} tokens; shorter rows pack into fewer)")
 
 
 def flops_of_generation(shape, node: fx.Node, sizes: dict[str, int]) -> float:

@@ -239,6 +239,34 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
     return MemoryBreakdown.largest([head_backward, layer_backward, step])
 
 
+# -- packed sequences ---------------------------------------------------------------------------
+def packed_mask_bytes(tokens: int, dtype: torch.dtype) -> int:
+    """The block-diagonal mask of a packed micro-batch of `tokens` real tokens: the [L, L] bool
+    mask the model is given, and the additive [L, L] mask SDPA converts it to in the compute dtype
+    (`scaled_dot_product_attention` does so for a bool mask on every backend). Both live through
+    the forward and backward (autograd keeps the mask for the attention's backward)."""
+    return tokens * tokens * (1 + dtype_bytes(dtype))
+
+
+def packed_train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
+    """`train_memory` of one packed micro-batch of `cfg.micro_batch_tokens` real tokens (no padding).
+
+    Activations are per token, so a packed micro-batch holds its real tokens' (L), not rows x the
+    longest row's; an attention that materialises the scores (`fused_attention=False`) sees L keys
+    per query (the mask spans the micro-batch), so `seq_len` is L; plus the mask (`packed_mask_bytes`).
+
+    >>> from rlgraph.plan.presets import load_model_config
+    >>> shape = ModelShape.from_hf_config(load_model_config("qwen2.5-0.5b"))
+    >>> padded = train_memory(shape, TrainMemoryConfig(micro_batch_tokens=8 * 1024, seq_len=1024))
+    >>> packed = packed_train_memory(shape, TrainMemoryConfig(micro_batch_tokens=4096, seq_len=1024))
+    >>> packed.activations < padded.activations
+    True
+    """
+    tokens = cfg.micro_batch_tokens
+    mask = MemoryBreakdown(activations=packed_mask_bytes(tokens, cfg.param_dtype))
+    return train_memory(shape, attrs.evolve(cfg, seq_len=tokens)) + mask
+
+
 def train_host_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
     """Per rank, the host memory the offloaded training state takes: the parts `train_memory`
     leaves off the device (sharded params and grads with `offload_params`, AdamW's moments and

@@ -163,6 +163,8 @@ class TrainSection(Section):
     steps: int | None = Field(None, ge=1)
     seconds: float | None = Field(None, gt=0)
     seed: int = 0
+    # packed sequences: micro-batches of at most this many real tokens, no padding (null: micro-batches of rows)
+    micro_batch_tokens: int | None = Field(None, strict=True, ge=1)
 
 
 class EvalSection(Section):

@@ -184,13 +184,19 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
         extra.update(env_workers=config.env.workers, env_memory_mb=config.env.memory_mb)
     if rollout.staleness:  # asynchronous RL: the rollout and train lanes (docs/async.md)
         extra.update(staleness=rollout.staleness, staleness_policy=rollout.staleness_policy)
+    if config.train.micro_batch_tokens is not None:  # packed sequences (docs/training.md)
+        extra.update(micro_batch_tokens=config.train.micro_batch_tokens)
     try:
         rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
                                sizes=sizes, models=models, reward_pool=reward_pool, **extra, **hparams)
     except ConfigError as error:  # name the config key the option came from
-        if not error.summary.startswith("staleness="):
+        key = next((key for key in ("rollout.staleness", "train.micro_batch_tokens")
+                    if error.summary.startswith(key.split(".")[1] + "=")), None)
+        if key is None:
             raise
-        raise ConfigError(f"rollout.{error.summary}", fix=error.fix and error.fix.replace("staleness=", "rollout.staleness=")
+        option = key.split(".")[1]
+        raise ConfigError(f"{key.split('.')[0]}.{error.summary}",
+                          fix=error.fix and error.fix.replace(f"{option}=", f"{key}=").replace(f"{option} >=", f"{key} >=")
                           ) from None
     if lora and runtime.runtime != "local":
         from rlgraph.backends.fsdp.executor import check_views

@@ -85,13 +85,19 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
         return self.engines[model.role]
 
     # -- training hooks ----------------------------------------------------------------------
-    def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool):
-        return worker.model(rollouts, temperature=temperature, with_entropy=with_entropy)
+    def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
+                 packed: bool = False):
+        return worker.model(rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
 
     def _all_reduce_sum(self, role: str, values: torch.Tensor) -> torch.Tensor:
         reduced = values.to(self._comm_device())
         dist.all_reduce(reduced, group=self.role_groups[role])
         return reduced.to(values.device)
+
+    def _all_reduce_max(self, role: str, count: int) -> int:
+        reduced = torch.tensor([count], device=self._comm_device())
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=self.role_groups[role])
+        return int(reduced)
 
     def _grad_sync(self, worker: LMWorker, sync: bool) -> None:
         # Without sync FSDP2 accumulates the micro-batch's gradients unsharded; set on every

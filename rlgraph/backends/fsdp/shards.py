@@ -33,8 +33,9 @@ class RoleForward(torch.nn.Module):
         self.module = module
         self.kind = kind
 
-    def forward(self, rollouts: Rollouts, temperature: float = 1.0, with_entropy: bool = False):
-        return role_outputs(self.module, self.kind, rollouts, temperature=temperature, with_entropy=with_entropy)
+    def forward(self, rollouts: Rollouts, temperature: float = 1.0, with_entropy: bool = False, packed: bool = False):
+        return role_outputs(self.module, self.kind, rollouts, temperature=temperature, with_entropy=with_entropy,
+                            packed=packed)
 
 
 def role_module(worker: LMWorker) -> torch.nn.Module:

@@ -28,8 +28,8 @@ class Critic(torch.nn.Module):
             self.value_head.weight.normal_(0.0, hidden ** -0.5)  # values start at O(1), not 0: gradients reach the backbone
             self.value_head.bias.zero_()
 
-    def values(self, rollouts: Rollouts) -> torch.Tensor:
-        hidden = response_hidden_states(self.backbone, rollouts)  # [N, T, H]
+    def values(self, rollouts: Rollouts, *, packed: bool = False) -> torch.Tensor:
+        hidden = response_hidden_states(self.backbone, rollouts, packed=packed)  # [N, T, H]
         values = self.value_head(hidden).squeeze(-1).float()  # [N, T]
         return torch.where(rollouts.mask.bool(), values, 0.0)  # [N, T]
 

@@ -32,6 +32,7 @@ import torch
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream, cut_at_stop
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
+from rlgraph.backends.local.packing import pack_rows, row_tokens
 from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
                                         UpdateConfig)
 from rlgraph.functional.aggregate import global_counts
@@ -235,36 +236,82 @@ class LocalExecutor:
 
         return cut_at_stop(rollouts, stop, decode, self.tokenizer.pad_token_id)
 
-    def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False) -> Any:
+    def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False,
+                 micro_batch_tokens: int | None = None) -> Any:
         worker = self._live(model)
         _check_ids(worker, rollouts, f"rg.logprobs({model.role})")
-        output, ent = self._inference(worker, rollouts, temperature=temperature, with_entropy=entropy)
+        output, ent = self._inference(worker, rollouts, temperature=temperature, with_entropy=entropy,
+                                      budget=micro_batch_tokens, where=f"rg.logprobs({model.role})")
         return (output, ent) if entropy else output  # on the rollouts' device (`_inference`)
 
-    def values(self, model: ModelRef, rollouts: Rollouts) -> torch.Tensor:
+    def values(self, model: ModelRef, rollouts: Rollouts, *, micro_batch_tokens: int | None = None) -> torch.Tensor:
         worker = self._live(model)
         if worker.kind != "critic":
             raise ValueError(f"role {model.role!r} is a {worker.kind} model; values need a critic (LMWorker(kind='critic'))")
         _check_ids(worker, rollouts, f"rg.values({model.role})")
-        return self._inference(worker, rollouts, temperature=1.0, with_entropy=False)[0]
+        return self._inference(worker, rollouts, temperature=1.0, with_entropy=False, budget=micro_batch_tokens,
+                               where=f"rg.values({model.role})")[0]
 
-    def _inference(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool):
+    def _inference(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
+                   budget: int | None = None, where: str = ""):
         """`_forward` in eval mode without gradients (reference and old log-probs, critic values),
-        run on the executor's device; the outputs come back on the rollouts' device."""
+        run on the executor's device; the outputs come back on the rollouts' device. `budget`:
+        packed forwards of at most that many tokens each (`packing.pack_rows`); None: one padded forward."""
         was_training = worker.model.training
         worker.model.eval()
+        batch = to_device(rollouts, self.device)
         try:
             with torch.no_grad(), self._autocast():
-                outputs = self._forward(worker, to_device(rollouts, self.device), temperature=temperature,
-                                        with_entropy=with_entropy)
+                if budget is None:
+                    outputs = self._forward(worker, batch, temperature=temperature, with_entropy=with_entropy)
+                else:
+                    outputs = self._packed_inference(worker, batch, temperature, with_entropy, budget, where)
         finally:
             worker.model.train(was_training)
         return to_device(outputs, rollouts.response_ids.device)
 
-    def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probs or values [n, T], entropy [n, T] or None) of `rollouts`, with gradients."""
-        return role_outputs(worker.model, worker.kind, rollouts, temperature=temperature, with_entropy=with_entropy)
+    def _packed_inference(self, worker: LMWorker, batch: Rollouts, temperature: float, with_entropy: bool,
+                          budget: int, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The outputs [N, T] (and entropy) of `batch` from packed forwards of <= `budget` tokens each."""
+        output = torch.zeros(batch.mask.shape, device=self.device)  # [N, T]
+        entropy = torch.zeros(batch.mask.shape, device=self.device) if with_entropy else None  # [N, T]
+        micros, real = self._micro_batches(worker, batch, torch.arange(len(batch)), budget, where)
+        for micro in micros[:real]:
+            rows = micro.to(self.device)
+            part, part_entropy = self._forward(worker, batch.select(micro), temperature=temperature,
+                                               with_entropy=with_entropy, packed=True)
+            output[rows] = part.float()
+            if entropy is not None:
+                entropy[rows] = part_entropy.float()
+        for micro in micros[real:]:  # fillers: forwards that only keep this rank's collectives in step
+            self._forward(worker, batch.select(micro), temperature=temperature, with_entropy=with_entropy, packed=True)
+        return output, entropy
+
+    def _micro_batches(self, worker: LMWorker, batch: Rollouts, rows: torch.Tensor, budget: int | None,
+                       where: str, size: int | None = None) -> tuple[list[torch.Tensor], int]:
+        """(`rows` in micro-batches, how many of them are real): of at most `budget` real tokens
+        (packed), else of `size` rows.
+
+        Every data-parallel rank of the role runs as many packed micro-batches as the rank that
+        needs most (their forwards are collectives under FSDP2): a rank with fewer splits its
+        widest micro-batches, and when it has fewer rows than that it adds fillers (its first row
+        again) after the real ones, whose forwards and backwards count nothing."""
+        if budget is None:
+            micros = split_rows(rows, size=size or len(rows))
+            return micros, len(micros)
+        micros = pack_rows(rows, row_tokens(batch).cpu(), budget, where)
+        wanted = self._all_reduce_max(self._role_of(worker), len(micros))
+        while len(micros) < wanted and max(map(len, micros), default=0) > 1:
+            widest = max(range(len(micros)), key=lambda i: len(micros[i]))
+            micros[widest:widest + 1] = list(torch.tensor_split(micros[widest], 2))
+        return micros + [rows[:1]] * (wanted - len(micros)), len(micros)
+
+    def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
+                 packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs or values [n, T], entropy [n, T] or None) of `rollouts`, with gradients;
+        `packed`: one forward over the rows' real tokens, without padding (`packing`)."""
+        return role_outputs(worker.model, worker.kind, rollouts, temperature=temperature, with_entropy=with_entropy,
+                            packed=packed)
 
     def score(self, reward: RewardRef, rollouts: Rollouts) -> torch.Tensor:
         if reward.role not in self.rewards:
@@ -313,6 +360,10 @@ class LocalExecutor:
         """Sum over the role's data-parallel ranks; one process holds every row."""
         return values
 
+    def _all_reduce_max(self, role: str, count: int) -> int:
+        """The largest `count` over the role's data-parallel ranks; one process: `count`."""
+        return count
+
     def _grad_sync(self, worker: LMWorker, sync: bool) -> None:
         """Before a micro-batch's backward: whether its gradients are reduced across ranks now
         (every micro-batch, or only the last under `grad_sync_last`); one process has nothing to reduce."""
@@ -333,6 +384,7 @@ class LocalExecutor:
         role, optimizer = self._role_of(worker), worker.optimizer
         worker.model.train()
         wants_entropy = getattr(loss_fn, "wants_entropy", False)
+        packed = config.micro_batch_tokens is not None
         totals: dict[str, float] = {}
         steps = 0
         skipped = 0
@@ -343,12 +395,18 @@ class LocalExecutor:
                     optimizer.zero_grad(set_to_none=True)
                 counts = self._all_reduce_sum(role, torch.stack(global_counts(batch.mask[minibatch.to(batch.mask.device)])))
                 step: dict[str, torch.Tensor] = {}
-                micros = split_rows(minibatch, size=config.micro_batch_size or len(minibatch))
+                micros, real = self._micro_batches(worker, batch, minibatch, config.micro_batch_tokens,
+                                                   f"rg.update({role})", size=config.micro_batch_size)
                 finite: list[torch.Tensor] = []  # per micro-batch, on the device: read only if the step fails
                 for position, micro in enumerate(micros):
                     with self._autocast():  # the forward only: the loss math and backward stay out of autocast
                         output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
-                                                        with_entropy=wants_entropy)
+                                                        with_entropy=wants_entropy, packed=packed)
+                    if position >= real:  # a filler: no loss; its backward keeps the ranks' collectives in step
+                        self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
+                        (output.sum() * 0.0).backward()
+                        finite.append(torch.ones((), dtype=torch.bool, device=output.device))
+                        continue
                     loss, metrics = loss_fn(micro, LossCounts(counts[0], counts[1]), output, entropy)
                     if kept is not None:
                         kept[micro.to(kept.device)] = output.detach()
@@ -536,12 +594,13 @@ def describe_weights(weights: Mapping[str, torch.Tensor]) -> str:
     return f"LoRA adapters {rank} on {','.join(sorted(targets))}"
 
 
-def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A role's per-token outputs: the critic's values, or an LM's log-probs (and entropy)."""
+def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
+                 packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A role's per-token outputs: the critic's values, or an LM's log-probs (and entropy);
+    `packed`: from one forward over the rows' real tokens, without padding."""
     if kind == "critic":
-        return module.values(rollouts), None
-    output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy)
+        return module.values(rollouts, packed=packed), None
+    output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
     return output if with_entropy else (output, None)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from rlgraph.backends.local.packing import packed_hidden_states
 from rlgraph.batches import Rollouts
 from rlgraph.kernels.logprob_head import token_logprobs
 
@@ -35,8 +36,13 @@ def _head_weight(model: PreTrainedModel) -> torch.Tensor:
     return head.weight  # [V, H]
 
 
-def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts) -> torch.Tensor:
-    """Final-norm hidden states [N, T, H]; row r, column t is the state that predicts response token t."""
+def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts, *, packed: bool = False) -> torch.Tensor:
+    """Final-norm hidden states [N, T, H]; row r, column t is the state that predicts response token t.
+
+    `packed`: one forward over the rows' real tokens laid end to end (`packing.packed_hidden_states`)
+    instead of the padded [N, P+T] batch; the same states up to fp32 summation order."""
+    if packed:
+        return packed_hidden_states(_decoder(model), rollouts, model.config._attn_implementation, model.dtype)
     width = rollouts.prompt_ids.shape[1]
     steps = rollouts.response_ids.shape[1]
     ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], dim=1)  # [N, P+T]
@@ -55,20 +61,22 @@ def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts) -> torch.
 
 
 def sequence_logprobs(
-    model: PreTrainedModel, rollouts: Rollouts, *, temperature: float = 1.0, with_entropy: bool = False
+    model: PreTrainedModel, rollouts: Rollouts, *, temperature: float = 1.0, with_entropy: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(response_ids[r, t] | prompt, response[:t]) under softmax(logits / temperature).
 
     Returns f32[N, T] (and, with `with_entropy`, the entropy f32[N, T] of the same distribution),
     zero where `rollouts.mask` is False, differentiable with respect to the model's parameters.
-    The model's current mode (train/eval) is used as is.
+    The model's current mode (train/eval) is used as is. `packed`: the forward runs on the rows
+    packed without padding (`response_hidden_states`).
     """
     if not temperature > 0.0:
         raise ValueError(f"sequence_logprobs: temperature must be > 0, got {temperature}; "
                          "for greedy rollouts recompute at temperature 1")
     device = rollouts.response_ids.device
     mask = rollouts.mask.bool()  # [N, T]
-    hidden = response_hidden_states(model, rollouts)  # [N, T, H]
+    hidden = response_hidden_states(model, rollouts, packed=packed)  # [N, T, H]
     logprobs, entropy = token_logprobs(hidden[mask], _head_weight(model), rollouts.response_ids[mask],
                                        temperature=temperature, with_entropy=with_entropy)  # [M], [M] | None
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # [N, T]
