@@ -310,6 +310,20 @@ def test_spmd_run_resumes_on_the_local_runtime(tmp_path):
     assert [row["step"] for row in metrics_of(tmp_path / "spmd") if "reward" in row] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["generation.compile=on", "runtime.runtime=spmd"],
+     r"generation.compile=on with runtime.runtime='spmd': the spmd workers generate the rollouts and decode eager"),
+    (["generation.compile=on", "runtime.runtime=ray"], r"generation.compile=on with runtime.runtime='ray'"),
+    (["generation.compile=on", "runtime.engine=vllm"], r"generation.compile=on with runtime.engine='vllm'"),
+])
+def test_compiled_decoding_where_it_would_not_reach_the_rollouts_is_refused(tmp_path, overrides, expected):
+    from rlgraph.train.run import prepare
+
+    config, _ = make_config(tmp_path, "bad", overrides)
+    with pytest.raises(ConfigError, match=expected):
+        prepare(config)
+
+
 @pytest.mark.parametrize("placement, expected", [
     ("colocatd", "did you mean 'colocated'"),
     ("colocated:fsdpp=2", "unknown option 'fsdpp'"),
