@@ -111,7 +111,7 @@ def executor_of(model, tokenizer, mode, width=None):
 @pytest.mark.slow  # two Inductor compiles of the tiny model's decode step (cold, then from the disk cache): ~30 s
 def test_compiled_decoding_in_the_executor_draws_the_eager_tokens_compiles_once_per_shape_and_reuses_the_disk_cache(
         tokenizer, cache_dir):
-    """Batches of other prompt widths (padded to the run's width) and other seeds reuse one graph;
+    """Batches of other prompt widths (padded to the run's width), other seeds and updated weights reuse one graph;
     a second run (dynamo's in-memory graphs dropped) compiles the shape from Inductor's disk cache,
     and its auto rule reads the first run's measured compile. Float64 model: see
     tests/backends/test_generation_compiled.py for the 1e-5 on the log-probs."""
@@ -127,7 +127,13 @@ def test_compiled_decoding_in_the_executor_draws_the_eager_tokens_compiles_once_
         assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.mask, want.mask)
         assert torch.equal(got.prompt_ids, want.prompt_ids)  # the padding to the run's width stays inside the engine
         assert (got.logprobs - want.logprobs).abs().max() <= 1e-5
-    assert counters["stats"]["unique_graphs"] - graphs == 1  # 6 rows x (32 + 5) columns: one graph for three batches
+    with torch.no_grad():  # what an optimizer step does: new weights in the same tensors, read by the same graph
+        for parameter in model.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    want = eager.generate(eager.current("policy"), batches[0], n=3)
+    got = compiled.generate(compiled.current("policy"), batches[0], n=3)
+    assert torch.equal(got.response_ids, want.response_ids) and (got.logprobs - want.logprobs).abs().max() <= 1e-5
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # 6 rows x (32 + 5) columns: one graph for four calls
     assert compiled.decode_ledger.compiles == {(6, 37): 1} and not eager.decode_ledger.compiles
     first = compiled.decode_ledger.pop_seconds()
     assert first > 0 and compiled.decode_ledger.pop_seconds() == 0.0
