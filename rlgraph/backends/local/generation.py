@@ -1,8 +1,10 @@
 """The native generation engine: batched sampling with the model's KV cache, in plain PyTorch.
 
 It runs wherever the model runs (the CPU demo, tests, GPUs without vLLM). One prefill over the
-left-padded prompts, then one decode step per token for all rows at once; the only per-step
-Python work is a single "all rows finished?" check. A decode step is the lean step of
+left-padded prompts (each prompt once: its KV cache is repeated for its n samples), then one
+decode step per token for all rows at once; the only per-step Python work is a single "all rows
+finished?" check. With `compile_decode` the step runs under torch.compile (`decode_compile.py`
+says when a run asks for it). A decode step is the lean step of
 `lean_decode` (static KV cache, hand-written block over the model's own submodules) for the
 Llama/Qwen2 family, else one Hugging Face forward with a `DynamicCache`; both sample the same.
 

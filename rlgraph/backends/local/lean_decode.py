@@ -91,7 +91,7 @@ class LeanDecoder:
     """Prefill then one `step` per token over a Llama-family causal LM, with a static KV cache.
 
     >>> decoder = LeanDecoder(model)
-    >>> logits = decoder.start(prompt_ids, prompt_mask, positions, steps=16)   # [N, V]
+    >>> logits = decoder.start(prompt_ids, prompt_mask, positions, 16, n=4)    # [B*4, V]: B prompts, 4 samples each
     >>> logits = decoder.step(tokens)                                          # [N, V], next position
     """
 
