@@ -96,6 +96,12 @@ class RolloutSection(Section):
         return stop
 
 
+class GenerationSection(Section):
+    """How the native engine decodes (docs/training.md, "Compiled decoding")."""
+
+    compile: Literal["auto", "on", "off"] = "auto"  # the decode step under torch.compile; auto: when the run repays it
+
+
 class ToolSection(Section):
     name: str                                         # a built-in tool: calculator, python, search
     options: dict[str, Any] = Field(default_factory=dict)  # its keyword arguments (search: corpus or corpus_file)
@@ -202,6 +208,7 @@ class TrainConfig(Section):
     reward_memory_mb: int = Field(4096, ge=1024)      # RLIMIT_AS of each reward worker (torch alone takes ~700 MiB)
     reward_isolation: Literal["auto", "pidns", "process"] = "auto"  # how workers are kept from the controller (docs/security.md)
     rollout: RolloutSection = RolloutSection()
+    generation: GenerationSection = GenerationSection()
     env: EnvSection | None = None                     # multi-turn algorithms (agent_grpo): what rg.rollout steps
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()

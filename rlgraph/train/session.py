@@ -45,10 +45,21 @@ class _Session:
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
+        self.announce_decode()
         setup.rewards.start()  # the reward workers import while the models warm up
         # Asynchronous RL: the reward terms' metrics of each batch generated and not trained yet, by batch
         # number (batch i is trained at step i+1; it was scored one or more steps before).
         self.batch_terms: dict[int, dict[str, float]] = {}
+
+    def announce_decode(self) -> None:
+        """Say at start whether the rollouts' decode step compiles (`generation.compile`) and why."""
+        rollout, sizes = self.config.rollout, self.setup.rl.plan.sizes
+        policy = self.executor.models["policy"].model
+        decision = self.executor.decode_decision(policy, rollout.prompts_per_step * rollout.n, sizes.get("P", 1),
+                                                 rollout.max_new_tokens)
+        where = "" if self.config.runtime.runtime == "local" else " (evaluation only: the workers decode eager)"
+        self.console.print(f"generation.compile={self.config.generation.compile}{where}: {decision.text()}",
+                           markup=False, highlight=False, soft_wrap=True)
 
     def next_batch(self) -> Any:
         return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
@@ -191,6 +202,7 @@ class _Session:
         """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its
         accuracy (`warm_start/accuracy`, also printed), and the warm start's own metrics."""
         row = {**self.warm, **(self.evaluate() if self.setup.eval_rows else {})}
+        row["time/compile_s"] = self.executor.decode_ledger.pop_seconds()  # the evaluation's decode compiles
         if self.warm and "eval/accuracy" in row:
             row["warm_start/accuracy"] = row["eval/accuracy"]
             self.console.print(f"warm start: held-out accuracy {row['eval/accuracy']:.1%} "
@@ -242,7 +254,10 @@ class _Session:
             metrics["accuracy"] = accuracy
         metrics["lr"] = self.config.optimizer.lr * lr_factor(self.config, step - 1)
         rows = self.config.rollout.prompts_per_step * self.config.rollout.n * metrics.get("filter/rounds", 1.0)
-        seconds = metrics["time/step_s"]
+        # Decode compiles (generation.compile) are reported apart: time/step_s is the step's wall time,
+        # compile included; the throughputs are of the step without them.
+        compile_seconds = self.executor.decode_ledger.pop_seconds()
+        seconds = metrics["time/step_s"] - compile_seconds
         metrics["samples_per_s"] = rows / seconds
         if "response_length/mean" in metrics:
             metrics["tokens_per_s"] = rows * metrics["response_length/mean"] / seconds
@@ -250,6 +265,7 @@ class _Session:
         every = self.config.eval.every
         if self.setup.eval_rows and every and step % every == 0:
             metrics.update(self.evaluate())
+        metrics["time/compile_s"] = compile_seconds + self.executor.decode_ledger.pop_seconds()  # and the evaluation's
         if self.logger is not None:  # before the step's checkpoint: a run killed after it has its metrics
             self.logger.log(step, metrics)
         return metrics

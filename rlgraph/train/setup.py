@@ -47,6 +47,7 @@ def prepare(config: TrainConfig) -> Setup:
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
     _check_model_path(config)
+    _check_generation(config)
     tokenizer = _tokenizer(config)
     data = config.data
     options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=data.extra_fields,
@@ -90,6 +91,21 @@ def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
     if not rolls_out and config.env is not None:
         raise ConfigError(f"the config has an env: section but algorithm {config.algorithm.name!r} never steps it "
                           "(it calls no rg.rollout)", fix="use algorithm.name: agent_grpo, or remove the env: section")
+
+
+def _check_generation(config: TrainConfig) -> None:
+    """`generation.compile: on` compiles the native engine's decode step in this process: refused where
+    the rollouts are generated elsewhere (spmd/ray workers) or by vLLM, which it would not reach."""
+    runtime = config.runtime
+    if config.generation.compile != "on":
+        return
+    if runtime.runtime != "local":
+        raise ConfigError(f"generation.compile=on with runtime.runtime={runtime.runtime!r}: the {runtime.runtime} "
+                          "workers generate the rollouts and decode eager (compiled decoding is wired into the local "
+                          "runtime only)", fix="generation.compile: auto (or off), or runtime.runtime: local")
+    if runtime.engine != "native":
+        raise ConfigError(f"generation.compile=on with runtime.engine={runtime.engine!r}: it compiles the native "
+                          "engine's decode step", fix="runtime.engine: native, or generation.compile: off")
 
 
 def _device(config: TrainConfig) -> str:

@@ -310,6 +310,40 @@ def test_spmd_run_resumes_on_the_local_runtime(tmp_path):
     assert [row["step"] for row in metrics_of(tmp_path / "spmd") if "reward" in row] == [1, 2, 3]
 
 
+@pytest.mark.slow  # one Inductor compile of the tiny model's decode step (~15-30 s cold)
+def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apart(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    config, _ = make_config(tmp_path, "compiled", ["generation.compile=on", "data.eval_fraction=0",
+                                                   "warm_start.steps=0"])
+    out = Console(file=io.StringIO(), width=300)
+    train(config, console=out)
+    assert "generation.compile=on: decode compiled: generation.compile=on" in out.file.getvalue()
+    rows = [json.loads(line) for line in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
+    compiles = [row["time/compile_s"] for row in rows if "reward" in row]
+    assert len(compiles) == 4 and compiles[0] > 0 and compiles[1:] == [0.0, 0.0, 0.0]  # one shape: the first step
+    first = next(row for row in rows if "reward" in row)
+    assert first["samples_per_s"] == pytest.approx(16 / (first["time/step_s"] - first["time/compile_s"]))
+    assert first["time/step_s"] > first["time/compile_s"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["generation.compile=on", "runtime.runtime=spmd"],
+     r"generation.compile=on with runtime.runtime='spmd': the spmd workers generate the rollouts and decode eager"),
+    (["generation.compile=on", "runtime.runtime=ray"], r"generation.compile=on with runtime.runtime='ray'"),
+    (["generation.compile=on", "runtime.engine=vllm"], r"generation.compile=on with runtime.engine='vllm'"),
+])
+def test_compiled_decoding_where_it_would_not_reach_the_rollouts_is_refused(tmp_path, overrides, expected):
+    from rlgraph.train.run import prepare
+
+    config, _ = make_config(tmp_path, "bad", overrides)
+    with pytest.raises(ConfigError, match=expected):
+        prepare(config)
+
+
 @pytest.mark.parametrize("placement, expected", [
     ("colocatd", "did you mean 'colocated'"),
     ("colocated:fsdpp=2", "unknown option 'fsdpp'"),

@@ -29,14 +29,17 @@ import math
 import attrs
 import torch
 
+from rlgraph.backends.local.decode_compile import (CompileLedger, Decision, DecodeCompile, model_signature,
+                                                  padded_width)
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream, cut_at_stop
+from rlgraph.backends.local.lean_decode import lean_unsupported
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
 from rlgraph.backends.local.packing import pack_rows, row_tokens
 from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
                                         UpdateConfig)
 from rlgraph.functional.aggregate import global_counts
-from rlgraph.ir.errors import RewardError, RLGraphError
+from rlgraph.ir.errors import ConfigError, RewardError, RLGraphError
 from rlgraph.batches import Prompts, Rollouts, check_token_ids, to_device
 
 
@@ -96,8 +99,11 @@ class LocalExecutor:
 
     def __init__(self, models: Mapping[str, LMWorker], rewards: Mapping[str, RewardWorker], tokenizer: Any, *,
                  max_new_tokens: int = 16, seed: int = 0, device: torch.device | str = "cpu",
-                 envs: Mapping[str, Callable[[], Any]] | None = None):
+                 envs: Mapping[str, Callable[[], Any]] | None = None,
+                 decode_compile: DecodeCompile | str | bool = "off"):
         self.models = dict(models)
+        # whether the decode step compiles (per shape), and this executor's compiles and their seconds
+        self.decode_ledger = CompileLedger(DecodeCompile.of(decode_compile))
         self.rewards = dict(rewards)
         self.envs = dict(envs or {})  # env role -> recipe: a picklable callable building one environment
         self.env_workers: dict[str, Any] = {}  # env role -> its EnvWorkers, kept across rollouts (started once)
@@ -157,10 +163,12 @@ class LocalExecutor:
     def generate(self, model: ModelRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> Rollouts:
         home = prompts.ids.device
-        engine = NativeGenerator(self._engine(model), eos_token_id=self.tokenizer.eos_token_id,
-                                 pad_token_id=self.tokenizer.pad_token_id)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens,
                                 stop=stop)
+        module = self._engine(model)
+        decision = self.decode_decision(module, len(prompts) * n, prompts.ids.shape[1], params.max_new_tokens)
+        engine = NativeGenerator(module, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                                 compile_decode=decision.compile, ledger=self.decode_ledger)
         with self._autocast():
             rollouts = engine.generate(to_device(prompts, self.device), n, params, seed=self.sampling.seed,
                                        call=self.sampling.advance(temperature))
@@ -169,6 +177,20 @@ class LocalExecutor:
         # shards concatenate and move between ranks without re-padding, and horizon-normalised
         # losses see the same T on one rank or many.
         return to_device(rollouts.pad_responses(params.max_new_tokens, pad_id=self.tokenizer.pad_token_id), home)
+
+    def decode_decision(self, module: torch.nn.Module, rows: int, width: int, steps: int) -> Decision:
+        """Whether generating `rows` rows from `width` prompt columns for `steps` tokens compiles the
+        decode step (`decode_compile`; decided once per shape, so a run can print it at start)."""
+        policy = self.decode_ledger.policy
+        reason = lean_unsupported(module) if isinstance(module, torch.nn.Module) else "not a torch module"
+        if reason is not None:
+            if policy.mode == "on":
+                raise ConfigError(f"generation.compile=on compiles the lean decode step, which cannot drive this model: "
+                                  f"{reason}", fix="generation.compile: auto or off (one Hugging Face forward a token)")
+            return Decision(False, f"the lean decode step cannot drive this model ({reason})")
+        layers = module.config.num_hidden_layers
+        return self.decode_ledger.decide(rows=rows, width=padded_width(width, policy.width), steps=steps, layers=layers,
+                                         device=self.device.type, signature=model_signature(module))
 
     def rollout(self, model: ModelRef, env: EnvRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
                 top_p: float = 1.0, max_turns: int = 4, max_tokens_per_turn: int | None = None,
