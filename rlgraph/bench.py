@@ -16,7 +16,9 @@ The sides alternate in one process so load on the machine hits both alike: TRL's
 with a callback that, every `per_round` of its steps, runs `per_round` steps of each rlgraph side
 (time spent there is not counted as TRL's). After `warmup` steps per side, the median seconds a
 step give samples/s and the ratio. `decode_baseline` adds rlgraph with one Hugging Face forward
-per decoded token (the generator before the lean decode step), for the before/after figure.
+per decoded token (the generator before the lean decode step), for the before/after figure;
+`compiled_decode` adds rlgraph with its decode step compiled (`generation.compile=on`), whose
+compile falls in a warm-up step and is reported apart (`compile_s`), never in the medians.
 
 Before training, on one fixed batch (same prompts, completions, old and reference log-probs and
 advantages), TRL's own `_compute_loss` and rlgraph's log-probs + `ppo_clip` + `kl_k3` +
@@ -42,6 +44,7 @@ from typing import Any
 import attrs
 import torch
 
+from rlgraph.backends.local.decode_compile import DecodeCompile
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.world import make_optimizer
 from rlgraph.backends.local.generation import lean_decoding
@@ -112,7 +115,7 @@ class RlgraphSide:
     """
 
     def __init__(self, config: BenchConfig, model_dir: Path, problems: Sequence[arithmetic.Problem], *,
-                 lean: bool = True) -> None:
+                 lean: bool = True, decode_compile: str = "off") -> None:
         from rlgraph.algorithms import grpo
         from rlgraph.api import compile as compile_algorithm
         from rlgraph.plan.mesh import Mesh, colocated
@@ -123,9 +126,11 @@ class RlgraphSide:
         model = build_causal_lm(model_dir, tokenizer=self.tokenizer)
         reference = copy.deepcopy(model).requires_grad_(False)
         optimizer = make_optimizer("adamw", model.parameters(), config.lr, weight_decay=0.0, fused=True)
+        width = max(len(self.tokenizer(problem.prompt)["input_ids"]) for problem in self.problems)
         self.executor = LocalExecutor({"policy": LMWorker(model, optimizer), "ref": LMWorker(reference)},
                                       {"reward": RewardWorker(exact_match)}, self.tokenizer,
-                                      max_new_tokens=config.max_new_tokens, seed=config.seed)
+                                      max_new_tokens=config.max_new_tokens, seed=config.seed,
+                                      decode_compile=DecodeCompile(decode_compile, width=width))
         compiled = compile_algorithm(grpo, mesh=Mesh("cpu", 1, 1), placement=colocated(offload=False, checkpointing=False),
                                      engine="native", sizes={"B": config.prompts, "P": 8, "T": config.max_new_tokens},
                                      n=config.n, kl=config.beta, temperature=config.temperature,
@@ -141,7 +146,8 @@ class RlgraphSide:
         prompts = arithmetic.to_prompts(self.problems[k : k + self.config.prompts], self.tokenizer)
         with lean_decoding(self.lean):
             _, metrics = self.runner.run(prompts)
-        self.seconds.append(time.perf_counter() - start)
+        # a decode compile (the first step of a shape) is reported apart (`compile_s`), not as step time
+        self.seconds.append(time.perf_counter() - start - self.executor.decode_ledger.pop_seconds())
         return metrics
 
     def mark_warm(self) -> None:
@@ -336,7 +342,8 @@ def _summary(seconds: Sequence[float], config: BenchConfig, warmup: int) -> dict
 
 
 def run_bench(config: BenchConfig, schedule: Schedule = Schedule(), *, threads: int = 1, trl: bool = True,
-              decode_baseline: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+              decode_baseline: bool = True, compiled_decode: bool = True, log: Callable[[str], None] = print
+              ) -> dict[str, Any]:
     """Run the benchmark; returns the report `main` writes as JSON (figures per side, ratios, loss check)."""
     if trl and (why := trl_available()) is not None:
         raise ConfigError(f"rlgraph bench: TRL is not importable ({why})", fix="pass --no-trl to time rlgraph alone")
@@ -347,6 +354,8 @@ def run_bench(config: BenchConfig, schedule: Schedule = Schedule(), *, threads: 
         model_dir = write_model(config, Path(tmp) / "model")
         problems = bench_problems(config, schedule.total * config.prompts)
         sides = {"rlgraph": RlgraphSide(config, model_dir, problems, lean=True)}
+        if compiled_decode:
+            sides["rlgraph_compiled_decode"] = RlgraphSide(config, model_dir, problems, decode_compile="on")
         if decode_baseline:
             sides["rlgraph_hf_decode"] = RlgraphSide(config, model_dir, problems, lean=False)
         report["parameters"] = sum(p.numel() for p in sides["rlgraph"].executor.models["policy"].model.parameters())
@@ -369,8 +378,11 @@ def run_bench(config: BenchConfig, schedule: Schedule = Schedule(), *, threads: 
                 if schedule.boundary(done):
                     _catch_up(sides, done, schedule)
         for name, side in sides.items():
+            # a compile happens in a warm-up step (not in the medians) and is reported apart
             results[name] = {**_summary(side.seconds, config, schedule.warmup),
-                             "stages_s_per_step": side.stages_per_step(schedule.measured)}
+                             "stages_s_per_step": side.stages_per_step(schedule.measured),
+                             "compile_s": side.executor.decode_ledger.seconds,
+                             "compiles": len(side.executor.decode_ledger.compiles)}
     report["results"] = results
     report["load_after"] = os.getloadavg()[0]
     if "trl" in results:
@@ -396,13 +408,15 @@ def _machine(threads: int) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     """The report's figures as a Markdown table."""
-    lines = ["| side | s/step (median) | samples/s | generate s/step | rlgraph / TRL samples/s |", "|---|---|---|---|---|"]
+    lines = ["| side | s/step (median) | samples/s | generate s/step | rlgraph / TRL samples/s | compile s (apart) |",
+             "|---|---|---|---|---|---|"]
     for name, result in report["results"].items():
         generate = result.get("generate_s_per_step", result.get("stages_s_per_step", {}).get("generate"))
         ratio = report.get("ratio", {}).get(name)
+        compiled = result.get("compile_s")
         lines.append(f"| {name} | {result['median_s_per_step'] * 1e3:.1f} ms | {result['samples_per_s']:.0f} | "
                      f"{'-' if generate is None else f'{generate * 1e3:.1f} ms'} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {f'{compiled:.1f}' if compiled else '-'} |")
     return "\n".join(lines)
 
 
@@ -417,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-trl", action="store_true", help="time rlgraph alone (no TRL, no loss check)")
     parser.add_argument("--no-decode-baseline", action="store_true",
                         help="skip rlgraph with one Hugging Face forward per decoded token")
+    parser.add_argument("--no-compiled-decode", action="store_true",
+                        help="skip rlgraph with the decode step compiled (generation.compile=on)")
     parser.add_argument("--out", type=Path, help="write the report as JSON here")
     args = parser.parse_args(argv)
     import transformers
@@ -426,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         schedule = check_options(args.steps, args.per_round, args.warmup, args.threads)
         report = run_bench(CONFIGS[args.config], schedule, threads=args.threads, trl=not args.no_trl,
-                           decode_baseline=not args.no_decode_baseline)
+                           decode_baseline=not args.no_decode_baseline, compiled_decode=not args.no_compiled_decode)
     except ConfigError as error:
         print(f"error: {error}")
         return 2

@@ -54,7 +54,7 @@ def test_main_reports_an_error_and_exit_status_2(capsys):
 
 def test_main_without_trl_writes_the_report(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["--no-trl", "--steps", "1", "--per-round", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert main(["--no-trl", "--no-compiled-decode", "--steps", "1", "--per-round", "1", "--warmup", "0", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["results"]) == {"rlgraph", "rlgraph_hf_decode"}
     for result in report["results"].values():

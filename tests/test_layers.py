@@ -25,6 +25,9 @@ ABOVE = {
     "service": {"train", "testing"},
     # environments and tools: beside data and rewards, below the backends that step them between turns
     "agents": {"passes", "plan", "runtime", "backends", "algorithms", "api", "train", "service", "testing"},
+    # supervised worker processes: a mechanism under rewards and agents, which hand it their handlers
+    "supervised": {"functional", "passes", "plan", "runtime", "backends", "algorithms", "api", "train", "service",
+                   "testing", "agents", "rewards", "data", "ir"},
 }
 # Upward edges tolerated for now, each with the reason (none: runtime's `Compiled` / `CONTROLLER`
 # moved to plan in issue 19, and the error types to rlgraph.errors below every layer).

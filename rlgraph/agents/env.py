@@ -126,7 +126,10 @@ class TextEnvAdapter:
         self.format = format or ObservationFormat.from_chat_template(tokenizer)
 
     def initial_observation(self, row: Mapping[str, Any]) -> list[int]:
-        text = self.env.reset(row)
+        return self.first_observation(self.env.reset(row))
+
+    def first_observation(self, text: Any) -> list[int]:
+        """The ids of what `reset` returned (None or "": none)."""
         if text is None or text == "":
             return []
         if not isinstance(text, str):
@@ -138,7 +141,13 @@ class TextEnvAdapter:
         return list(self.tokenizer.encode(self.format.before + text + self.format.after, add_special_tokens=False))
 
     def step(self, action_tokens: list[int]) -> Step:
-        step = self.env.step(self.tokenizer.decode(action_tokens, skip_special_tokens=True))
+        return self.observe(self.env.step(self.action_text(action_tokens)))
+
+    def action_text(self, action_tokens: list[int]) -> str:
+        return self.tokenizer.decode(action_tokens, skip_special_tokens=True)
+
+    def observe(self, step: Any) -> Any:
+        """The text env's answer with its observation tokenized (anything but a `Step` passes as is)."""
         if not isinstance(step, Step):
             return step  # the driver names the wrong type, with the row and turn
         if not isinstance(step.observation, str):

@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from rlgraph.agents.env import EnvError, Step
+from rlgraph.agents.workers import remote_of
 from rlgraph.ir.primitives import EPISODE_FIELDS
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlgraph-env")
@@ -70,15 +71,25 @@ class Episode:
 
 def _env_name(env: Any) -> str:
     inner = getattr(env, "env", env)  # the text env inside an adapter
-    return type(inner).__name__
+    return getattr(inner, "env_name", None) or type(inner).__name__  # env_name: a worker's env (agents.workers)
 
 
-def start(envs: Sequence[Any], rows: Sequence[Mapping[str, Any]], budget: int, vocab: int) -> list[Episode]:
+def _host(envs: Sequence[Any]) -> Any:
+    """The `EnvWorkers` whose processes hold these environments (None: they live here). Its envs'
+    calls go to it as one batch per turn, so the workers run side by side."""
+    remote = remote_of(envs[0]) if envs else None
+    return None if remote is None else remote.host
+
+
+def start(envs: Sequence[Any], rows: Sequence[Mapping[str, Any]], budget: int, vocab: int,
+          timeout_s: float | None = None) -> list[Episode]:
     """One episode per (env, row); an initial observation goes first in the response, as context."""
+    host = _host(envs)
+    firsts = host.initial_observations(envs, rows, timeout_s) if host is not None else None
     episodes = []
     for index, (env, row) in enumerate(zip(envs, rows)):
         episode = Episode(env, index, budget)
-        first = env.initial_observation(row)
+        first = firsts[index] if firsts is not None else env.initial_observation(row)
         _check_ids(first, vocab, f"{_env_name(env)}.reset/initial_observation of row {index}")
         if len(first) >= budget:
             raise EnvError(f"the first observation of row {index} ({_env_name(env)}) has {len(first)} tokens, the "
@@ -100,7 +111,11 @@ def step_all(episodes: Sequence[Episode], actions: Sequence[list[int]], *, turn:
              vocab: int) -> list[list[int]]:
     """Step every episode's env with its action (concurrently); the observation ids each appended."""
     started = time.perf_counter()
-    futures = [_POOL.submit(_timed_step, episode.env, action) for episode, action in zip(episodes, actions)]
+    host = _host([episode.env for episode in episodes])
+    if host is not None:  # in worker processes: they enforce the timeout; the futures come back finished
+        futures = host.step([episode.env for episode in episodes], actions, timeout_s)
+    else:
+        futures = [_POOL.submit(_timed_step, episode.env, action) for episode, action in zip(episodes, actions)]
     observations = []
     for episode, future in zip(episodes, futures):
         name = _env_name(episode.env)
@@ -133,7 +148,7 @@ def _apply(episode: Episode, step: Step, seconds: float, where: str, vocab: int)
     episode.turn_rewards.append(step.reward)
     episode.stats["reward"] += step.reward
     episode.stats["env_seconds"] += seconds
-    for key in ("tool_calls", "tool_errors", "tool_truncated"):
+    for key in ("tool_calls", "tool_errors", "tool_truncated", "env_errors"):
         value = step.info.get(key, 0)
         episode.stats[key] += float(value) if isinstance(value, (int, float)) else 0.0
     if step.done:
@@ -144,6 +159,10 @@ def _apply(episode: Episode, step: Step, seconds: float, where: str, vocab: int)
 
 
 def close_all(episodes: Sequence[Episode]) -> None:
+    host = _host([episode.env for episode in episodes])
+    if host is not None:
+        host.close_all([episode.env for episode in episodes])
+        return
     for episode in episodes:
         close = getattr(episode.env, "close", None)
         if callable(close):

@@ -10,7 +10,8 @@ the turns after it, never a target. Estimator and loss are chosen by name as in 
 
 Metrics: those of `grpo` (reward, response_length/* count the policy's tokens), and per step
 env/turns, env/tool_calls, env/tool_errors, env/observation_tokens (means per episode),
-env/budget_cut (fraction of episodes ended by a token or turn budget), and time/env_s_per_step
+env/budget_cut (fraction of episodes ended by a token or turn budget), env/env_errors (fraction
+ended by a step past its timeout or a dead environment worker, `env_workers`), and time/env_s_per_step
 (wall-clock seconds of one environment step, averaged over the step's env calls).
 """
 
@@ -27,20 +28,21 @@ _COLUMN = {name: index for index, name in enumerate(EPISODE_FIELDS)}
 
 
 @traceable
-def episode_stats(episodes: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def episode_stats(episodes: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Per-step means over episodes f32[N, E] (columns `EPISODE_FIELDS`): turns, tool calls, tool errors,
-    observation tokens, the fraction cut by a budget, and environment seconds per env step."""
+    observation tokens, the fraction cut by a budget, the fraction ended by an env worker's failure,
+    and environment seconds per env step."""
     mean = episodes.mean(dim=0)  # [E]
     steps = episodes[:, _COLUMN["turns"]].sum().clamp(min=1.0)  # []
     seconds = episodes[:, _COLUMN["env_seconds"]].sum() / steps  # []
     return (mean[_COLUMN["turns"]], mean[_COLUMN["tool_calls"]], mean[_COLUMN["tool_errors"]],
-            mean[_COLUMN["observation_tokens"]], mean[_COLUMN["budget_cut"]], seconds)
+            mean[_COLUMN["observation_tokens"]], mean[_COLUMN["budget_cut"]], mean[_COLUMN["env_errors"]], seconds)
 
 
 def episode_metrics(episodes) -> dict:
     """The `env/...` metrics of a step from a rollout's episode statistics (module docstring)."""
     names = ("env/turns", "env/tool_calls", "env/tool_errors", "env/observation_tokens", "env/budget_cut",
-             "time/env_s_per_step")  # time/: wall-clock, which comparisons of two runs skip
+             "env/env_errors", "time/env_s_per_step")  # time/: wall-clock, which comparisons of two runs skip
     return dict(zip(names, episode_stats(episodes)))
 
 

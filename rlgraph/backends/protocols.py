@@ -123,7 +123,8 @@ class Executor(Protocol):
 
     def rollout(self, model: ModelRef, env: EnvRef, prompts: Prompts, *, n: int, temperature: float, top_p: float,
                 max_turns: int, max_tokens_per_turn: int | None, max_total_tokens: int | None,
-                step_timeout: float | None) -> tuple[Rollouts, torch.Tensor, torch.Tensor]: ...
+                step_timeout: float | None, env_workers: int | None = None, env_memory_mb: int = 4096
+                ) -> tuple[Rollouts, torch.Tensor, torch.Tensor]: ...
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool,
                  micro_batch_tokens: int | None = None) -> Any: ...

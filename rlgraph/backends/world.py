@@ -19,6 +19,11 @@ adapters seeded with `seed` (so every rank builds the same ones); only the adapt
 adapters: what `of_executor` sends), or a plain model's (the base; fresh seeded adapters on top).
 `RoleSpec(base_of="policy")` is a role with no weights of its own: that role's module with its
 adapters off (a LoRA policy's KL reference); it must be placed on that role's ranks.
+
+A critic (`kind="critic"`) given a language model's weights (no `backbone.` names: the policy's)
+takes them as its backbone, its value head drawn with `seed`; `backbone_seed` draws a backbone
+built from a config with that seed (the policy's), so a critic starts from the policy's weights
+without them being written anywhere.
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ def _lm_only(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"RoleSpec.{attribute.name} is for a language model role, not a {instance.kind!r} one")
 
 
+def _critic_only(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and instance.kind != "critic":
+        raise ValueError(f"RoleSpec.{attribute.name} is for a critic role, not a {instance.kind!r} one")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"RoleSpec.{attribute.name} must be an int seed, got {value!r}")
+
+
 # The optimizer hyper-parameters `of_executor` carries over (besides the learning rate).
 OPTIMIZER_OPTIONS = ("betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov", "fused")
 
@@ -67,6 +79,8 @@ class RoleSpec:
     optimizer_options: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
     lora: Mapping[str, Any] | None = attrs.field(default=None, validator=_lm_only, hash=False)  # the LoraSettings fields
     base_of: str | None = attrs.field(default=None, validator=_lm_only)  # another role's module, adapters off
+    # A critic's backbone drawn with this seed (the policy's: it starts from the policy's weights)
+    backbone_seed: int | None = attrs.field(default=None, validator=_critic_only)
 
     def weight_source(self) -> Any:
         """The role's start-up weights, read on demand (`WeightSource`), or None: built from `source`."""
@@ -94,10 +108,12 @@ class RoleSpec:
         if self.lora is not None:
             module = self._build_lora(source, weights, tokenizer, dtype, merged)
         elif self.kind == "critic":
-            module = build_critic(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+            module = build_critic(source, tokenizer=tokenizer, seed=self.seed, backbone_seed=self.backbone_seed, dtype=dtype)
         else:
             module = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
-        if weights is not None and self.lora is None:
+        if weights is not None and self.kind == "critic" and not any(name.startswith("backbone.") for name in weights):
+            module.backbone.load_state_dict(weights, strict=True)  # a language model's weights: the critic's backbone
+        elif weights is not None and self.lora is None:
             module.load_state_dict(weights, strict=True)
         if self.optimizer is None:
             module.requires_grad_(False)

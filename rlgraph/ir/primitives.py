@@ -131,7 +131,7 @@ def _generate_spec(model, prompts, *, n, temperature, top_p, max_new_tokens, sto
 
 # Columns of the per-episode statistics f32[N, E] that `rollout` returns beside its rollouts.
 EPISODE_FIELDS = ("reward", "turns", "tool_calls", "tool_errors", "tool_truncated", "observation_tokens",
-                  "env_seconds", "budget_cut")
+                  "env_seconds", "budget_cut", "env_errors")
 MAX_TURNS = 1000  # a cap past this is a mistake (each turn is a decode and an env call per row), not a budget
 GENERATORS = ("generate", "rollout")  # primitives that sample from a model: generation phase, weight sync first
 

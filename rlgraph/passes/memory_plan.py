@@ -132,6 +132,8 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
             config = _train_config(node, group, options, rows, seq)
             packed = prim == "update" and node.kwargs.get("micro_batch_tokens") is not None
             phase, breakdown = "train", (M.packed_train_memory if packed else M.train_memory)(shape, config)
+        elif prim == "rollout":  # multi-turn: each row's cache holds all its turns and observations
+            phase, breakdown = "generate", rollout_memory(node, group, options, dtype)
         elif prim in GENERATORS:
             replicas = group.generate.dp
             phase, breakdown = "generate", M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-batch // replicas),
@@ -148,6 +150,16 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
         if phase not in phases or breakdown.total > phases[phase].total:
             phases[phase] = breakdown
     return phases
+
+
+def rollout_memory(node, group: Group, options: CompileOptions, dtype: torch.dtype) -> M.MemoryBreakdown:
+    """A rollout's memory on one generation replica: its share of the episodes, each with a KV cache
+    of P + max_total_tokens (T when not given) tokens."""
+    sizes = options.concrete(node.kwargs["n"])
+    rows = -(-batch_rows(node, sizes) // group.generate.dp)
+    return M.rollout_memory(model_shape(options, node.args[0].meta["spec"].role), tp=group.generate.tp, rows=rows,
+                            prompt_len=sizes["P"], max_total_tokens=node.kwargs["max_total_tokens"] or sizes["T"],
+                            dtype=dtype)
 
 
 def _primitives(program: Program, group: Group) -> list:

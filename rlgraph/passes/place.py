@@ -16,6 +16,8 @@ naming the option to change.
 A placement's `cpu_offload` reaches the train layout of every group that trains. An FSDP trainer
 that accumulates over several micro-batches syncs its gradients once, after the last one, where
 the memory model says the unsharded gradient that needs still fits (`TrainLayout.grad_sync_last`).
+With `env_workers=k` every rollout node carries `meta["env_workers"]`, which the runtime passes to the
+executor's `rollout`: its environments step in k worker processes of each generating rank.
 """
 
 from __future__ import annotations
@@ -156,8 +158,23 @@ def _assign_ranks(placement: Split, size: int) -> dict[str, tuple[int, ...]]:
     return assigned
 
 
+def _with_trained(used: dict[str, set[str]], trained: tuple[str, ...]) -> dict[str, set[str]]:
+    """`used` with a train phase for each role of `trained` (another plan trains it on these workers),
+    each checked to be a role of this program that it reads."""
+    out = {role: set(phases) for role, phases in used.items()}
+    for role in trained:
+        if not isinstance(role, str) or role not in used:
+            readable = sorted(used)
+            raise PlacementConfigError(
+                f"trained={trained!r}: {role!r} is no role of this program{did_you_mean(str(role), readable)} (it "
+                f"runs {', '.join(readable) or 'no model role'})\n  fix: name the roles it reads that another plan "
+                "trains on the same workers, e.g. trained=('policy',)")
+        out[role].add("train")
+    return out
+
+
 def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ...]:
-    used = roles_used(program)
+    used = _with_trained(roles_used(program), options.trained)
     placement = options.placement
     if isinstance(placement, Colocated):
         groups = _colocated(used, placement, options.mesh.size)
@@ -248,6 +265,8 @@ def place(program: Program, options: CompileOptions) -> Program:
     for node in out.graph.nodes:  # the executor reads it with the update's other settings
         if primitive_name(node) == "update" and node.meta.get("role") in deferring:
             node.meta["grad_sync_last"] = True
+        if primitive_name(node) == "rollout" and options.env_workers is not None:  # where its env steps run
+            node.meta["env_workers"] = {"env_workers": options.env_workers, "env_memory_mb": options.env_memory_mb}
     return out.verify(after="place")
 
 

@@ -82,7 +82,7 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
         return (f"{samples} samples ({sizes['B']} prompts x n={node.kwargs['n']}), <= {sizes['T']} new tokens"
                 f"{_sampling_text(node.kwargs)}; {layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), flops
     if prim == "rollout":
-        return _rollout_text(node, group, sizes), flops_of_generation(shape, node, sizes)
+        return _rollout_text(node, group, options, sizes), flops_of_generation(shape, node, sizes)
     if prim in ("logprobs", "values"):
         packed = f", packed in micro-batches of <= {budget} tokens" if (budget := node.kwargs.get("micro_batch_tokens")) else ""
         return (f"forward only, {-(-batch // group.dp)} sequences/rank{packed}",
@@ -121,17 +121,32 @@ def flops_of_generation(shape, node: fx.Node, sizes: dict[str, int]) -> float:
     return shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * samples * (sizes["P"] + sizes["T"])
 
 
-def _rollout_text(node: fx.Node, group, sizes: dict[str, int]) -> str:
-    """A rollout stage: its episodes, turn budgets, and where and how long the environment's steps run."""
+def _rollout_text(node: fx.Node, group, options: CompileOptions, sizes: dict[str, int]) -> str:
+    """A rollout stage: its episodes, turn budgets, the KV cache they keep across turns, and where and
+    how long the environment's steps run."""
+    from rlgraph.passes.memory_plan import param_dtype, rollout_memory
+    from rlgraph.plan.memory import format_bytes
+
     kwargs, layout = node.kwargs, group.generate
+    cache = rollout_memory(node, group, options, param_dtype(options.mesh)).kv_cache
     samples = sizes["B"] * kwargs["n"]
     per_turn = kwargs["max_tokens_per_turn"] or sizes["T"]
     timeout = "no timeout" if kwargs["step_timeout"] is None else f"timeout {kwargs['step_timeout']:g} s"
     env = node.args[1].target if node.args[1].op == "placeholder" else node.args[1].name
     return (f"{samples} episodes ({sizes['B']} prompts x n={kwargs['n']}), <= {kwargs['max_turns']} turns x <= {per_turn} "
             f"tokens, <= {sizes['T']} response tokens (policy + observations){_sampling_text({**kwargs, 'stop': ()})}; "
-            f"{layout.dp} replica(s) x tp={layout.tp}; between turns env {env!r}.step per row in the generating "
-            f"rank's process, concurrently, {timeout}; each row continues from its KV cache")
+            f"{layout.dp} replica(s) x tp={layout.tp}; between turns env {env!r}.step per row {_env_place(options)}, "
+            f"concurrently, {timeout}; each row continues from its KV cache "
+            f"({format_bytes(cache)}/replica: {-(-samples // layout.dp)} rows x (P + {kwargs['max_total_tokens'] or sizes['T']}) tokens)")
+
+
+def _env_place(options: CompileOptions) -> str:
+    """Where a rollout's environment steps run: the generating rank's process, or its env workers."""
+    if options.env_workers is None:
+        return "in the generating rank's process"
+    count = options.env_workers
+    return (f"in {count} env worker process{'es' if count > 1 else ''} per generating rank ({options.env_memory_mb} "
+            "MiB each; a step past the timeout or a dead worker ends the episode, counted in env/env_errors)")
 
 
 def _sampling_text(kwargs: dict) -> str:

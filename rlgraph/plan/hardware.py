@@ -132,8 +132,10 @@ def profile_for_gpu(name: str, memory_bytes: int) -> str:
     """The profile of a GPU that reports `name` and `memory_bytes` (torch's device properties).
 
     A known kind whose memory differs from its table entry by more than 3% (an A100 40GB, an H100
-    NVL 94GB, an L40S, whose 48 GB are 44.4 GiB) gets a derived profile `<kind>_<GiB>g` with the memory it really has; an unknown
-    GPU is refused, naming how to register it, since costs and fits would otherwise be guesses."""
+    NVL 94GB, an L40S, whose 48 GB are 44.4 GiB) gets a derived profile `<kind>_<GiB>g` with the
+    memory it really has. A GPU of no known kind (a T4, an RTX card) gets the generic entry
+    `generic_gpu_<GiB>g`: its own memory, so fits are checked against what it has, and the L40S's
+    compute and bandwidth standing in (its `source` says so): its costs are estimates, not a profile."""
     import re
 
     gib = memory_bytes / 2**30
@@ -142,14 +144,21 @@ def profile_for_gpu(name: str, memory_bytes: int) -> str:
             base = PROFILES[kind]
             if abs(gib - base.memory_gib) <= 0.03 * base.memory_gib:
                 return kind
-            derived = f"{kind}_{round(gib)}g"
-            if derived not in PROFILES:
-                register_profile(attrs.evolve(base, name=derived, memory_gib=round(gib, 1),
-                                              source=f"{base.source}; memory as the device reports it ({gib:.1f} GiB)"))
-            return derived
-    raise ValueError(f"no hardware profile for the GPU {name!r} ({gib:.1f} GiB); known kinds: "
-                     f"{', '.join(kind for _, kind in _GPU_NAMES)}. Register one with "
-                     "rlgraph.plan.hardware.register_profile(HardwareProfile(...)) and name it in the mesh")
+            return _with_memory(base, f"{kind}_{round(gib)}g", gib, f"{base.source}; memory as the device reports it")
+    return _with_memory(PROFILES["l40s"], f"{GENERIC_GPU}_{round(gib)}g", gib,
+                        f"{name!r} has no profile: the L40S's compute and bandwidth stand in, so its costs are "
+                        "estimates; register its own with rlgraph.plan.hardware.register_profile(HardwareProfile(...)) "
+                        "and name it in the mesh; memory as the device reports it")
+
+
+GENERIC_GPU = "generic_gpu"  # the kind of a GPU no profile names (with its memory: generic_gpu_15g)
+
+
+def _with_memory(base: HardwareProfile, kind: str, gib: float, source: str) -> str:
+    """`kind`: `base` with `gib` of device memory (registered once), for a GPU whose memory differs."""
+    if kind not in PROFILES:
+        register_profile(attrs.evolve(base, name=kind, memory_gib=round(gib, 1), source=f"{source} ({gib:.1f} GiB)"))
+    return kind
 
 
 def detect_device_kind(device: str) -> str:

@@ -351,6 +351,24 @@ def generate_memory(shape: ModelShape, *, tp: int, batch_sequences: int, max_seq
     )
 
 
+def rollout_memory(shape: ModelShape, *, tp: int, rows: int, prompt_len: int, max_total_tokens: int,
+                   dtype: torch.dtype = torch.bfloat16) -> MemoryBreakdown:
+    """Per-rank peak of a multi-turn rollout (`rg.rollout`) of `rows` episodes on a `tp`-way engine.
+
+    Every row keeps its KV cache across turns (observations are appended to it, nothing is
+    prefilled twice), so the cache holds rows x (prompt_len + max_total_tokens) tokens: the
+    prompt, then every turn and observation of the response. The first block (prompt + first
+    observation) is fed whole, unchunked: rows * prompt_len tokens of forward activations. The
+    rest is `generate_memory`'s: sampler logits of every row, one layer's K/V copy as the cache grows.
+    """
+    if min(tp, rows, prompt_len, max_total_tokens) < 1:
+        raise ValueError(f"rollout_memory: tp, rows, prompt_len and max_total_tokens must be >= 1, got "
+                         f"{tp}, {rows}, {prompt_len}, {max_total_tokens}")
+    decoding = generate_memory(shape, tp=tp, batch_sequences=rows, max_seq_len=prompt_len + max_total_tokens,
+                               dtype=dtype, prompt_len=prompt_len)
+    return attrs.evolve(decoding, activations=_ceil_div(rows * prompt_len * forward_working_bytes(shape, dtype), tp))
+
+
 def infer_memory(shape: ModelShape, *, batch_tokens: int, dtype: torch.dtype = torch.bfloat16, shards: int = 1,
                  micro_batch_tokens: int | None = None, offload_params: bool = False,
                  shared_weights: bool = False) -> MemoryBreakdown:

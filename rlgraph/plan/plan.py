@@ -213,7 +213,8 @@ class Plan:
         for group in self.groups:
             layouts = [f"train: {group.train}" if group.train else "", f"generate: {group.generate}" if group.generate else ""]
             layouts = "; ".join(text for text in layouts if text) or f"infer dp={group.dp}"
-            peak = f"peak {_mib(self.peak_memory(group.name))}/rank" if group.name in self.memory else ""
+            # a group with no phase of its own here (a role trained by another plan) has no peak
+            peak = f"peak {_mib(self.peak_memory(group.name))}/rank" if self.memory.get(group.name) else ""
             lines.append(f"  {group.name:<9} {group.ranks_text():<12} {layouts:<40} {peak}")
         lines.append("steps:")
         lines.extend("  " + step.text().replace("\n", "\n  ") for step in self.steps)

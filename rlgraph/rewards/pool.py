@@ -4,58 +4,28 @@
     answers = pool.run([(term, completions, meta), ...], timeout_s=600)
     pool.close()                                            # every worker and its descendants killed
 
-Each worker (`reward_worker.py`) builds the terms from the recipe once, then scores one call at a time.
-The controller enforces the rest from outside, where a reward cannot reach:
-  - a call that runs past `timeout_s` (hung, in a C loop, stopped by SIGSTOP) gets its worker killed
-    (SIGKILL to the worker's process group) and replaced; a worker that dies is replaced too; either
-    way the call's answer is a failure ("timed out after 600 s", "killed by signal 9", "exited with
-    code 3"), which the pipeline scores by its `on_error` policy;
-  - answers are JSON, read with a byte cap (`answer_bytes`), never unpickled; requests are written
-    without blocking, so a stopped worker cannot stall the controller on a full socket;
-  - memory: RLIMIT_AS = `memory_mb` per process of the worker (its children inherit it).
-Isolation (`isolation`, "auto" picks the first that works here):
-  - "pidns": each worker runs under bubblewrap in its own PID (and user) namespace and session, with
-    the host's filesystem and network: the controller has no PID there, so `os.kill(os.getppid())`,
-    `killpg` and `kill(-1)` reach only the worker's own namespace, which dies whole when it is killed
-    (forked, setsid'd children too); RLIMIT_NPROC (`max_processes`) applies inside its user namespace.
-  - "process": a sacrificial keeper process is the worker's parent and its own session; the worker dies
-    with it (PR_SET_PDEATHSIG). `os.kill(os.getppid())` and `killpg(0)` stay contained, but a reward
-    that looks the controller's PID up (/proc) can still signal it, a setsid'd child can outlive the
-    worker, and there is no process-count limit. See docs/security.md.
+A `SupervisedPool` (`rlgraph.supervised`: the processes, their limits, isolation, timeouts and
+replacement) whose workers build the terms from the recipe once (`reward_worker.ScoreTerms`) and
+score one call at a time. A call that times out, or whose worker dies, is a failure the pipeline
+scores by its `on_error` policy ("timed out after 600 s (reward_timeout_s) (its reward worker was
+killed and replaced)", "killed by signal 9 in its reward worker"). docs/security.md says what the
+isolation holds against.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import json
 import os
 import pickle
-import selectors
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from rlgraph.ir.errors import ConfigError, RewardError
-from rlgraph.rewards.reward_worker import HEADER
+from rlgraph.supervised.pool import (BuildError, PoolNames, SupervisedPool, check_settings,  # noqa: F401 - re-exported
+                                     pid_namespace_failure)
 
-ISOLATIONS = ("auto", "pidns", "process")
 WORKERS_ENV = "RLGRAPH_REWARD_WORKERS"
-_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the rlgraph package
-# reward_worker.py is loaded as a file: it imports only the standard library until it serves, so the
-# keeper (which forks before that) stays small; the worker imports rlgraph (and torch) after its limits.
-_LAUNCH = (f"import sys, importlib.util as u; sys.path.insert(0, {_ROOT!r}); "
-           f"s = u.spec_from_file_location('rlgraph_reward_worker', {str(Path(__file__).with_name('reward_worker.py'))!r}); "
-           "m = u.module_from_spec(s); s.loader.exec_module(m); m.main()")
+NAMES = PoolNames("reward_", "reward", "reward_timeout_s", "scores")
 
 
 def default_workers() -> int:
@@ -70,294 +40,44 @@ def default_workers() -> int:
     return int(value)
 
 
-@functools.lru_cache(maxsize=1)
-def pid_namespace_failure() -> str | None:
-    """Why a worker cannot get its own PID namespace here (None: it can). Probed once per process,
-    the way a worker starts (bubblewrap, then its own /proc)."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return "the `bwrap` executable (bubblewrap) is not on PATH"
-    try:
-        done = subprocess.run([*_bwrap_prefix(bwrap), sys.executable, "-c", _LAUNCH, "--mount-proc", "--probe"],
-                              capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"bwrap could not be started: {exc}"
-    if done.stdout.strip() != b"2":  # the first process after bwrap's init in a fresh namespace
-        return f"bwrap failed (exit code {done.returncode}): {done.stderr.decode(errors='replace').strip()[-300:]}"
-    return None
-
-
-def _bwrap_prefix(bwrap: str) -> list[str]:
-    """A new PID namespace and session over the host's own filesystem, devices and network. A new
-    user namespace unless we are root, with CAP_SYS_ADMIN there only (to mount the worker's own
-    /proc: reward_worker._mount_proc); root keeps its capabilities, since the `code` reward's
-    sandbox starts as uid 65534, which a user namespace mapping only uid 0 could not become."""
-    user = [] if os.geteuid() == 0 else ["--unshare-user", "--cap-add", "CAP_SYS_ADMIN"]
-    return [bwrap, *user, "--unshare-pid", "--die-with-parent", "--new-session", "--bind", "/", "/",
-            "--dev-bind", "/dev", "/dev", "--chdir", os.getcwd()]
-
-
-def resolve_isolation(isolation: str) -> str:
-    if isolation not in ISOLATIONS:
-        raise ConfigError(f"reward_isolation={isolation!r} is not one of {', '.join(ISOLATIONS)}")
-    failure = pid_namespace_failure() if isolation in ("auto", "pidns") else None
-    if isolation == "pidns" and failure is not None:
-        raise ConfigError(f"reward_isolation=pidns: a reward worker cannot get its own PID namespace here: {failure}",
-                          fix="install bubblewrap and allow unprivileged user namespaces, or set "
-                              "reward_isolation: process (weaker: docs/security.md)")
-    return "pidns" if isolation == "pidns" or (isolation == "auto" and failure is None) else "process"
-
-
-class _Worker:
-    """One worker process and the controller's end of its channel (non-blocking, framed)."""
-
-    def __init__(self, process: subprocess.Popen, channel: socket.socket):
-        self.process, self.channel = process, channel
-        self.outgoing, self.incoming = b"", b""
-        self.call: int | None = None  # the call it is answering
-        self.deadline = 0.0
-
-    def send(self, payload: bytes, call: int, deadline: float) -> None:
-        self.outgoing, self.incoming, self.call, self.deadline = HEADER.pack(len(payload)) + payload, b"", call, deadline
-
-    def pump(self, readable: bool, writable: bool, cap: int) -> bytes | None:
-        """Move bytes; the answer when complete. EOFError: the worker closed its end (it died)."""
-        if writable and self.outgoing:
-            try:
-                sent = self.channel.send(self.outgoing)
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                raise EOFError from None
-            self.outgoing = self.outgoing[sent:]
-        if readable:
-            try:
-                chunk = self.channel.recv(1 << 20)
-            except BlockingIOError:
-                chunk = None
-            except OSError:
-                raise EOFError from None
-            if chunk == b"":
-                raise EOFError
-            self.incoming += chunk or b""
-            if len(self.incoming) >= HEADER.size:
-                size = HEADER.unpack(self.incoming[:HEADER.size])[0]
-                if size > cap:
-                    raise OverflowError(size)
-                if len(self.incoming) == HEADER.size + size:
-                    return self.incoming[HEADER.size:]
-                if len(self.incoming) > HEADER.size + size:  # more than one answer to one request
-                    return b""
-        return None
-
-    def kill(self, grace_s: float = 0.0) -> str:
-        """SIGKILL its process group (with it the PID namespace or the keeper's group) after `grace_s`
-        for it to end on its own (it closed its channel: it is exiting); how it ended."""
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.channel.close()
-        return _ended(self.process.wait())
-
-
-def _ended(code: int) -> str:
-    """How a worker ended, from its exit status (bwrap and the keeper exit with 128 + the signal)."""
-    if code < 0 or code > 128:
-        number = -code if code < 0 else code - 128
-        try:
-            return f"killed by signal {number} ({signal.Signals(number).name})"
-        except ValueError:
-            return f"killed by signal {number}"
-    return f"exited with code {code}"
-
-
-class RewardPool:
+class RewardPool(SupervisedPool):
     """A small pool of supervised reward worker processes, started on first use."""
 
     def __init__(self, recipe: Callable[[], Sequence[Callable[..., Any]]], workers: int, *, memory_mb: int = 4096,
                  max_processes: int = 512, isolation: str = "auto", answer_bytes: int = 64 << 20,
                  start_timeout_s: float = 120.0):
-        _check_count("reward_workers", workers, 1, "1 or more (0 scores in the controller, for debugging)")
-        _check_count("reward_memory_mb", memory_mb, 1024, "at least 1024 (a worker imports torch: ~700 MiB of address space)")
-        _check_count("reward_max_processes", max_processes, 16, "at least 16 (threads count as processes)")
+        from rlgraph.rewards.reward_worker import ScoreTerms  # it imports combine, which imports this module
+
+        check_settings(NAMES, workers, memory_mb, max_processes, "1 or more (0 scores in the controller, for debugging)")
         try:
-            self._recipe = pickle.dumps(recipe)
+            recipe_bytes = pickle.dumps(recipe)
         except Exception as exc:  # a lambda or closure: the worker could not rebuild it
             raise ConfigError(f"the reward terms cannot be sent to reward worker processes: {type(exc).__name__}: {exc}",
                               fix="define each reward function at module level (importable by its module path), "
                                   "or score in the controller process with reward_workers: 0") from None
-        self.size, self.memory_mb, self.max_processes = workers, memory_mb, max_processes
-        self.isolation = resolve_isolation(isolation)
-        self.answer_bytes, self.start_timeout_s = answer_bytes, start_timeout_s
-        self._workers: list[_Worker] = []
-        self._starting: list[_Worker] = []  # started by `start()`, not yet known to be ready
-        self._lock = threading.Lock()
-        # Popen from one long-lived thread: PR_SET_PDEATHSIG (bwrap's --die-with-parent, the keeper)
-        # fires when the *thread* that started a process exits, not only the process.
-        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward-pool")
-        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+        super().__init__(functools.partial(ScoreTerms, recipe_bytes), workers, names=NAMES, memory_mb=memory_mb,
+                         max_processes=max_processes, isolation=isolation, answer_bytes=answer_bytes,
+                         start_timeout_s=start_timeout_s)
 
-    def describe(self) -> str:
-        where = "own PID namespaces" if self.isolation == "pidns" else "keeper processes, no PID namespace"
-        return f"{self.size} process{'es' if self.size > 1 else ''} ({where}), {self.memory_mb} MiB address space each"
-
-    def pids(self) -> list[int]:
-        """The host PIDs of the workers' top processes (bwrap or the keeper)."""
-        return [worker.process.pid for worker in self._workers]
-
-    def close(self) -> None:
-        """Kill every worker and whatever its rewards started; reap them. The pool may be used again."""
-        with self._lock:
-            _kill_all(self._workers)
-            self._starting = []
-
-    def __enter__(self) -> RewardPool:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # -- calls ----------------------------------------------------------------------------------
-    def run(self, calls: Sequence[tuple[int, list[str], dict[str, Any]]], timeout_s: float | None
+    def run(self, calls: Sequence[tuple[int, list[str], dict[str, Any]]], timeout_s: float | None  # type: ignore[override]
             ) -> list[dict[str, Any]]:
         """Each call's answer: {"scores": [...]} or a failure {"problem", "rows", "partial", "raised"}."""
         payloads = [pickle.dumps(("score", term, list(completions), dict(meta))) for term, completions, meta in calls]
-        with self._lock:
-            self._start()
-            return self._dispatch(payloads, timeout_s, [len(completions) for _, completions, _ in calls])
-
-    def _dispatch(self, payloads: list[bytes], timeout_s: float | None, sizes: list[int]) -> list[dict[str, Any]]:
-        answers: list[dict[str, Any] | None] = [None] * len(payloads)
-        pending, limit = deque(range(len(payloads))), timeout_s if timeout_s is not None else float("inf")
-        with selectors.DefaultSelector() as selector:
-            while pending or any(worker.call is not None for worker in self._workers):
-                if not self._workers:
-                    self._start()
-                for worker in self._workers:
-                    if worker.call is None and pending:
-                        call = pending.popleft()
-                        worker.send(payloads[call], call, time.monotonic() + limit)
-                busy = [worker for worker in self._workers if worker.call is not None]
-                for call, answer in self._step(selector, busy, f"timed out after {limit:g} s (reward_timeout_s)", sizes):
-                    answers[call] = answer
-        return answers
-
-    def _step(self, selector: selectors.BaseSelector, busy: list[_Worker], late: str, sizes: list[int]
-              ) -> list[tuple[int, dict]]:
-        """Wait for the next event of the `busy` workers (bytes, a death, a deadline); the calls it
-        finished. `late` is the problem a call past its deadline gets."""
-        for worker in busy:
-            selector.register(worker.channel, selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.outgoing else 0),
-                              worker)
-        wait = min(worker.deadline for worker in busy) - time.monotonic()
-        events = {key.data: mask for key, mask in selector.select(timeout=max(0.0, min(wait, 3600.0)))}
-        for worker in busy:
-            selector.unregister(worker.channel)
-        done = []
-        for worker in busy:
-            mask = events.get(worker, 0)
-            try:
-                raw = worker.pump(bool(mask & selectors.EVENT_READ), bool(mask & selectors.EVENT_WRITE), self.answer_bytes)
-            except EOFError:
-                done.append((worker.call, self._replace(worker, None, sizes[worker.call], grace_s=2.0)))
-                continue
-            except OverflowError as size:
-                done.append((worker.call, self._replace(worker, f"answered {size} bytes, over the cap of "
-                                                                f"{self.answer_bytes} bytes", sizes[worker.call])))
-                continue
-            if raw is not None:
-                answer = _parsed(raw, sizes[worker.call])
-                if answer is None:  # the channel no longer holds our frames: the worker cannot be trusted again
-                    answer = self._replace(worker, "answered something other than scores on its channel",
-                                           sizes[worker.call])
-                done.append((worker.call, answer))
-                worker.call = None
-            elif time.monotonic() >= worker.deadline:
-                done.append((worker.call, self._replace(worker, late, sizes[worker.call])))
-        return done
-
-    def _replace(self, worker: _Worker, problem: str | None, rows: int, grace_s: float = 0.0) -> dict[str, Any]:
-        """Kill `worker` (a new one starts on the next call); the failure its call gets."""
-        ended = worker.kill(grace_s)
-        self._workers.remove(worker)
-        problem = f"{problem} (its reward worker was killed and replaced)" if problem else f"{ended} in its reward worker"
-        return {"problem": problem, "rows": list(range(rows)), "partial": None, "raised": False}
-
-    # -- starting -------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the workers now, without waiting for them (the first call waits): their start (~1 s,
-        importing torch) then overlaps what the controller does meanwhile."""
-        with self._lock:
-            self._starting += self._spawn_missing()
-
-    def _spawn_missing(self) -> list[_Worker]:
-        missing = self.size - len(self._workers)
-        fresh = [self._spawner.submit(self._spawn).result() for _ in range(max(missing, 0))]
-        self._workers.extend(fresh)
-        build = pickle.dumps(("build", self._recipe, list(sys.path)))
-        deadline = time.monotonic() + self.start_timeout_s
-        for index, worker in enumerate(fresh):
-            worker.send(build, index, deadline)
-        return fresh
-
-    def _start(self) -> None:
-        """Start workers up to `size` (replacing idle ones that died between calls) and wait until
-        each has built the reward terms."""
-        for worker in [worker for worker in self._workers if worker.call is None and worker.process.poll() is not None]:
-            worker.kill()
-            self._workers.remove(worker)
-        fresh, self._starting = self._starting + self._spawn_missing(), []
-        for index, worker in enumerate(fresh):
-            worker.call = index
-        answers: dict[int, dict[str, Any]] = {}
-        late = f"did not start within {self.start_timeout_s:g} s"
-        with selectors.DefaultSelector() as selector:
-            while len(answers) < len(fresh):
-                busy = [worker for worker in fresh if worker.call is not None]
-                for call, answer in self._step(selector, busy, late, [0] * len(fresh)):
-                    answers[call] = answer
-        broken = [answer for answer in answers.values() if "ready" not in answer]
-        if broken:
-            _kill_all(self._workers)
-            problem = broken[0].get("error") or broken[0].get("problem")
-            raise RewardError(f"a reward worker could not build the reward terms: {problem}\n  fix: the reward "
-                              "functions must import in a fresh process (module-level functions, their modules on "
-                              "sys.path); check reward_memory_mb, or set reward_workers: 0 to score in the controller")
-
-    def _spawn(self) -> _Worker:
-        ours, theirs = socket.socketpair()
-        limits = {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CORE": 0}
-        if self.isolation == "pidns":
-            if os.geteuid() != 0:  # RLIMIT_NPROC counts per user namespace; host root has none of its own
-                limits["RLIMIT_NPROC"] = self.max_processes
-            command = [*_bwrap_prefix(shutil.which("bwrap")), sys.executable, "-c", _LAUNCH, "--mount-proc"]
-        else:
-            command = [sys.executable, "-c", _LAUNCH, "--keeper"]
-        command += ["--fd", str(theirs.fileno()), "--limits", json.dumps(limits)]
+        sizes = [len(completions) for _, completions, _ in calls]
         try:
-            process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
-        finally:
-            theirs.close()
-        ours.setblocking(False)
-        return _Worker(process, ours)
+            answers = super().run(payloads, timeout_s, valid=lambda answer, call: _answer(answer, sizes[call]))
+        except BuildError as error:
+            raise RewardError(f"a reward worker could not build the reward terms: {error}\n  fix: the reward "
+                              "functions must import in a fresh process (module-level functions, their modules on "
+                              "sys.path); check reward_memory_mb, or set reward_workers: 0 to score in the controller"
+                              ) from None
+        return [{"problem": answer["failed"], "rows": list(range(size)), "partial": None, "raised": False}
+                if "failed" in answer else answer for answer, size in zip(answers, sizes)]
 
 
-def _parsed(raw: bytes, rows: int) -> dict[str, Any] | None:
-    """A worker's JSON answer, checked (None: something else, a failure of the call, not of the controller)."""
-    try:
-        answer = json.loads(raw)
-    except ValueError:
-        answer = None
-    if isinstance(answer, dict) and ("ready" in answer or "error" in answer or _scores(answer.get("scores"), rows)
-                                     or _failure(answer, rows)):
-        return answer
-    return None
+def _answer(answer: Any, rows: int) -> bool:
+    """A worker's JSON answer to a scoring call: scores or a failure (else the channel is not ours)."""
+    return isinstance(answer, dict) and (_scores(answer.get("scores"), rows) or _failure(answer, rows))
 
 
 def _scores(values: Any, rows: int) -> bool:
@@ -370,14 +90,3 @@ def _failure(answer: dict[str, Any], rows: int) -> bool:
     return (isinstance(answer.get("problem"), str) and isinstance(answer.get("raised"), bool)
             and isinstance(hit, list) and all(type(row) is int and 0 <= row < rows for row in hit)
             and (answer.get("partial") is None or _scores(answer.get("partial"), rows)))
-
-
-def _kill_all(workers: list[_Worker]) -> None:
-    for worker in workers:
-        worker.kill()
-    workers.clear()
-
-
-def _check_count(name: str, value: Any, least: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{name}={value!r} must be a whole number, {hint}")

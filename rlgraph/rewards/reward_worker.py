@@ -1,147 +1,24 @@
-"""The reward worker process: builds the reward terms from a recipe, then scores batches until killed.
+"""What a reward worker process does (`rlgraph.supervised.process` runs it): score batches.
 
-Started by `rlgraph.rewards.pool.RewardPool` (never imported by the controller's own code paths):
-
-    python -c "...; main()" --fd 3 --limits '{"RLIMIT_AS": ...}' [--keeper | --mount-proc]
-
-Frames on the socket at `--fd`: an 8-byte little-endian length, then the payload. The controller
-sends pickles (it is trusted: ("build", recipe) then ("score", term, completions, meta)); the
-worker answers JSON only, so that nothing a reward writes there can run code in the controller.
-
-`--keeper` (hosts without PID namespaces): this process forks; the parent is a sacrificial
-"keeper" that only waits, so `os.kill(os.getppid(), ...)` in a reward reaches the keeper, not the
-controller, and the child dies with its keeper (PR_SET_PDEATHSIG).
+`ScoreTerms(recipe)` is built once in the worker from the pickled recipe (a picklable callable
+returning the term functions); each request ("score", term, completions, meta) is answered with
+`combine.answer_term`'s JSON: {"scores": [...]} or a failure {"problem", "rows", "partial", "raised"}.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import json
-import os
 import pickle
-import resource
-import signal
-import socket
-import struct
-import sys
-import traceback
 from typing import Any
 
-HEADER = struct.Struct("<Q")  # the payload's length in bytes
-PR_SET_PDEATHSIG = 1
+from rlgraph.rewards.combine import answer_term
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="rlgraph-reward-worker")
-    parser.add_argument("--fd", type=int)
-    parser.add_argument("--limits", default="{}")
-    parser.add_argument("--keeper", action="store_true")
-    parser.add_argument("--mount-proc", action="store_true")
-    parser.add_argument("--probe", action="store_true")  # print our PID (2 in a fresh namespace) and exit
-    args = parser.parse_args(argv)
-    if args.mount_proc:
-        _mount_proc()
-        if os.geteuid() != 0:
-            _drop_capabilities()  # only there for the mount; bwrap (the `code` reward's) refuses to start with them
-    if args.probe:
-        print(os.getpid())
-        return
-    if args.keeper:
-        _keep()  # returns in the worker (the child) only
-    for name, value in json.loads(args.limits).items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    channel = socket.socket(fileno=args.fd)
-    channel.setblocking(True)
-    serve(channel)
+class ScoreTerms:
+    """The reward terms of one worker; `__call__` answers one scoring request."""
 
+    def __init__(self, recipe: bytes):
+        self.functions = list(pickle.loads(recipe)())
 
-def _keep() -> None:
-    """Fork: the parent waits for the worker and exits as it did (128 + signal when killed, as bwrap does)."""
-    _die_with_parent()  # the keeper dies with the controller
-    child = os.fork()
-    if child == 0:
-        _die_with_parent()  # the worker dies with its keeper
-        return
-    for number in (signal.SIGINT, signal.SIGTERM):  # only SIGKILL from the controller ends the keeper
-        signal.signal(number, signal.SIG_IGN)
-    _, status = os.waitpid(child, 0)
-    code = os.waitstatus_to_exitcode(status)
-    os._exit(128 - code if code < 0 else code)
-
-
-def _mount_proc() -> None:
-    """A /proc of our own PID namespace, mounted plainly. bwrap's `--proc` adds read-only submounts
-    (sys, irq, bus), which keep a sandbox nested in this one (the `code` reward's) from mounting
-    its own /proc; the host's /proc, left in place, names host PIDs that mean other processes here."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = 2 | 4 | 8  # MS_NOSUID | MS_NODEV | MS_NOEXEC
-    if libc.mount(b"proc", b"/proc", b"proc", flags, None) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"cannot mount /proc for the reward worker's PID namespace: {os.strerror(error)}")
-
-
-def _drop_capabilities() -> None:
-    """capset(2) with every set empty: the CAP_SYS_ADMIN of our user namespace goes."""
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable} words, all zero
-    if ctypes.CDLL(None, use_errno=True).capset(header, data) != 0:
-        raise OSError(ctypes.get_errno(), "cannot drop the reward worker's capabilities")
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before the call: nothing would signal us
-        os._exit(1)
-
-
-def serve(channel: socket.socket) -> None:
-    """Answer the controller's requests, one at a time, until it closes the channel or kills us."""
-    from rlgraph.rewards.combine import answer_term
-
-    functions: list[Any] = []
-    while True:
-        request = _receive(channel)
-        if request is None:
-            return
-        if request[0] == "build":
-            sys.path[:] = request[2]  # the controller's: user modules import here as they did there
-            try:
-                functions = list(pickle.loads(request[1])())
-                answer: dict[str, Any] = {"ready": os.getpid(), "terms": len(functions)}
-            except BaseException as exc:  # reported to the controller, which names the reward recipe
-                frame = traceback.extract_tb(exc.__traceback__)[-1:]
-                at = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
-                answer = {"error": f"{type(exc).__name__}: {exc}{at}"}
-        else:
-            _, term, completions, meta = request
-            answer = answer_term(functions[term], completions, meta)
-        _send(channel, json.dumps(answer).encode())
-
-
-def _receive(channel: socket.socket) -> Any:
-    header = _read_exactly(channel, HEADER.size)
-    if header is None:
-        return None
-    payload = _read_exactly(channel, HEADER.unpack(header)[0])
-    return None if payload is None else pickle.loads(payload)
-
-
-def _read_exactly(channel: socket.socket, size: int) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        chunk = channel.recv(min(left, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _send(channel: socket.socket, payload: bytes) -> None:
-    channel.sendall(HEADER.pack(len(payload)) + payload)
-
-
-if __name__ == "__main__":
-    main()
+    def __call__(self, request: tuple) -> dict[str, Any]:
+        _, term, completions, meta = request
+        return answer_term(self.functions[term], completions, meta)

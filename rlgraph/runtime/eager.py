@@ -156,6 +156,8 @@ class Interpreter:
                                   grad_sync_last=node.meta.get("grad_sync_last", False))
             loss_fn = make_loss_fn(node.meta["program"], batch, captured)
             return self.executor.update(model, batch, loss_fn, config)
+        if name == "rollout" and "env_workers" in node.meta:  # the plan's env worker processes (`place`)
+            kwargs = {**kwargs, **node.meta["env_workers"]}
         return getattr(self.executor, name)(*args, **kwargs)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rlgraph.backends.protocols import ExecutorState, ModelRef, RankRecipe
+from rlgraph.ir.errors import RLGraphError
 from rlgraph.ir.program import Program
 from rlgraph.runtime import collectives as C
 from rlgraph.runtime.errors import WorkerFailure
@@ -254,6 +255,14 @@ class WorkerPool(Transport):
     def pull_state(self, role: str) -> dict[str, torch.Tensor]:
         """The full (unsharded) weights of `role`, on the CPU, from the ranks that train or hold it."""
         return self.recipe.full_weights(role, self._all(range(self.world), "full_state", role))
+
+    def save_weights(self, role: str, path: str) -> str:
+        """`role`'s full weights written to `path` by the first rank of its group (the others join the
+        gather); nothing of them crosses to the controller."""
+        written = [answer for answer in self._all(range(self.world), "save_weights", role, path).values() if answer]
+        if not written:
+            raise RLGraphError(f"save_weights: no rank holds role {role!r}")
+        return written[0]
 
     def set_learning_rate(self, role: str, lr: float) -> None:
         """Every rank that trains `role` sets its optimizer's learning rate (a schedule, between steps)."""

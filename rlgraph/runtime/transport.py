@@ -21,6 +21,7 @@ of them (tests/runtime/test_transport.py checks the signatures):
 | `flush()` | wait until every command sent so far has finished (the end of an iteration) |
 | `set_learning_rate(role, lr)` | every rank training `role` sets its optimizer's learning rate |
 | `pull_state(role)` | `role`'s full weights, on the CPU |
+| `save_weights(role, path)` | `role`'s full weights (a LoRA role's merged) written to a safetensors file where the role lives, none through the controller |
 | `checkpoint_state()` / `restore_state(state, where)` | the full `ExecutorState`, out of or into the ranks |
 | `write_state(directory)` / `read_state(directory, roles, shuffle_rng, sampling, where)` | each rank writes, or reads, its own rows of a checkpoint in parts (`rlgraph.backends.state_files`); `write_state` answers None where the ranks have no parts (one process: the full form is written) |
 | `close()` | stop the workers (idempotent) |
@@ -116,6 +117,9 @@ class Transport(abc.ABC):
     def pull_state(self, role: str) -> dict[str, torch.Tensor]: ...
 
     @abc.abstractmethod
+    def save_weights(self, role: str, path: str) -> str: ...
+
+    @abc.abstractmethod
     def checkpoint_state(self) -> ExecutorState: ...
 
     @abc.abstractmethod
@@ -191,6 +195,17 @@ class LocalTransport(Transport):
             raise RLGraphError(f"pull_state: this executor holds no role {role!r}; it holds {', '.join(self.executor.models)}")
         module = self.executor.models[role].model
         return {name: value.detach().to("cpu", copy=True) for name, value in module.state_dict().items()}
+
+    def save_weights(self, role: str, path: str) -> str:
+        """`role`'s weights as one safetensors file at `path` (a LoRA role's adapters merged into its
+        base: the plain model); returns the path."""
+        from rlgraph.backends.fsdp.loading import write_weights
+        from rlgraph.backends.lora import is_lora, merged_state_dict
+
+        if role not in self.executor.models:
+            raise RLGraphError(f"save_weights: this executor holds no role {role!r}; it holds {', '.join(self.executor.models)}")
+        module = self.executor.models[role].model
+        return str(write_weights(merged_state_dict(module) if is_lora(module) else module.state_dict(), path))
 
     def checkpoint_state(self) -> ExecutorState:
         return self.executor.export_state()

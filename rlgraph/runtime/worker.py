@@ -92,6 +92,9 @@ class Worker:
     def full_state(self, role: str) -> dict[str, torch.Tensor] | None:
         return self.executor.full_state(role)
 
+    def save_weights(self, role: str, path: str) -> str | None:
+        return self.executor.save_weights(role, path)
+
     def set_learning_rate(self, role: str, lr: float) -> bool:
         return self.executor.set_learning_rate(role, lr)
 

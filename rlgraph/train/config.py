@@ -96,6 +96,12 @@ class RolloutSection(Section):
         return stop
 
 
+class GenerationSection(Section):
+    """How the native engine decodes (docs/training.md, "Compiled decoding")."""
+
+    compile: Literal["auto", "on", "off"] = "auto"  # the decode step under torch.compile; auto: when the run repays it
+
+
 class ToolSection(Section):
     name: str                                         # a built-in tool: calculator, python, search
     options: dict[str, Any] = Field(default_factory=dict)  # its keyword arguments (search: corpus or corpus_file)
@@ -110,6 +116,8 @@ class EnvSection(Section):
     max_calls: int = Field(4, ge=1)                   # tool calls run per turn
     path: str | None = None                           # "file.py:MyEnv" or "module:MyEnv"
     options: dict[str, Any] = Field(default_factory=dict)
+    workers: int | None = Field(None, strict=True, ge=1)  # env steps: null in the generating process, k worker processes
+    memory_mb: int = Field(4096, strict=True, ge=1024)     # address space of each env worker process
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -202,6 +210,7 @@ class TrainConfig(Section):
     reward_memory_mb: int = Field(4096, ge=1024)      # RLIMIT_AS of each reward worker (torch alone takes ~700 MiB)
     reward_isolation: Literal["auto", "pidns", "process"] = "auto"  # how workers are kept from the controller (docs/security.md)
     rollout: RolloutSection = RolloutSection()
+    generation: GenerationSection = GenerationSection()
     env: EnvSection | None = None                     # multi-turn algorithms (agent_grpo): what rg.rollout steps
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()

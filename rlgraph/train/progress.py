@@ -26,6 +26,7 @@ from rlgraph.ir.errors import ConfigError
 _SMOOTHED = (("reward", "reward", "{:.3f}"), ("policy/kl", "kl", "{:.4f}"), ("accuracy", "acc", "{:.1%}"))
 _LATEST = (("eval/accuracy", "eval acc", "{:.1%}"),)
 _STEP_SECONDS = "time/step_s"
+_COMPILE_SECONDS = "time/compile_s"  # inside the step's time: shown apart, not averaged into s/step
 
 
 class Ema:
@@ -76,6 +77,7 @@ class RunProgress:
         self.live = self.enabled and self.console.is_terminal
         self.averages = {key: Ema(smoothing) for key, _, _ in _SMOOTHED}
         self.step_seconds = Ema(smoothing)
+        self.compile_seconds = 0.0  # decode compiles so far (generation.compile), outside the s/step average
         self.latest: dict[str, float] = {}
         self.step = start_step
         self._progress: Progress | None = None
@@ -95,7 +97,9 @@ class RunProgress:
             if _number(metrics.get(key)) is not None:
                 self.latest[key] = _number(metrics[key])
         seconds = _number(metrics.get(_STEP_SECONDS))
-        self.step_seconds.add(seconds if seconds is not None else now - self._last)
+        compiling = _number(metrics.get(_COMPILE_SECONDS)) or 0.0
+        self.compile_seconds += compiling
+        self.step_seconds.add((seconds if seconds is not None else now - self._last) - compiling)
         self._last, self.step = now, int(step)
         if self._progress is not None:
             self._progress.update(self._task, completed=self._completed(now), where=self._where(now), info=self.describe())
@@ -103,12 +107,15 @@ class RunProgress:
             self.console.print(self.plain_line(now), markup=False, highlight=False, soft_wrap=True)  # one log line
 
     def describe(self) -> str:
-        """The metrics part of the line: `reward 0.412  kl 0.0031  acc 45.0%  eval acc 47.5%  1.23 s/step`."""
+        """The metrics part of the line: `reward 0.412  kl 0.0031  acc 45.0%  eval acc 47.5%  1.23 s/step`,
+        then `compile 14.3 s` once the decode step has compiled (those seconds are not in s/step)."""
         parts = [f"{label} {fmt.format(self.averages[key].value)}" for key, label, fmt in _SMOOTHED
                  if self.averages[key].count]
         parts += [f"{label} {fmt.format(self.latest[key])}" for key, label, fmt in _LATEST if key in self.latest]
         if self.step_seconds.count:
             parts.append(f"{self.step_seconds.value:.2f} s/step")
+        if self.compile_seconds:
+            parts.append(f"compile {self.compile_seconds:.1f} s")
         return "  ".join(parts)
 
     def plain_line(self, now: float | None = None) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from rlgraph.backends.local.critic import build_critic
+from rlgraph.backends.local.decode_compile import DecodeCompile
 from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.train.config import TrainConfig
@@ -27,8 +28,23 @@ def build_roles(setup: Setup, policy: torch.nn.Module | None = None) -> LocalExe
     executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
                              max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device,
                              envs={"env": setup.env} if setup.env is not None else None,
+                             decode_compile=decode_policy(setup),
                              compile_train=compiles_training(config, str(setup.device)))
     return executor
+
+
+def decode_policy(setup: Setup) -> DecodeCompile:
+    """`generation.compile` for this run. For auto, the generate calls it projects per number of rows:
+    one a step of B x n rows, and the evaluations of the held-out prompts (one row each: before RL,
+    every `eval.every` steps, at the end); a run bounded by `train.seconds` alone projects no steps.
+    Prompts are padded to the run's longest (the plan's P), so each number of rows is one shape."""
+    config = setup.config
+    steps, rollout = config.train.steps or 0, config.rollout
+    calls = {rollout.prompts_per_step * rollout.n: steps}
+    if setup.eval_rows:
+        evaluations = 2 + (steps // config.eval.every if config.eval.every else 0)
+        calls[len(setup.eval_rows)] = calls.get(len(setup.eval_rows), 0) + evaluations
+    return DecodeCompile(config.generation.compile, calls=calls, width=setup.rl.plan.sizes.get("P"))
 
 
 def compiles_training(config: TrainConfig, device: str) -> bool:
@@ -143,9 +159,13 @@ def role_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> to
     """The config's optimizer over the parameters that train (LoRA: the adapters only)."""
     from rlgraph.backends.world import make_optimizer
 
+    return make_optimizer(config.optimizer.name, model.parameters(), lr, **optimizer_options(config))
+
+
+def optimizer_options(config: TrainConfig) -> dict[str, Any]:
+    """The optimizer's keyword arguments besides the learning rate (the workers' `RoleSpec` gets the same)."""
     opt = config.optimizer
-    options = {"weight_decay": opt.weight_decay} if opt.name == "sgd" else {"betas": opt.betas, "weight_decay": opt.weight_decay}
-    return make_optimizer(opt.name, model.parameters(), lr, **options)
+    return {"weight_decay": opt.weight_decay} if opt.name == "sgd" else {"betas": tuple(opt.betas), "weight_decay": opt.weight_decay}
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:

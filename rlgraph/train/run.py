@@ -89,7 +89,8 @@ def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | 
     (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
     if checkpoint is None:
         (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
-    executor = build_roles(setup)
+    # The local runtime builds the models here; spmd/ray workers build them from the config's recipe.
+    executor = build_roles(setup) if config.runtime.runtime == "local" else None
     session = _Session(setup, executor, console)
     try:
         trainer = _start(session, setup, executor, checkpoint, run_dir, console)
@@ -121,12 +122,13 @@ def _start(session: _Session, setup: Any, executor: Any, checkpoint: Any, run_di
     """The warm start (a fresh run), the RL roles and the trainer, resumed from `checkpoint` if given."""
     config = setup.config
     if checkpoint is None:
-        session.warm_start()
-        if config.model.lora is not None and config.warm_start.steps:
-            rebase_lora(setup, executor)
+        session.warm_start(run_dir)
+        if executor is not None and config.model.lora is not None and config.warm_start.steps:
+            rebase_lora(setup, executor)  # on spmd/ray the workers wrote the merged base themselves
         session.first_eval = None  # "before" is the policy RL starts from, not the one SFT started from
-    add_rl_roles(setup, executor)
-    session.reset_optimizer()
+    if executor is not None:
+        add_rl_roles(setup, executor)
+        session.reset_optimizer()
     trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
     if checkpoint is not None:
         for gone in abandon_later_checkpoints(run_dir, checkpoint):

@@ -25,16 +25,19 @@ from rlgraph.train.user_code import resolved_hparams
 
 
 class _Session:
-    """One run's moving parts: runners, samplers, evaluation and per-step metrics."""
+    """One run's moving parts: runners, samplers, evaluation and per-step metrics. `executor` holds the
+    models on the local runtime; on spmd/ray it is None: the workers build them (`world_of_config`)."""
 
-    def __init__(self, setup: Setup, executor: LocalExecutor, console: Console):
+    def __init__(self, setup: Setup, executor: LocalExecutor | None, console: Console):
         self.setup, self.config, self.executor, self.console = setup, setup.config, executor, console
         self.sampler = Sampler(setup.train_rows, setup.config.rollout.prompts_per_step, seed=setup.config.train.seed)
         self.data_digest = data_digest(setup.train_rows)  # saved with each checkpoint: a resume needs the same prompts
         self.runner: PlanRunner | None = None
         self.eval_runner: PlanRunner | None = None
         self.transport: Any = None
-        self._start_weights: Path | None = None  # spmd/ray: the workers' starting weights files
+        self._start_weights: Path | None = None  # spmd/ray: the directory of the warm-started policy's file
+        self._warm_weights: Path | None = None  # spmd/ray: that file (or a LoRA run's base), once written
+        self.world: Any = None  # spmd/ray: the RL workers' recipe
         self.logger: Any = None
         self.samples: Any = None  # the run's SampleLog (samples.jsonl)
         self.step = 0  # the RL step whose samples an evaluation logs
@@ -42,41 +45,37 @@ class _Session:
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
+        self.announce_decode()
         setup.rewards.start()  # the reward workers import while the models warm up
         # Asynchronous RL: the reward terms' metrics of each batch generated and not trained yet, by batch
         # number (batch i is trained at step i+1; it was scored one or more steps before).
         self.batch_terms: dict[int, dict[str, float]] = {}
+
+    def announce_decode(self) -> None:
+        """Say at start whether the rollouts' decode step compiles (`generation.compile`) and why."""
+        rollout, sizes = self.config.rollout, self.setup.rl.plan.sizes
+        policy = self.executor.models["policy"].model
+        decision = self.executor.decode_decision(policy, rollout.prompts_per_step * rollout.n, sizes.get("P", 1),
+                                                 rollout.max_new_tokens)
+        where = "" if self.config.runtime.runtime == "local" else " (evaluation only: the workers decode eager)"
+        self.console.print(f"generation.compile={self.config.generation.compile}{where}: {decision.text()}",
+                           markup=False, highlight=False, soft_wrap=True)
 
     def next_batch(self) -> Any:
         return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
 
     def trainer(self, run_dir: Path) -> Trainer:
         """The RL and eval plan runners over this process (local) or worker processes (spmd, ray)."""
-        runtime = self.config.runtime
-        if runtime.runtime == "local":
+        if self.executor is not None:
             self.runner = PlanRunner(self.setup.rl, self.executor)
             self.eval_runner = PlanRunner(self.setup.eval, self.executor)
-        else:
-            from rlgraph.backends.world import WorldSpec
+        else:  # the workers build every role from the config's recipe, from the warm start's weights if any
+            from rlgraph.train.recipe import world_of_config
 
-            world = WorldSpec.of_executor(self.executor, {"reward": self.setup.rewards}, source=self.config.model.path,
-                                          tokenizer=self.config.model.tokenizer, seed=self.config.train.seed,
-                                          max_new_tokens=self.config.rollout.max_new_tokens,
-                                          weights_dir=self.start_weights(run_dir))  # files, not pickled tensors
-            self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
-            if runtime.runtime == "ray":
-                from rlgraph.runtime.ray_transport import RayTransport
-
-                self.transport = RayTransport(self.setup.rl.plan, world, address=runtime.address, device=self.setup.device,
-                                              timeout_s=runtime.timeout_s)
-            else:
-                from rlgraph.runtime.spmd import SpmdTransport
-
-                self.transport = SpmdTransport(self.setup.rl.plan, world, device=self.setup.device, timeout_s=runtime.timeout_s)
-            controller = world.controller()
-            controller.rewards["reward"].fn = self.setup.rewards  # the same pipeline object: its metrics are read here
+            self.world = world_of_config(self.setup, start=self._warm_weights)
+            self.transport, controller = self._start_workers(self.world, self.setup.rl.plan)
             self.runner = PlanRunner(self.setup.rl, self.transport, controller=controller)
-            self.eval_runner = PlanRunner(self.setup.eval, self.executor)
+            self.eval_runner = PlanRunner(self.setup.eval, self.transport, controller=controller)
         if self.setup.rl.plan.overlap is not None:
             self.runner.on_rollout = self.scored
         checkpoint = self.config.checkpoint
@@ -103,10 +102,28 @@ class _Session:
                                None)
 
     def start_weights(self, run_dir: Path) -> Path:
-        """Where the workers read their starting weights from (removed at `close`: a resume starts from a
-        checkpoint, and a 7B policy's fp32 start is ~28 GB of disk)."""
+        """Where the workers write the warm-started policy the RL workers start from (removed at `close`:
+        a resume starts from a checkpoint, and a 7B policy's fp32 start is ~28 GB of disk)."""
         self._start_weights = run_dir / "start_weights"
         return self._start_weights
+
+    def _start_workers(self, world: Any, plan: Any) -> tuple[Any, LocalExecutor]:
+        """Worker processes (spmd) or actors (ray) building `world`'s roles as `plan` places them, and
+        the controller's executor: the rewards and the tokenizer, no model."""
+        runtime = self.config.runtime
+        self.console.print(f"starting {runtime.nproc} {runtime.runtime} workers ({self.setup.device}) ...")
+        if runtime.runtime == "ray":
+            from rlgraph.runtime.ray_transport import RayTransport
+
+            transport = RayTransport(plan, world, address=runtime.address, device=self.setup.device,
+                                     timeout_s=runtime.timeout_s)
+        else:
+            from rlgraph.runtime.spmd import SpmdTransport
+
+            transport = SpmdTransport(plan, world, device=self.setup.device, timeout_s=runtime.timeout_s)
+        controller = world.controller()
+        controller.rewards["reward"].fn = self.setup.rewards  # the same pipeline object: its metrics are read here
+        return transport, controller
 
     def close(self) -> None:
         self.setup.rewards.close()  # the reward worker processes, with whatever their rewards started
@@ -120,28 +137,54 @@ class _Session:
             self.samples.close()
 
     # -- warm start ---------------------------------------------------------------------------
-    def warm_start(self) -> None:
-        """SFT on the answers until `warm_start.steps` or the target held-out accuracy."""
+    def warm_start(self, run_dir: Path) -> None:
+        """SFT on the answers until `warm_start.steps` or the target held-out accuracy: in this process
+        (local), or on the workers (spmd/ray) as the compiled `sft` and `evaluate` plans over workers
+        that hold only the policy; they then write the warm-started policy (a LoRA run's merged base,
+        RUN_DIR/base.safetensors) for the RL workers to start from, and stop."""
         warm = self.config.warm_start
         if not warm.steps:
             return
-        worker = self.executor.models["policy"]
-        worker.optimizer = role_optimizer(self.config, worker.model, warm.lr)
         rows = [row for row in self.setup.train_rows if row.answer is not None]
         sampler = Sampler(rows, min(warm.batch_size, len(rows)), seed=self.config.train.seed + 1)
-        interpreter, program = Interpreter(self.executor), sft.trace()
-        local = PlanRunner(self.setup.eval, self.executor)
-        start, accuracy = time.perf_counter(), None
-        demonstrations = self._demonstrations()
-        for step in range(1, warm.steps + 1):
-            interpreter.run(program, demonstrations(sampler.next_batch()))
-            if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
-                accuracy = self.evaluate(local)["eval/accuracy"]
-                if accuracy >= warm.target_accuracy:
-                    break
+        transport = None
+        if self.executor is not None:
+            worker = self.executor.models["policy"]
+            worker.optimizer = role_optimizer(self.config, worker.model, warm.lr)
+            train, evaluation = Interpreter(self.executor), PlanRunner(self.setup.eval, self.executor)
+            program: Any = sft.trace()
+        else:
+            from rlgraph.train.recipe import world_of_config
+
+            world = world_of_config(self.setup, roles=("policy",), lr=warm.lr)
+            transport, controller = self._start_workers(world, self.setup.eval.plan)  # the policy: trained, generating
+            train = PlanRunner(self.setup.warm, transport, controller=controller)
+            evaluation = PlanRunner(self.setup.eval, transport, controller=controller)
+            program = None
+        try:
+            start, accuracy = time.perf_counter(), None
+            demonstrations = self._demonstrations()
+            for step in range(1, warm.steps + 1):
+                train.run(program, demonstrations(sampler.next_batch()))
+                if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
+                    accuracy = self.evaluate(evaluation)["eval/accuracy"]
+                    if accuracy >= warm.target_accuracy:
+                        break
+            if transport is not None:
+                self._warm_weights = Path(transport.save_weights("policy", str(self._warm_file(run_dir))))
+        finally:
+            if transport is not None:
+                transport.close()
         shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
         self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
         self.warm = {"warm_start/steps": float(step), "time/warm_start_s": time.perf_counter() - start}
+
+    def _warm_file(self, run_dir: Path) -> Path:
+        """Where the workers write the warm-started policy: a LoRA run's merged base (kept: its checkpoints'
+        adapters apply to it), else a start-up file removed when the run ends."""
+        if self.config.model.lora is not None:
+            return run_dir / BASE_FILE
+        return self.start_weights(run_dir) / "policy.safetensors"
 
     def _demonstrations(self) -> Any:
         """rows -> an SFT batch: the answers, or with `warm_start.trace_field` multi-turn traces whose
@@ -159,6 +202,7 @@ class _Session:
         """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its
         accuracy (`warm_start/accuracy`, also printed), and the warm start's own metrics."""
         row = {**self.warm, **(self.evaluate() if self.setup.eval_rows else {})}
+        row["time/compile_s"] = self.executor.decode_ledger.pop_seconds()  # the evaluation's decode compiles
         if self.warm and "eval/accuracy" in row:
             row["warm_start/accuracy"] = row["eval/accuracy"]
             self.console.print(f"warm start: held-out accuracy {row['eval/accuracy']:.1%} "
@@ -180,18 +224,22 @@ class _Session:
         self.batch_terms[batch] = self.pop_rewards("train")
 
     def reset_optimizer(self) -> None:
-        """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights."""
+        """RL starts a fresh optimizer at `optimizer.lr` from the warm-started weights (on spmd/ray
+        the RL workers build theirs fresh from the recipe)."""
+        if self.executor is None:
+            return
         worker = self.executor.models["policy"]
         worker.optimizer = role_optimizer(self.config, worker.model, self.config.optimizer.lr)
 
     # -- steps --------------------------------------------------------------------------------
     def before_step(self, step: int) -> None:
         factor = lr_factor(self.config, step)
+        roles = self.executor.models if self.executor is not None else self.world.roles
         for role, base in (("policy", self.config.optimizer.lr),
                            ("critic", self.config.optimizer.critic_lr or self.config.optimizer.lr)):
             # On spmd/ray the optimizers that step live in the workers: the schedule goes to them.
             target = self.transport if self.transport is not None else self.executor
-            if role in self.executor.models:
+            if role in roles:
                 target.set_learning_rate(role, base * factor)
         self.setup.rewards.pop_metrics()  # what an evaluation left behind is not this step's
 
@@ -206,7 +254,10 @@ class _Session:
             metrics["accuracy"] = accuracy
         metrics["lr"] = self.config.optimizer.lr * lr_factor(self.config, step - 1)
         rows = self.config.rollout.prompts_per_step * self.config.rollout.n * metrics.get("filter/rounds", 1.0)
-        seconds = metrics["time/step_s"]
+        # Decode compiles (generation.compile) are reported apart: time/step_s is the step's wall time,
+        # compile included; the throughputs are of the step without them.
+        compile_seconds = self.executor.decode_ledger.pop_seconds()
+        seconds = metrics["time/step_s"] - compile_seconds
         metrics["samples_per_s"] = rows / seconds
         if "response_length/mean" in metrics:
             metrics["tokens_per_s"] = rows * metrics["response_length/mean"] / seconds
@@ -214,6 +265,7 @@ class _Session:
         every = self.config.eval.every
         if self.setup.eval_rows and every and step % every == 0:
             metrics.update(self.evaluate())
+        metrics["time/compile_s"] = compile_seconds + self.executor.decode_ledger.pop_seconds()  # and the evaluation's
         if self.logger is not None:  # before the step's checkpoint: a run killed after it has its metrics
             self.logger.log(step, metrics)
         return metrics
@@ -229,11 +281,9 @@ class _Session:
         return out
 
     def evaluate(self, runner: Any = None) -> dict[str, float]:
-        """Greedy decoding of the held-out prompts through the evaluate plan (in this process, on
-        one device): accuracy and reward."""
+        """Greedy decoding of the held-out prompts through the evaluate plan (in this process on the
+        local runtime; on the workers, from the live policy, on spmd/ray): accuracy and reward."""
         runner = runner or self.eval_runner
-        if self.transport is not None:  # the trained weights live in the workers: bring the policy's here
-            self.executor.models["policy"].model.load_state_dict(self.transport.pull_state("policy"))
         runner.versions.clear()  # the RL plan moved the policy on since: ask for the live version
         self.setup.rewards.pop_metrics()
         prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)

@@ -37,6 +37,7 @@ class Setup:
     eval: Any               # Compiled: the evaluate algorithm's plan
     device: str
     env: Any = None         # the env: section's environment recipe (multi-turn algorithms), or None
+    warm: Any = None        # Compiled: the warm start's `sft` plan on the spmd/ray workers (None: local, or none)
 
 
 # -- setup ----------------------------------------------------------------------------------------
@@ -46,6 +47,7 @@ def prepare(config: TrainConfig) -> Setup:
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
     _check_model_path(config)
+    _check_generation(config)
     tokenizer = _tokenizer(config)
     data = config.data
     options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=data.extra_fields,
@@ -73,7 +75,11 @@ def prepare(config: TrainConfig) -> Setup:
     env = build_env(config)
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows), rewards.describe())
     _check_env_is_used(config, rl)
-    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env)
+    warm = None
+    if config.runtime.runtime != "local":  # the warm start and the evaluations run on the workers
+        answered = sum(row.answer is not None for row in train_rows)
+        evaluation, warm = _worker_plans(config, rl, len(eval_rows), answered)
+    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env, warm)
 
 
 def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
@@ -85,6 +91,21 @@ def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
     if not rolls_out and config.env is not None:
         raise ConfigError(f"the config has an env: section but algorithm {config.algorithm.name!r} never steps it "
                           "(it calls no rg.rollout)", fix="use algorithm.name: agent_grpo, or remove the env: section")
+
+
+def _check_generation(config: TrainConfig) -> None:
+    """`generation.compile: on` compiles the native engine's decode step in this process: refused where
+    the rollouts are generated elsewhere (spmd/ray workers) or by vLLM, which it would not reach."""
+    runtime = config.runtime
+    if config.generation.compile != "on":
+        return
+    if runtime.runtime != "local":
+        raise ConfigError(f"generation.compile=on with runtime.runtime={runtime.runtime!r}: the {runtime.runtime} "
+                          "workers generate the rollouts and decode eager (compiled decoding is wired into the local "
+                          "runtime only)", fix="generation.compile: auto (or off), or runtime.runtime: local")
+    if runtime.engine != "native":
+        raise ConfigError(f"generation.compile=on with runtime.engine={runtime.engine!r}: it compiles the native "
+                          "engine's decode step", fix="runtime.engine: native, or generation.compile: off")
 
 
 def _device(config: TrainConfig) -> str:
@@ -113,14 +134,20 @@ def _check_model_path(config: TrainConfig) -> None:
                           fix="point it at a directory written by model.save_pretrained(...)")
 
 
-def _tokenizer(config: TrainConfig) -> Any:
+def tokenizer_source(config: TrainConfig) -> str | None:
+    """The tokenizer directory the run uses: `model.tokenizer`, else the model directory's own, else
+    None (the shipped character tokenizer); the workers of spmd/Ray load the same one."""
     source = config.model.tokenizer or config.model.path
     if source is not None and not (Path(source) / "tokenizer.json").is_file():
         if config.model.tokenizer is not None:
             raise ConfigError(f"model.tokenizer {source!r} has no tokenizer.json",
                               fix="point it at a directory written by tokenizer.save_pretrained(...)")
         source = None  # a model directory without a tokenizer: the shipped one
-    return load_tokenizer(source)
+    return None if source is None else str(source)
+
+
+def _tokenizer(config: TrainConfig) -> Any:
+    return load_tokenizer(tokenizer_source(config))
 
 
 def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
@@ -169,6 +196,8 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
+    if config.env is not None and config.env.workers is not None:  # env steps in worker processes (docs/agents.md)
+        extra.update(env_workers=config.env.workers, env_memory_mb=config.env.memory_mb)
     if rollout.staleness:  # asynchronous RL: the rollout and train lanes (docs/async.md)
         extra.update(staleness=rollout.staleness, staleness_policy=rollout.staleness_policy)
     if config.train.micro_batch_tokens is not None:  # packed sequences (docs/training.md)
@@ -194,17 +223,57 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
             raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
                               fix="colocated:offload=False, or a split giving ref the policy's group: "
                                   "split:policy=1,rollout=1,ref=policy") from None
-    # Evaluation runs in this process on one device (with the latest weights pulled from the workers
-    # on spmd/ray): a generate-only plan over the training workers would read an engine no
-    # sync_weights step has loaded since the last update.
-    eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
-    if config.env is not None:  # multi-turn: greedy episodes with the environment, scored by it
-        chosen, eval_hparams = evaluate_agent, dict(max_total_tokens=eval_tokens, max_turns=rollout.max_turns,
-                                                    max_tokens_per_turn=rollout.max_tokens_per_turn,
-                                                    step_timeout=rollout.step_timeout)
-    else:
-        chosen, eval_hparams = evaluate, dict(max_new_tokens=eval_tokens, stop=tuple(rollout.stop))  # ended as the rollouts are
+    # The local runtime evaluates in this process on one device; spmd/ray on the workers (`_worker_plans`).
+    chosen, eval_hparams, eval_tokens = _eval_algorithm(config)
     evaluation = compile_algorithm(chosen, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
                                    engine="native", models=models, reward_pool=reward_pool,
-                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens}, **eval_hparams)
+                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
+                                   **{key: extra[key] for key in ("env_workers", "env_memory_mb") if key in extra},
+                                   **eval_hparams)
     return rl, evaluation
+
+
+def _eval_algorithm(config: TrainConfig) -> tuple[Any, dict[str, Any], int]:
+    """The evaluation's algorithm, its hyper-parameters and its response tokens: greedy decoding
+    ended as the rollouts are, or (with an env: section) greedy episodes scored by the environment."""
+    rollout = config.rollout
+    eval_tokens = config.eval.max_new_tokens or rollout.max_new_tokens
+    if config.env is not None:  # multi-turn: greedy episodes with the environment, scored by it
+        return evaluate_agent, dict(max_total_tokens=eval_tokens, max_turns=rollout.max_turns,
+                                    max_tokens_per_turn=rollout.max_tokens_per_turn,
+                                    step_timeout=rollout.step_timeout), eval_tokens
+    return evaluate, dict(max_new_tokens=eval_tokens, stop=tuple(rollout.stop)), eval_tokens
+
+
+def _worker_plans(config: TrainConfig, rl: Any, eval_prompts: int, warm_rows: int) -> tuple[Any, Any]:
+    """spmd/ray: (the evaluation plan, the warm start's `sft` plan or None), both on the RL plan's
+    mesh and placement, run on the workers through the same plan runner. The evaluation generates
+    from the policy the RL plan trains there (`trained=("policy",)`: its plan starts with the
+    sync_weights step that loads the live weights into the engine); the controller holds no model."""
+    from rlgraph.algorithms import sft
+
+    options, rollout = rl.options, config.rollout
+    common = dict(mesh=options.mesh, placement=options.placement, engine=options.engine, models=options.models)
+    chosen, eval_hparams, eval_tokens = _eval_algorithm(config)
+    sizes = {**options.sizes, "n": 1}
+    evaluation = compile_algorithm(chosen, **common, reward_pool=options.reward_pool, trained=("policy",),
+                                   sizes={**sizes, "B": max(eval_prompts, 1), "T": eval_tokens}, **eval_hparams)
+    _check_splits(config, evaluation, eval_prompts, "the held-out prompts",
+                  "eval.max_prompts (or data.eval_fraction)")
+    if not (config.warm_start.steps and warm_rows):
+        return evaluation, None
+    batch = min(config.warm_start.batch_size, warm_rows)
+    warm = compile_algorithm(sft, **common, sizes={**sizes, "B": batch, "T": rollout.max_new_tokens})
+    _check_splits(config, warm, batch, "the warm start's SFT batch", "warm_start.batch_size")
+    return evaluation, warm
+
+
+def _check_splits(config: TrainConfig, compiled: Any, rows: int, what: str, key: str) -> None:
+    """`rows` must split evenly over the data-parallel ranks of every group of `compiled` (each rank
+    takes whole rows); refused before anything starts, naming the config key to change."""
+    ways = max((max(group.dp, group.generate.dp if group.generate else 1) for group in compiled.plan.groups), default=1)
+    if rows and rows % ways:
+        fit = rows - rows % ways
+        raise ConfigError(f"{what}: {rows} rows cannot be split evenly over the {ways} data-parallel ranks of "
+                          f"runtime.runtime={config.runtime.runtime} (the workers run them, each taking whole rows)",
+                          fix=f"set {key} so that there are {fit or ways} (a multiple of {ways})")

@@ -37,7 +37,7 @@ def test_a_weights_file_stores_tied_tensors_once_and_reads_them_under_both_names
     assert [p.name for p in tmp_path.iterdir()] == ["policy.safetensors"]  # the temporary name was renamed
     source = WeightSource.of(path)
     assert source.names == set(model.state_dict())
-    assert len(source._handle.keys()) == len(model.state_dict()) - 1  # the head is an alias of the embedding
+    assert len(source._handles) == len(model.state_dict()) - 1  # the head is an alias of the embedding
     for name, tensor in model.state_dict().items():
         assert torch.equal(source.tensor(name), tensor), name
     assert torch.equal(source.rows(HEAD, 5, 9), model.lm_head.weight[5:9])
@@ -188,8 +188,9 @@ def test_a_lora_role_given_only_its_base_lacks_the_adapters_so_a_rank_builds_it_
 
 @pytest.mark.slow
 def test_an_spmd_run_removes_its_start_weights_when_it_ends(tmp_path, monkeypatch):
-    """`rlgraph train` on spmd writes the workers' starting weights to RUN_DIR/start_weights (files,
-    not pickled tensors) and removes them at the end: a resume starts from a checkpoint."""
+    """`rlgraph train` on spmd: the warm start's workers write the warm-started policy to
+    RUN_DIR/start_weights (a file, not pickled tensors), the RL workers read it, and it is removed at
+    the end: a resume starts from a checkpoint."""
     from rlgraph.train.config import load_config
     from rlgraph.train.run import train
 
@@ -197,7 +198,77 @@ def test_an_spmd_run_removes_its_start_weights_when_it_ends(tmp_path, monkeypatc
     monkeypatch.chdir(root)
     config = load_config(root / "examples/math_grpo/config.yaml", [
         f"run_dir={tmp_path / 'run'}", "runtime.runtime=spmd", "runtime.nproc=2", "train.steps=1",
-        "warm_start.steps=0", "eval.every=0", "eval.max_prompts=4", "rollout.prompts_per_step=2", "rollout.n=2",
+        "warm_start.steps=1", "eval.every=0", "eval.max_prompts=4", "rollout.prompts_per_step=2", "rollout.n=2",
         "checkpoint.every=1", "logging.progress=false", "logging.plots=false", "logging.tensorboard=false"])
     train(config)
     assert (tmp_path / "run" / "step-000001").is_dir() and not (tmp_path / "run" / "start_weights").exists()
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["warm_start/steps"] == 1.0  # the file was written (by the warm start's workers), then read
+
+
+# -- the model directory read where it lies; critics that start from the policy ----------------------
+@pytest.mark.parametrize("shard_size", [None, "20KB"], ids=["one-file", "shards"])
+def test_a_model_directory_is_read_where_it_lies_and_fills_an_empty_build(tmp_path, shard_size):
+    """A rank of `rlgraph train` on a model directory reads its rows from the directory's own
+    safetensors (one file or a large model's shards; the tied head under both names), and the
+    filled module equals what `from_pretrained` builds."""
+    from rlgraph.backends.fsdp.build import _empty_module
+
+    model = _model()
+    model.save_pretrained(str(tmp_path), **({"max_shard_size": shard_size} if shard_size else {}))
+    files = len(list(tmp_path.glob("*.safetensors")))
+    assert files == 1 if shard_size is None else files > 1
+    source = WeightSource.of_model_dir(tmp_path)
+    assert HEAD in source.names and torch.equal(source.tensor(HEAD), source.tensor(EMBED))
+    spec = RoleSpec(source=str(tmp_path), optimizer="adamw")
+    empty, found = _empty_module(spec, load_tokenizer(None))
+    assert found is not None and found.where == str(tmp_path)
+    fill_shards(empty, empty, found, torch.device("cpu"))
+    loaded = build_causal_lm(str(tmp_path), tokenizer=load_tokenizer(None))
+    assert empty.state_dict().keys() == loaded.state_dict().keys()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(empty.state_dict()[name], tensor), name
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight
+
+
+def test_a_model_directory_without_tied_heads_or_weights_is_not_guessed(tmp_path):
+    """An untied head missing from the files is not read from the embedding (the build falls back to
+    `from_pretrained`, which says what is wrong); a directory with no safetensors gives no source."""
+    model = _model()
+    model.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    source = WeightSource.of_model_dir(tmp_path)
+    assert HEAD not in source.names and EMBED in source.names
+    with parameters_on_meta():
+        empty = RoleSpec(source=str(tmp_path)).build_module(load_tokenizer(None), empty=True)
+    assert HEAD in missing_names(empty, source)
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(config))
+    assert WeightSource.of_model_dir(tmp_path / "bare") is None
+    assert WeightSource.of_model_dir(tmp_path / "nowhere") is None
+
+
+def test_a_critic_starts_from_the_policys_weights_by_seed_or_by_file(tmp_path):
+    from rlgraph.backends.local.critic import Critic
+
+    tokenizer = load_tokenizer(None)
+    expected = Critic(_model(seed=0), seed=1)  # the local run: the policy's backbone, the head drawn with seed+1
+    by_seed = RoleSpec(kind="critic", seed=1, backbone_seed=0).build_module(tokenizer)
+    policy_file = write_weights(_model(seed=0).state_dict(), tmp_path / "policy.safetensors")
+    by_file = RoleSpec(kind="critic", seed=1, weights_file=str(policy_file)).build_module(tokenizer)
+    plain = RoleSpec(kind="critic", seed=1).build_module(tokenizer)  # its own backbone, drawn with seed 1
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(by_seed.state_dict()[name], tensor), name
+        assert torch.equal(by_file.state_dict()[name], tensor), name
+    assert not torch.equal(plain.state_dict()["backbone." + EMBED], expected.state_dict()["backbone." + EMBED])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"backbone_seed": 0}, "RoleSpec.backbone_seed is for a critic role, not a 'lm' one"),
+    ({"kind": "critic", "backbone_seed": "0"}, "RoleSpec.backbone_seed must be an int seed, got '0'"),
+    ({"kind": "critic", "backbone_seed": True}, "RoleSpec.backbone_seed must be an int seed, got True"),
+])
+def test_a_bad_backbone_seed_is_refused_naming_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        RoleSpec(**options)

@@ -140,3 +140,24 @@ def test_hooks_on_a_bypassed_module_send_the_model_to_the_hf_path(model):
     finally:
         handle.remove()
     assert lean_unsupported(model) is None
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_prefilling_each_prompt_once_decodes_what_prefilling_each_sample_does(model, tokenizer, lean):
+    """Each prompt is prefilled once and its cache rows repeated for its n samples; the old path
+    prefilled the N = B*n repeated rows. Both decode the same tokens to bit-identical logits: each
+    row's prefill is the same arithmetic on the same numbers, whatever else is in the batch."""
+    prompts, n, steps = prompts_of(tokenizer, TEXTS), 3, 6
+    generator = NativeGenerator(model, eos_token_id=EOS, pad_token_id=PAD, lean=lean)
+    ids, mask = prompts.ids, prompts.mask.bool()  # [B, P]
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]
+    start = generator._lean_start if lean else generator._hf_start
+    tokens = torch.randint(3, 20, (steps, len(ids) * n), generator=torch.Generator().manual_seed(0))  # [S, N]
+    runs = []
+    with torch.no_grad():
+        for rows, share in (([ids, mask, positions], n), ([t.repeat_interleave(n, 0) for t in (ids, mask, positions)], 1)):
+            logits, advance = start(*rows, steps, share)  # [N, V]
+            runs.append(torch.stack([logits] + [advance(token) for token in tokens[:-1]], 1))  # [N, S, V]
+    shared, per_sample = runs
+    assert shared.shape == (len(ids) * n, steps, model.config.vocab_size)
+    assert torch.equal(shared, per_sample)

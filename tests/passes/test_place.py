@@ -231,3 +231,36 @@ def test_a_bad_grad_sync_names_the_choices(bad):
         compile_grpo(placement=rg.colocated(grad_sync=bad))
     with pytest.raises(PlacementConfigError, match=r"rg.split: grad_sync"):
         compile_grpo(placement=rg.split({"policy": 1, "rollout": 1, "ref": "policy"}, grad_sync=bad))
+
+
+# -- trained=: roles another plan trains on the same workers -------------------------------------
+def _evaluate(placement, **options):
+    from rlgraph.algorithms import evaluate
+
+    return rg.compile(evaluate, mesh=Mesh("cpu", 1, 2), placement=placement, engine="native",
+                      sizes={"B": 8, "P": 6, "T": 4, "n": 1}, max_new_tokens=4, **options)
+
+
+@pytest.mark.parametrize("placement", [rg.colocated(), rg.split({"policy": 1, "rollout": 1})], ids=["colocated", "split"])
+def test_a_role_trained_elsewhere_keeps_its_train_layout_and_is_synced_before_generating(placement):
+    plain, trained = _evaluate(placement).plan, _evaluate(placement, trained=("policy",)).plan
+    assert not [step for step in plain.steps if type(step).__name__ == "SyncWeights"]  # a frozen generator
+    policy = next(group for group in trained.groups if group.name == "policy")
+    assert policy.train is not None
+    syncs = [step for step in trained.steps if type(step).__name__ == "SyncWeights"]
+    assert [step.index for step in syncs] == [0] and syncs[0].role == "policy"
+    assert "sync_weights policy@v" in trained.as_text()
+    # the same ranks and layout as a GRPO plan's policy group: the evaluation can run on its workers
+    rl = rg.compile(grpo, mesh=Mesh("cpu", 1, 2), placement=placement, sizes={"B": 2, "P": 6, "T": 4, "n": 2}, kl=0.0)
+    assert policy in set(rl.plan.groups)
+    assert _evaluate(placement, trained="policy").plan.groups == trained.groups  # one name or several
+
+
+@pytest.mark.parametrize("trained, message", [
+    (("polcy",), r"'polcy' is no role of this program; did you mean 'policy'"),
+    ((3,), r"3 is no role of this program"),
+    (("ref",), r"'ref' is no role of this program \(it runs policy\)"),
+])
+def test_a_trained_role_the_program_does_not_read_is_refused(trained, message):
+    with pytest.raises(PlacementConfigError, match=message):
+        _evaluate(rg.colocated(), trained=trained)

@@ -56,9 +56,32 @@ def test_a_known_gpu_with_other_memory_gets_a_profile_with_its_memory():
     assert Mesh.parse(f"{kind}:8").device == kind  # a mesh of it plans with 39.4 GiB per device
 
 
-def test_an_unknown_gpu_is_refused_with_how_to_register_it():
-    with pytest.raises(ValueError, match=r"no hardware profile for the GPU 'Tesla T4'.*register_profile"):
-        profile_for_gpu("Tesla T4", 15 * GiB)
+def test_an_unknown_gpu_gets_the_generic_entry_with_its_own_memory_and_says_so():
+    kind = profile_for_gpu("Tesla T4", int(14.6 * GiB))
+    assert kind == "generic_gpu_15g" and profile(kind).memory_gib == 14.6  # fits are checked against its memory
+    assert "'Tesla T4' has no profile: the L40S's compute and bandwidth stand in" in profile(kind).source
+    assert "register_profile" in profile(kind).source
+    assert Mesh.parse(f"{kind}:2").device == kind
+    assert profile_for_gpu("NVIDIA GeForce RTX 4090", int(23.6 * GiB)) == "generic_gpu_24g"
+
+
+@pytest.mark.parametrize("name, memory, want", [
+    ("NVIDIA H200", 139.8 * GiB, "h200"),
+    ("NVIDIA A100-SXM4-40GB", 39.4 * GiB, "a100_39g"),
+    ("Tesla T4", 14.6 * GiB, "generic_gpu_15g"),
+])
+def test_the_mesh_kind_is_the_gpu_torch_reports(monkeypatch, name, memory, want):
+    """`rlgraph train`, the demo and the bench name their mesh with `detect_device_kind`: the device
+    torch finds (here a monkeypatched one), on the index asked for."""
+    import types
+
+    import torch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: asked.append(index) or types.SimpleNamespace(name=name, total_memory=int(memory)))
+    assert detect_device_kind("cuda") == want and detect_device_kind("cuda:1") == want
+    assert asked == [0, 1]
 
 
 def test_the_cpu_is_the_cpu_profile():

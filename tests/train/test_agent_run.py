@@ -60,6 +60,8 @@ def test_a_users_env_class_is_loaded_with_its_options(tmp_path):
     ({"env": {"tools": [{"name": "search", "options": {"corpus": []}}]}}, "env.tools: search tool: corpus must be a non-empty list"),
     ({"env": None}, "runs multi-turn episodes \\(rg.rollout\\) but the config has no env: section"),
     ({"algorithm": {"name": "grpo"}, "rollout": {"max_new_tokens": 4}}, "has an env: section but algorithm 'grpo' never steps it"),
+    *[({"env": {"tools": ["calculator"], "workers": value}}, "env.workers") for value in (0, "2", 1.5)],
+    *[({"env": {"tools": ["calculator"], "memory_mb": value}}, "env.memory_mb") for value in (512, "4096", None)],
     ({"rollout": {"max_turns": 0}}, "rollout.max_turns"),
     ({"rollout": {"step_timeout": -1}}, "rollout.step_timeout"),
 ])
@@ -67,6 +69,14 @@ def test_a_bad_env_config_is_refused_naming_the_key(tmp_path, sections, message)
     with pytest.raises(ConfigError, match=message):
         config, _ = make_config(tmp_path, "bad", **{**AGENT, **sections})
         prepare(config)
+
+
+def test_env_workers_reach_the_plan(tmp_path):
+    config, _ = make_config(tmp_path, "workers", **{**AGENT, "env": {"tools": ["calculator"], "workers": 2,
+                                                                     "memory_mb": 2048}})
+    setup = prepare(config)
+    for plan in (setup.rl, setup.eval):  # the run's, and the held-out episodes'
+        assert "in 2 env worker processes per generating rank (2048 MiB each" in plan.as_text()
 
 
 def test_max_turns_with_a_single_turn_algorithm_is_refused(tmp_path):

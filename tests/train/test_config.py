@@ -139,6 +139,22 @@ def test_bad_rollout_values_name_the_key(tmp_path, override, expected):
         load_config(write(tmp_path, MINIMAL), [override])
 
 
+def test_generation_compile_defaults_to_auto(tmp_path):
+    assert load_config(write(tmp_path, MINIMAL)).generation.compile == "auto"
+    assert load_config(write(tmp_path, MINIMAL), ["generation.compile=off"]).generation.compile == "off"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("generation.compile=yes", r"generation.compile: Input should be 'auto', 'on' or 'off' \(got 'yes'\) \(-o\)"),
+    ("generation.compile=true", r"generation.compile: Input should be 'auto', 'on' or 'off' \(got True\)"),
+    ("generation.compile=1", r"generation.compile: Input should be 'auto', 'on' or 'off' \(got 1\)"),
+    ("generation.compil=on", r"unknown key 'generation.compil' \(-o\); did you mean 'generation.compile'"),
+])
+def test_bad_generation_compile_values_name_the_key(tmp_path, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, MINIMAL), [override])
+
+
 def test_a_reward_call_has_a_time_limit_by_default_and_null_lifts_it(tmp_path):
     """A hung reward must not hang the run silently (issue 25): one term's call on one batch fails,
     by `reward_on_error`, after 600 s unless the config says otherwise."""

@@ -109,3 +109,15 @@ def test_bad_arguments_are_refused(kwargs, message):
 def test_update_refuses_a_non_mapping():
     with pytest.raises(ConfigError, match=r"RunProgress.update\(step=1\) needs a mapping of metrics, got list"):
         RunProgress(total_steps=1, enabled=False).update(1, [0.5])
+
+
+def test_decode_compile_seconds_are_shown_apart_and_not_averaged_into_the_step_time():
+    """A step that compiled the decode step (time/compile_s, inside time/step_s) counts in s/step
+    without its compile; the compile seconds so far are shown beside it."""
+    out = console(terminal=False)
+    with RunProgress(total_steps=2, console=out, every=1, smoothing=0.0) as progress:
+        progress.update(1, {**step_metrics(1), "time/step_s": 16.5, "time/compile_s": 14.5})
+        progress.update(2, {**step_metrics(2), "time/compile_s": 0.0})
+    lines = out.file.getvalue().splitlines()
+    assert "2.00 s/step  compile 14.5 s" in lines[0] and "2.00 s/step  compile 14.5 s" in lines[1]
+    assert progress.compile_seconds == 14.5

@@ -310,6 +310,40 @@ def test_spmd_run_resumes_on_the_local_runtime(tmp_path):
     assert [row["step"] for row in metrics_of(tmp_path / "spmd") if "reward" in row] == [1, 2, 3]
 
 
+@pytest.mark.slow  # one Inductor compile of the tiny model's decode step (~15-30 s cold)
+def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apart(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    config, _ = make_config(tmp_path, "compiled", ["generation.compile=on", "data.eval_fraction=0",
+                                                   "warm_start.steps=0"])
+    out = Console(file=io.StringIO(), width=300)
+    train(config, console=out)
+    assert "generation.compile=on: decode compiled: generation.compile=on" in out.file.getvalue()
+    rows = [json.loads(line) for line in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
+    compiles = [row["time/compile_s"] for row in rows if "reward" in row]
+    assert len(compiles) == 4 and compiles[0] > 0 and compiles[1:] == [0.0, 0.0, 0.0]  # one shape: the first step
+    first = next(row for row in rows if "reward" in row)
+    assert first["samples_per_s"] == pytest.approx(16 / (first["time/step_s"] - first["time/compile_s"]))
+    assert first["time/step_s"] > first["time/compile_s"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["generation.compile=on", "runtime.runtime=spmd"],
+     r"generation.compile=on with runtime.runtime='spmd': the spmd workers generate the rollouts and decode eager"),
+    (["generation.compile=on", "runtime.runtime=ray"], r"generation.compile=on with runtime.runtime='ray'"),
+    (["generation.compile=on", "runtime.engine=vllm"], r"generation.compile=on with runtime.engine='vllm'"),
+])
+def test_compiled_decoding_where_it_would_not_reach_the_rollouts_is_refused(tmp_path, overrides, expected):
+    from rlgraph.train.run import prepare
+
+    config, _ = make_config(tmp_path, "bad", overrides)
+    with pytest.raises(ConfigError, match=expected):
+        prepare(config)
+
+
 @pytest.mark.parametrize("placement, expected", [
     ("colocatd", "did you mean 'colocated'"),
     ("colocated:fsdpp=2", "unknown option 'fsdpp'"),
@@ -423,11 +457,29 @@ def test_evaluating_more_often_does_not_change_the_training_samples(full_run, tm
 
 
 @pytest.mark.slow
-def test_a_spmd_run_matches_the_local_run(full_run, tmp_path):
+def test_a_spmd_run_matches_the_local_run_and_its_controller_builds_no_model(full_run, tmp_path, monkeypatch):
+    """The workers warm-start, train and evaluate (compiled plans); the controller registers not one
+    parameter (no model, no value head), and the run's metrics, evaluations and weights are the local run's."""
     run_dir, _, _ = full_run
+    registered = []
+    register = torch.nn.Module.register_parameter
+    monkeypatch.setattr(torch.nn.Module, "register_parameter",
+                        lambda module, name, param: (registered.append(type(module).__name__), register(module, name, param)))
     config, _ = make_config(tmp_path, "spmd", ["runtime.runtime=spmd", "runtime.nproc=2"])
     train(config)
+    assert registered == []  # the spawned workers build the models; this process built none
     assert_rows_close(train_rows(tmp_path / "spmd"), train_rows(run_dir))
+    evaluations = [[row.get(key) for key in ("step", "eval/accuracy", "eval/response_length")] for row in metrics_of(run_dir)]
+    assert [[row.get(key) for key in ("step", "eval/accuracy", "eval/response_length")]
+            for row in metrics_of(tmp_path / "spmd")] == evaluations  # greedy decoding of the same weights
+    # 3 AdamW warm-start steps (lr 2e-3) and 4 RL steps (lr 1e-3) on each runtime: an element whose
+    # gradient is at rounding level may take a step of up to ~lr of either sign on one and not the other
+    # (helpers.assert_same_training), so two runs differ by at most 2 * sum(lr) = 0.02 per element.
+    local, spmd = policy_weights(run_dir), policy_weights(tmp_path / "spmd")
+    assert local.keys() == spmd.keys()
+    for name in local:
+        torch.testing.assert_close(spmd[name], local[name], rtol=0, atol=2 * (3 * 2e-3 + 4 * 1e-3))
+    assert not (tmp_path / "spmd" / "start_weights").exists()  # the warm-started policy's file is gone
 
 
 def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, tmp_path):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from rlgraph.backends.fsdp.loading import fill_shards, missing_names, parameters_on_meta
+from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, missing_names, parameters_on_meta
 from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, engine_dtype, role_module
 from rlgraph.backends.fsdp.sync import sync_ranks
 from rlgraph.backends.local.executor import LMWorker, RewardWorker
@@ -152,9 +152,12 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
 
 def _empty_module(spec: Any, tokenizer: Any) -> tuple[torch.nn.Module | None, Any]:
     """The role's module with its parameters on the meta device, and the `WeightSource` that fills
-    every one of them; (None, None) when the role has no start-up weights, or they leave some
-    parameters out (a LoRA role given a plain base: its adapters are drawn on the rank)."""
+    every one of them (its weights file, or the safetensors of its model directory); (None, None)
+    when the role has no start-up weights, or they leave some parameters out (a LoRA role given a
+    plain base: its adapters are drawn on the rank)."""
     source = spec.weight_source()
+    if source is None and isinstance(spec.source, (str, os.PathLike)):
+        source = WeightSource.of_model_dir(spec.source)  # the model's own files, each rank reading its rows
     if source is None:
         return None, None
     with parameters_on_meta():

@@ -55,15 +55,39 @@ def write_weights(weights: Mapping[str, torch.Tensor], path: str | os.PathLike) 
 
 
 class WeightSource:
-    """Named tensors read on demand: from a safetensors file (`write_weights`) or an in-memory
-    state dict (a `RoleSpec(weights=...)` given directly). `rows(name, start, stop)` reads only
-    those rows of dim 0."""
+    """Named tensors read on demand: from a safetensors file (`write_weights`), the safetensors files
+    of a Hugging Face model directory (`of_model_dir`), or an in-memory state dict (a
+    `RoleSpec(weights=...)` given directly). `rows(name, start, stop)` reads only those rows of dim 0."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor] | None, handle: Any, aliases: Mapping[str, str], where: str):
-        self._tensors, self._handle, self.where = tensors, handle, where
-        names = set(tensors) if tensors is not None else set(handle.keys())
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None, handle: Any, aliases: Mapping[str, str], where: str,
+                 handles: Mapping[str, Any] | None = None):
+        self._tensors, self.where = tensors, where
+        # stored name -> the open file holding it (one file, or each shard of a model directory)
+        self._handles = dict(handles) if handles is not None else (
+            {name: handle for name in handle.keys()} if handle is not None else {})
+        names = set(tensors) if tensors is not None else set(self._handles)
         self._aliases = {alias: stored for alias, stored in aliases.items() if stored in names}
         self.names = frozenset(names | set(self._aliases))
+
+    @classmethod
+    def of_model_dir(cls, directory: str | os.PathLike) -> WeightSource | None:
+        """The weights of a Hugging Face model directory (`model.safetensors`, or the shards of a
+        large model), read where they lie: an FSDP2 rank takes only its rows, with no copy written
+        first. Tied weights the directory stores once (`tie_word_embeddings`: the LM head is the
+        embedding) are read under both names. None when the directory holds no safetensors."""
+        directory = Path(directory)
+        files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+        if not files:
+            return None
+        handles = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            handles.update({name: handle for name in handle.keys()})
+        config_file = directory / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        # Only where the config says so: an untied head missing from the files must not read the embedding.
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.get("tie_word_embeddings") else {}
+        return cls(None, None, tied, str(directory), handles)
 
     @classmethod
     def of(cls, weights: str | os.PathLike | Mapping[str, torch.Tensor]) -> WeightSource:
@@ -84,13 +108,13 @@ class WeightSource:
 
     def tensor(self, name: str) -> torch.Tensor:
         stored = self._stored(name)
-        return self._tensors[stored] if self._tensors is not None else self._handle.get_tensor(stored)
+        return self._tensors[stored] if self._tensors is not None else self._handles[stored].get_tensor(stored)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         stored = self._stored(name)
         if self._tensors is not None:
             return self._tensors[stored][start:stop]
-        return self._handle.get_slice(stored)[start:stop]
+        return self._handles[stored].get_slice(stored)[start:stop]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every name (aliases included) as a full tensor: what `load_state_dict(strict=True)` takes."""

@@ -43,6 +43,22 @@ class ShardedState:
         first = min(dist.get_process_group_ranks(self.role_groups[role]))
         return state if self.rank == first else None
 
+    def save_weights(self, role: str, path: str) -> str | None:
+        """`role`'s full weights (a LoRA role's adapters merged in, in fp32 as the engine gets them) as
+        one safetensors file at `path`, written by the first rank of its group; every rank of the group
+        calls it (the gather is a collective). Returns the path on the writing rank, else None."""
+        from rlgraph.backends.fsdp.loading import write_weights
+
+        state = self.full_state(role)
+        if state is None:
+            return None
+        if role in self.adapters:
+            from rlgraph.backends.lora import merge_adapters
+
+            with torch.no_grad():
+                state = merge_adapters(state, self.adapters[role])
+        return str(write_weights(state, path))
+
     def _checkpointed(self, role: str) -> set[str]:
         """The tensors a checkpoint keeps of `role`, as the local executor keeps them: all of them, or a
         LoRA role's adapters (its frozen base comes back from the model source), or none for a view."""

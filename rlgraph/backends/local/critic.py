@@ -34,6 +34,11 @@ class Critic(torch.nn.Module):
         return torch.where(rollouts.mask.bool(), values, 0.0)  # [N, T]
 
 
-def build_critic(source: Any = None, *, tokenizer: Any = None, seed: int = 0, **lm_options: Any) -> Critic:
-    """A critic whose backbone is `build_causal_lm(source, ...)` (its LM head is unused)."""
-    return Critic(build_causal_lm(source, tokenizer=tokenizer, seed=seed, **lm_options), seed=seed)
+def build_critic(source: Any = None, *, tokenizer: Any = None, seed: int = 0, backbone_seed: int | None = None,
+                 **lm_options: Any) -> Critic:
+    """A critic whose backbone is `build_causal_lm(source, ...)` (its LM head is unused), drawn with
+    `backbone_seed` when given (the policy's seed: a critic that starts from the policy's weights),
+    its value head with `seed`."""
+    backbone = build_causal_lm(source, tokenizer=tokenizer, seed=seed if backbone_seed is None else backbone_seed,
+                               **lm_options)
+    return Critic(backbone, seed=seed)

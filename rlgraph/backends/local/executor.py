@@ -2,7 +2,8 @@
 
 Holds the live weights of each role and runs the five primitives:
 - `generate` with the native KV-cache engine; `rollout` (multi-turn) with it and the environment
-  recipes in `envs`, whose steps run here, in the generating process (`multiturn.py`);
+  recipes in `envs`, whose steps run here, in the generating process (`multiturn.py`), or, when the
+  plan says `env_workers=k`, in k supervised worker processes of this one (`rlgraph.agents.workers`);
 - `logprobs` / `values` without gradients (reference log-probs, old log-probs, critic values);
 - `score` by decoding responses and calling the reward function;
 - `update`: epochs x mini-batches x micro-batches of the loss closure, gradient accumulation,
@@ -28,14 +29,17 @@ import math
 import attrs
 import torch
 
+from rlgraph.backends.local.decode_compile import (CompileLedger, Decision, DecodeCompile, model_signature,
+                                                  padded_width)
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream, cut_at_stop
+from rlgraph.backends.local.lean_decode import lean_unsupported
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
 from rlgraph.backends.local.packing import pack_rows, row_tokens
 from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
                                         UpdateConfig)
 from rlgraph.functional.aggregate import global_counts
-from rlgraph.ir.errors import RewardError, RLGraphError
+from rlgraph.ir.errors import ConfigError, RewardError, RLGraphError
 from rlgraph.batches import Prompts, Rollouts, check_token_ids, to_device
 
 
@@ -95,10 +99,14 @@ class LocalExecutor:
 
     def __init__(self, models: Mapping[str, LMWorker], rewards: Mapping[str, RewardWorker], tokenizer: Any, *,
                  max_new_tokens: int = 16, seed: int = 0, device: torch.device | str = "cpu",
-                 envs: Mapping[str, Callable[[], Any]] | None = None, compile_train: bool = False):
+                 envs: Mapping[str, Callable[[], Any]] | None = None,
+                 decode_compile: DecodeCompile | str | bool = "off", compile_train: bool = False):
         self.models = dict(models)
+        # whether the decode step compiles (per shape), and this executor's compiles and their seconds
+        self.decode_ledger = CompileLedger(DecodeCompile.of(decode_compile))
         self.rewards = dict(rewards)
         self.envs = dict(envs or {})  # env role -> recipe: a picklable callable building one environment
+        self.env_workers: dict[str, Any] = {}  # env role -> its EnvWorkers, kept across rollouts (started once)
         self.tokenizer = check_tokenizer(tokenizer)
         self.max_new_tokens = max_new_tokens
         self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling, on the CPU whatever the device
@@ -157,10 +165,12 @@ class LocalExecutor:
     def generate(self, model: ModelRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int | None = None, stop: Sequence[str] = ()) -> Rollouts:
         home = prompts.ids.device
-        engine = NativeGenerator(self._engine(model), eos_token_id=self.tokenizer.eos_token_id,
-                                 pad_token_id=self.tokenizer.pad_token_id)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens or self.max_new_tokens,
                                 stop=stop)
+        module = self._engine(model)
+        decision = self.decode_decision(module, len(prompts) * n, prompts.ids.shape[1], params.max_new_tokens)
+        engine = NativeGenerator(module, eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                                 compile_decode=decision.compile, ledger=self.decode_ledger)
         with self._autocast():
             rollouts = engine.generate(to_device(prompts, self.device), n, params, seed=self.sampling.seed,
                                        call=self.sampling.advance(temperature))
@@ -170,11 +180,26 @@ class LocalExecutor:
         # losses see the same T on one rank or many.
         return to_device(rollouts.pad_responses(params.max_new_tokens, pad_id=self.tokenizer.pad_token_id), home)
 
+    def decode_decision(self, module: torch.nn.Module, rows: int, width: int, steps: int) -> Decision:
+        """Whether generating `rows` rows from `width` prompt columns for `steps` tokens compiles the
+        decode step (`decode_compile`; decided once per shape, so a run can print it at start)."""
+        policy = self.decode_ledger.policy
+        reason = lean_unsupported(module) if isinstance(module, torch.nn.Module) else "not a torch module"
+        if reason is not None:
+            if policy.mode == "on":
+                raise ConfigError(f"generation.compile=on compiles the lean decode step, which cannot drive this model: "
+                                  f"{reason}", fix="generation.compile: auto or off (one Hugging Face forward a token)")
+            return Decision(False, f"the lean decode step cannot drive this model ({reason})")
+        layers = module.config.num_hidden_layers
+        return self.decode_ledger.decide(rows=rows, width=padded_width(width, policy.width), steps=steps, layers=layers,
+                                         device=self.device.type, signature=model_signature(module))
+
     def rollout(self, model: ModelRef, env: EnvRef, prompts: Prompts, *, n: int = 1, temperature: float = 1.0,
                 top_p: float = 1.0, max_turns: int = 4, max_tokens_per_turn: int | None = None,
-                max_total_tokens: int | None = None, step_timeout: float | None = 30.0
-                ) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
-        """Multi-turn episodes of `env`'s environments (one per row, built here from its recipe)."""
+                max_total_tokens: int | None = None, step_timeout: float | None = 30.0, env_workers: int | None = None,
+                env_memory_mb: int = 4096) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
+        """Multi-turn episodes of `env`'s environments, one per row, built from its recipe here or, with
+        `env_workers=k` (the plan's), in k worker processes limited to `env_memory_mb` MiB each."""
         home = prompts.ids.device
         engine = self._engine(model)
         if not isinstance(engine, torch.nn.Module):
@@ -183,7 +208,9 @@ class LocalExecutor:
                                       "engine='native')")
         total = max_total_tokens or self.max_new_tokens
         limits = TurnLimits(max_turns, max_tokens_per_turn or total, total, step_timeout)
-        envs = [self._environment(env) for _ in range(len(prompts) * n)]
+        rows = len(prompts) * n
+        envs = (self._worker_environments(env, rows, env_workers, env_memory_mb) if env_workers is not None
+                else [self._environment(env) for _ in range(rows)])
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=limits.per_turn)
         was_training = engine.training
         engine.eval()
@@ -197,16 +224,33 @@ class LocalExecutor:
             engine.train(was_training)
         return to_device(outputs, home)
 
-    def _environment(self, env: EnvRef) -> Any:
-        """A fresh environment of role `env`, speaking the token protocol (`rlgraph.agents.as_token_env`)."""
-        from rlgraph.agents.env import EnvError, as_token_env, build_env, observation_format
+    def _recipe(self, env: EnvRef) -> Callable[[], Any]:
+        from rlgraph.agents.env import EnvError
 
         if env.role not in self.envs:
             raise EnvError(f"rg.rollout: no environment role {env.role!r} here; the executor has "
                            f"{', '.join(self.envs) or 'none'}",
                            fix="pass envs={'env': MyEnv} (a class or functools.partial building one) to the executor, "
                                "or an env: section to `rlgraph train`")
-        built = build_env(self.envs[env.role], f"environment role {env.role!r}")
+        return self.envs[env.role]
+
+    def _worker_environments(self, env: EnvRef, rows: int, workers: int, memory_mb: int) -> list[Any]:
+        """`rows` environments of role `env` in the role's worker processes (started on first use, kept)."""
+        from rlgraph.agents.workers import EnvWorkers
+
+        recipe = self._recipe(env)
+        host = self.env_workers.get(env.role)
+        if host is None or (host.recipe, host.workers, host.memory_mb) != (recipe, workers, memory_mb):
+            if host is not None:
+                host.close()
+            host = self.env_workers[env.role] = EnvWorkers(recipe, workers, memory_mb=memory_mb)
+        return host.environments(rows, self.tokenizer)
+
+    def _environment(self, env: EnvRef) -> Any:
+        """A fresh environment of role `env`, speaking the token protocol (`rlgraph.agents.as_token_env`)."""
+        from rlgraph.agents.env import as_token_env, build_env, observation_format
+
+        built = build_env(self._recipe(env), f"environment role {env.role!r}")
         return as_token_env(built, self.tokenizer, observation_format(built, self.tokenizer))
 
     def cut_at_stop(self, rollouts: Rollouts, stop: Sequence[str]) -> Rollouts:

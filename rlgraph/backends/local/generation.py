@@ -1,8 +1,10 @@
 """The native generation engine: batched sampling with the model's KV cache, in plain PyTorch.
 
 It runs wherever the model runs (the CPU demo, tests, GPUs without vLLM). One prefill over the
-left-padded prompts, then one decode step per token for all rows at once; the only per-step
-Python work is a single "all rows finished?" check. A decode step is the lean step of
+left-padded prompts (each prompt once: its KV cache is repeated for its n samples), then one
+decode step per token for all rows at once; the only per-step Python work is a single "all rows
+finished?" check. With `compile_decode` the step runs under torch.compile (`decode_compile.py`
+says when a run asks for it). A decode step is the lean step of
 `lean_decode` (static KV cache, hand-written block over the model's own submodules) for the
 Llama/Qwen2 family, else one Hugging Face forward with a `DynamicCache`; both sample the same.
 
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from rlgraph.backends.local.decode_compile import CompileLedger, model_signature, padded_width
 from rlgraph.backends.local.lean_decode import LeanDecoder, lean_unsupported
 from rlgraph.kernels import sampling as fused
 from rlgraph.kernels.sampling import gumbel_noise, splitmix64, uniform_from_bits  # noqa: F401 - re-exported
@@ -198,6 +200,17 @@ def finished_check_every(device: torch.device) -> int:
     return 1 if device.type == "cpu" else FINISHED_CHECK_EVERY
 
 
+def pad_prompt_columns(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_id: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts `ids`, `mask` [B, P] padded further on the left to `width` columns
+    (`pad_id`, mask False): the same prompts, since masked columns are attended by no query."""
+    extra = width - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    return (torch.cat([ids.new_full((len(ids), extra), pad_id), ids], 1),  # [B, P']
+            torch.cat([mask.new_zeros(len(mask), extra), mask], 1))  # [B, P']
+
+
 class PromptError(RLGraphError, ValueError):
     """A prompt batch the model cannot read: empty, right-padded, or ids that are no tokens."""
 
@@ -272,11 +285,11 @@ class NativeGenerator:
     """
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, lean: bool | None = None,
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, ledger: CompileLedger | None = None) -> None:
         self.model = model
         self.compile_decode = bool(compile_decode)
-        self.compile_seconds = 0.0  # time spent in decode steps that compiled a graph (first call of a shape)
-        self._compiled_shapes: set[tuple[int, int]] = set()
+        # the run's compiles (an executor shares one across its calls); the first call of a shape is its compile
+        self.ledger = ledger if ledger is not None else CompileLedger()
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
         reason = lean_unsupported(model)
@@ -314,14 +327,19 @@ class NativeGenerator:
     def _generate(self, prompts: Prompts, n: int, params: SamplingParams, seed: int, call: int) -> Rollouts:
         device = self.model.device
         keys = sampling_keys(seed, call, prompts.index.to(device), n)  # [N]
-        prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
-        prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]
-        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, P]
+        ids, mask = prompts.ids.to(device), prompts.mask.to(device).bool()  # [B, P] each
         steps = params.max_new_tokens
+        if self.compile_decode:  # a few cache lengths, so a few compiles, whatever the batches' prompt widths
+            ids, mask = pad_prompt_columns(ids, mask, padded_width(ids.shape[1], self.ledger.policy.width),
+                                           self.pad_token_id)  # [B, P'] each
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P']
         start = self._lean_start if self.lean else self._hf_start
-        logits, advance = start(prompt_ids, prompt_mask, positions, steps)  # [N, V], tokens [N] -> [N, V]
+        # each prompt is prefilled once; its cache is shared by its n samples
+        logits, advance = start(ids, mask, positions, steps, n)  # [N, V], tokens [N] -> [N, V]
         sample = self._sampler(keys, logits.shape[-1], steps, params)
         tokens, logprobs, alive = [], [], []
+        prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
+        prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]
         running = torch.ones(len(prompt_ids), dtype=torch.bool, device=device)  # [N]
         check_every = finished_check_every(device)
         for step in range(steps):
@@ -353,33 +371,37 @@ class NativeGenerator:
         noise = StepNoise(keys, vocab, steps)
         return lambda logits, step: sample_tokens(logits, params, None, noise=noise.at(step))
 
-    def _lean_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int):
-        """(first logits [N, V], step function) of the lean decode loop."""
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent in decode steps that compiled a graph (the first call of each shape)."""
+        return self.ledger.seconds
+
+    def _lean_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int, n: int):
+        """(first logits [N, V], step function) of the lean decode loop over prompts [B, P]."""
         decoder = LeanDecoder(self.model)
-        logits = decoder.start(ids, mask, positions, steps)  # [N, V]
+        logits = decoder.start(ids, mask, positions, steps, n)  # [N, V]
         if not self.compile_decode:
             return logits, decoder.step
-        shape = (ids.shape[0], ids.shape[1] + steps)  # one graph per (rows, cache length)
+        shape = (len(logits), ids.shape[1] + steps)  # one graph per (rows, cache length)
+        signature, device = model_signature(self.model), ids.device.type
 
         def compiled(tokens: torch.Tensor) -> torch.Tensor:
-            if shape in self._compiled_shapes:
-                return decoder.compiled_step(tokens)
-            started = time.perf_counter()  # the first call of a shape compiles: reported apart, not as decode time
-            out = decoder.compiled_step(tokens)
-            self.compile_seconds += time.perf_counter() - started
-            self._compiled_shapes.add(shape)
-            return out
+            # the first call of a shape compiles: its time goes to the ledger, reported apart from decoding
+            return self.ledger.timed(shape, lambda: decoder.compiled_step(tokens), signature=signature, device=device)
 
         return logits, compiled
 
-    def _hf_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int):
-        """(first logits [N, V], step function) of one Hugging Face forward per token."""
-        rows, width = ids.shape
-        attention = torch.ones(rows, width + steps, dtype=torch.long, device=ids.device)  # [N, P+steps]
-        attention[:, :width] = mask
+    def _hf_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int, n: int):
+        """(first logits [N, V], step function) of one Hugging Face forward per token over prompts [B, P]."""
+        width = ids.shape[1]
         state = {"step": 0, "cache": DynamicCache(config=self.model.config)}
-        out = self.model(input_ids=ids, attention_mask=attention[:, :width], position_ids=positions,
+        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
                          past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
+        if n > 1:  # the prompts' cache rows repeated for their samples: row i*n + j is sample j of prompt i
+            state["cache"].batch_repeat_interleave(n)
+        mask, positions = mask.repeat_interleave(n, 0), positions.repeat_interleave(n, 0)  # [N, P] each
+        attention = torch.ones(len(mask), width + steps, dtype=torch.long, device=ids.device)  # [N, P+steps]
+        attention[:, :width] = mask
 
         def advance(token: torch.Tensor) -> torch.Tensor:
             state["step"] += 1
@@ -388,4 +410,4 @@ class NativeGenerator:
                              use_cache=True, logits_to_keep=1)
             return out.logits[:, -1]  # [N, V]
 
-        return out.logits[:, -1], advance
+        return out.logits[:, -1].repeat_interleave(n, 0), advance  # [N, V]

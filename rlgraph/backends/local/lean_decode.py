@@ -91,7 +91,7 @@ class LeanDecoder:
     """Prefill then one `step` per token over a Llama-family causal LM, with a static KV cache.
 
     >>> decoder = LeanDecoder(model)
-    >>> logits = decoder.start(prompt_ids, prompt_mask, positions, steps=16)   # [N, V]
+    >>> logits = decoder.start(prompt_ids, prompt_mask, positions, 16, n=4)    # [B*4, V]: B prompts, 4 samples each
     >>> logits = decoder.step(tokens)                                          # [N, V], next position
     """
 
@@ -102,10 +102,22 @@ class LeanDecoder:
         self.decoder, self.lm_head = causal.model, causal.lm_head
         self.layers = list(self.decoder.layers)
 
-    def start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int) -> torch.Tensor:
-        """Prefill the cache with prompts `ids` [N, P] (left-padded, `mask` [N, P] bool, rotary
-        `positions` [N, P]) and size it for `steps` more tokens; the logits [N, V] that predict
-        the first response token."""
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int, n: int = 1
+              ) -> torch.Tensor:
+        """Prefill the cache with prompts `ids` [B, P] (left-padded, `mask` [B, P] bool, rotary
+        `positions` [B, P]) and size it for `steps` more tokens; the logits [N, V] that predict
+        the first response token of each of the N = B*n rows. Each prompt is prefilled once and its
+        cache rows repeated for its `n` samples (row i*n + j is sample j of prompt i)."""
+        logits = self._prefill(ids, mask, positions, steps)  # [B, V]
+        if n > 1:
+            self.key_mask = self.key_mask.repeat_interleave(n, 0)  # [N, P+S]
+            self.cos, self.sin = self.cos.repeat_interleave(n, 0), self.sin.repeat_interleave(n, 0)  # [N, 1, P+S, D]
+            self.cache = [(keys.repeat_interleave(n, 0), values.repeat_interleave(n, 0))  # [N, Hkv, P+S, D] each
+                          for keys, values in self.cache]
+            logits = logits.repeat_interleave(n, 0)  # [N, V]
+        return logits
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int) -> torch.Tensor:
         rows, width = ids.shape
         self.width, self.filled = width, width
         self.key_mask = torch.ones(rows, width + steps, dtype=torch.bool, device=ids.device)  # [N, P+S]

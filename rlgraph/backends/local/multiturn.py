@@ -163,7 +163,7 @@ def multi_turn_rollouts(model: torch.nn.Module, prompts: Prompts, envs: Sequence
     keys = sampling_keys(seed, call, prompts.index.to(device), n)  # [N]
     prompt_ids = prompts.ids.repeat_interleave(n, dim=0)  # [N, P]
     prompt_mask = prompts.mask.bool().repeat_interleave(n, dim=0)  # [N, P]
-    episodes = E.start(envs, episode_rows(prompts, n), limits.total, vocab)
+    episodes = E.start(envs, episode_rows(prompts, n), limits.total, vocab, limits.step_timeout)
     try:
         _run_turns(TurnDecoder(model), episodes, prompt_ids, prompt_mask, keys, limits, params, eos, pad,
                    stop_checker(envs, decode), vocab)
