@@ -117,3 +117,11 @@ def attrs_except(value, name):
     import attrs
 
     return {key: item for key, item in attrs.asdict(value).items() if key != name}
+
+
+def test_a_packed_plan_round_trips_through_json():
+    from rlgraph.plan.plan import Plan
+
+    plan = _compile(micro_batch_tokens=24, kl=0.01).plan
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and "packed micro-batches of <= 24 tokens/rank" in again.as_text()
