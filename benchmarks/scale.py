@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     base = args.out
+    base.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or base / Path(args.model).name.removesuffix(".json")
     start = time.perf_counter()
     if not (model_dir / "config.json").is_file():
