@@ -206,7 +206,8 @@ class EnvWorkers:
         """Step every row's environment with its action; for each row a finished future holding
         (Step, seconds) or the `EnvError` its step raised, as the in-process driver's futures do."""
         remotes = [remote_of(env) for env in envs]
-        sent = [env.action_text(action) if isinstance(env, TextEnvAdapter) else list(action)
+        sent = [env.action_text(action) if isinstance(env, TextEnvAdapter)
+                else list(action) if isinstance(action, (list, tuple)) else action  # ids, or a text env's own text
                 for env, action in zip(envs, actions)]
         started = time.perf_counter()
         answers = self._run([("step", remote.row, action) for remote, action in zip(remotes, sent)],

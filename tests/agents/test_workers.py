@@ -40,6 +40,10 @@ def test_workers_give_the_episodes_the_controller_gives(env):
     executor = tiny_executor()
     try:
         away = run(executor, env, tiny_prompts(2), env_workers=2)
+        # one row's environment called on its own (the protocol's methods, one round trip each), as the driver does
+        (alone,), (local,) = executor.env_workers["env"].environments(1, executor.tokenizer), [executor._environment(EnvRef("env"))]
+        assert alone.initial_observation({"text": "1+2="}) == local.initial_observation({"text": "1+2="})
+        assert alone.step([5, 6]) == local.step([5, 6])
     finally:
         executor.env_workers["env"].close()
     for name in ("response_ids", "mask", "context_mask", "logprobs"):
