@@ -8,13 +8,16 @@
 Each worker (`process.py`) builds a handler from the picklable `factory` once (the reward terms,
 a rollout's environments), then answers one pickled request at a time with JSON. A pool has
 `workers` slots; a call may name the slot whose worker must answer it (an environment lives in
-one worker), or take any free one. The controller enforces the rest from outside, where a handler
-cannot reach:
-  - a call that runs past `timeout_s` (hung, in a C loop, stopped by SIGSTOP) gets its worker killed
+one worker), or take any free one. Calls named to a slot are written to its worker at once and
+answered in order (no round trip between them); the others go one at a time to idle workers. The
+controller enforces the rest from outside, where a handler cannot reach:
+  - a call that runs past `timeout_s` (counted from when its worker starts it: hung, in a C loop,
+    stopped by SIGSTOP) gets its worker killed
     (SIGKILL to the worker's process group) and replaced; a worker that dies is replaced too; either
     way the call's answer is a failure {"failed": "timed out after 600 s (...)", "killed by signal 9
     ...", "exited with code 3 ..."}, which the client turns into its own (a reward's `on_error`
-    policy, an environment's ended episode);
+    policy, an environment's ended episode); calls queued behind it never ran and go to its
+    replacement;
   - answers are JSON, read with a byte cap (`answer_bytes`), never unpickled, and checked by the
     client's `valid`; requests are written without blocking, so a stopped worker cannot stall the
     controller on a full socket;
