@@ -147,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
                       "before the one it trains (0: synchronous); the plan prints both lanes")
     plan.add_argument("--env-workers", help="rg.rollout: step the environments in k worker processes per "
                       "generating rank (default: in the rank's own process); the rollout stage says where")
+    plan.add_argument("--micro-batch-tokens", help="packed sequences: micro-batches of at most this many real tokens, "
+                      "no padding (docs/training.md); the plan prints them")
     plan.add_argument("--dot", help="write the Graphviz diagram here (.dot; .svg/.png rendered if Graphviz is installed)")
     plan.add_argument("--json", help="write the plan as JSON here")
 
@@ -380,6 +382,7 @@ def _plan(args) -> int:
     import rlgraph as rg
     from rlgraph.plan.dot import render
     from rlgraph.plan.mesh import parse_placement
+    from rlgraph.ir.errors import ConfigError
     from rlgraph.train.user_code import load_algorithm
 
     algorithm = load_algorithm(args.algorithm, "algorithm")
@@ -391,8 +394,11 @@ def _plan(args) -> int:
         compiled = rg.compile(algorithm, mesh=args.mesh, placement=parse_placement(args.placement),
                               sizes=sizes, models={"policy": args.model}, engine=args.engine,
                               staleness=_staleness(args.staleness), env_workers=_env_workers(args.env_workers),
-                              **hparams)
+                              micro_batch_tokens=_micro_batch_tokens(args.micro_batch_tokens), **hparams)
     except ValueError as exc:  # placement and model-size mistakes; RLGraphError is handled by main
+        if isinstance(exc, ConfigError) and exc.summary.startswith("micro_batch_tokens="):  # named by its flag
+            raise ConfigError(f"--micro-batch-tokens {exc.summary.split('=', 1)[1]}",
+                              fix=exc.fix and exc.fix.replace("micro_batch_tokens >=", "--micro-batch-tokens")) from None
         print(f"rlgraph plan: {exc}", file=sys.stderr)
         return 1
     print(compiled.as_text())
@@ -407,6 +413,18 @@ def _plan(args) -> int:
         with open(args.json, "w") as handle:
             handle.write(compiled.plan.to_json())
     return 0
+
+
+def _micro_batch_tokens(text: str | None) -> int | None:
+    """`--micro-batch-tokens k` as a whole number >= 1 (None: not given), the flag named when it is not one."""
+    from rlgraph.ir.errors import ConfigError
+
+    if text is None:
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"--micro-batch-tokens {text}: not a whole number of tokens >= 1",
+                          fix="--micro-batch-tokens 4096 (packed micro-batches of at most 4096 real tokens)")
+    return int(text)
 
 
 def _staleness(text: str) -> int:

@@ -405,6 +405,18 @@ def test_plan_env_workers_say_where_env_steps_run_and_bad_values_name_the_flag(c
         assert "fix: --env-workers 2" in err
 
 
+def test_plan_micro_batch_tokens_prints_packed_micro_batches_and_bad_values_name_the_flag(capsys):
+    code, out, _ = run(capsys, "plan", "grpo", "--mesh", "cpu:1", "--sizes", "B=4,P=8,T=4", "-p", "n=4",
+                       "--micro-batch-tokens", "24")
+    assert code == 0 and "packed micro-batches of <= 24 tokens/rank, no padding" in out
+    for bad in ("0", "-5", "x", "2.5"):
+        code, out, err = run(capsys, "plan", "grpo", "--micro-batch-tokens", bad)
+        assert code == 1 and out == "" and f"--micro-batch-tokens {bad}: not a whole number of tokens >= 1" in err
+    code, out, err = run(capsys, "plan", "grpo", "--sizes", "B=4,P=8,T=4", "--micro-batch-tokens", "11")
+    assert code == 1 and "--micro-batch-tokens 11 is smaller than the longest row" in err
+    assert "fix: --micro-batch-tokens 12" in err and "Traceback" not in err
+
+
 def test_plan_staleness_prints_the_two_lanes_and_bad_values_name_the_flag(capsys):
     code, out, _ = run(capsys, "plan", "grpo", "--mesh", "cpu:2", "--placement", "split:policy=1,rollout=1",
                        "--sizes", "B=4,P=8,T=4", "--staleness", "1")

@@ -188,6 +188,43 @@ def test_a_tight_budget_makes_several_micro_batches_and_changes_nothing():
     _assert_same_training(_train(batch, micro_batch_tokens=13), _train(batch))
 
 
+def test_a_lora_policy_packs_as_its_base_does():
+    """peft wraps the model: the packed forward still finds the decoder, the attention
+    implementation and the dtype through it (adapters trained a little, so they matter)."""
+    from rlgraph.backends.lora import LoraSettings, apply_lora
+
+    model = apply_lora(build_causal_lm(seed=0), LoraSettings(4, 8, 0.0, ("q_proj", "v_proj")), seed=0).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    batch = ragged_rollouts([3, 1, 5], [4, 0, 2], 5, 4, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_logprobs(model, batch, packed=True), sequence_logprobs(model, batch),
+                                   rtol=0, atol=1e-4)
+
+
+@rg.algorithm
+def entropy_bonus(state: rg.State, batch: rg.Rollouts, *, micro_batch_tokens=None):
+    """A loss that reads the entropy too (the forward's second output, packed alike)."""
+    def loss(lp, entropy):                                               # [N, T], [N, T]
+        return F.token_mean(-lp - 0.1 * entropy, batch.mask), {"entropy": F.token_mean(entropy, batch.mask)}
+
+    policy = rg.update(state.policy, batch, loss, grad_clip=None, micro_batch_tokens=micro_batch_tokens)
+    return state.replace(policy=policy), {}
+
+
+def test_a_loss_with_the_entropy_trains_packed_as_padded():
+    batch = ragged_rollouts([6, 2, 4, 1, 5, 3], [7, 1, 0, 5, 3, 7], 6, 7, seed=7)
+
+    def train(**hparams):
+        executor = tiny_executor(lr=0.1)
+        metrics = Interpreter(executor).run(entropy_bonus.trace(**hparams), batch)[1]
+        return metrics, [p.grad.clone() for p in executor.models["policy"].model.parameters()]
+
+    _assert_same_training(train(micro_batch_tokens=14), train())
+
+
 def test_packed_critic_values_equal_the_padded_ones():
     from rlgraph.backends.local.critic import build_critic
 

@@ -100,6 +100,13 @@ def test_the_compiled_packed_plan_gives_the_eager_padded_numbers(budget):
                                       max_new_tokens=4, kl=0.01, micro_batch_tokens=budget, rtol=1e-4, atol=1e-5)
 
 
+def test_the_compiled_packed_ppo_plan_gives_the_eager_padded_numbers():
+    """PPO: the critic's values and its update are packed too (the critic's own forward)."""
+    rgt.assert_compiled_matches_eager(ppo, executor=lambda: rgt.tiny_executor(("policy", "critic", "ref")),
+                                      batches=[prompts(4, offset=4 * i) for i in range(2)], sizes=SIZES, n=4,
+                                      max_new_tokens=4, kl=0.01, micro_batch_tokens=24, rtol=1e-4, atol=1e-5)
+
+
 def attrs_evolve(value, **changes):
     import attrs
 

@@ -100,7 +100,7 @@ class LocalExecutor:
     def __init__(self, models: Mapping[str, LMWorker], rewards: Mapping[str, RewardWorker], tokenizer: Any, *,
                  max_new_tokens: int = 16, seed: int = 0, device: torch.device | str = "cpu",
                  envs: Mapping[str, Callable[[], Any]] | None = None,
-                 decode_compile: DecodeCompile | str | bool = "off"):
+                 decode_compile: DecodeCompile | str | bool = "off", compile_train: bool = False):
         self.models = dict(models)
         # whether the decode step compiles (per shape), and this executor's compiles and their seconds
         self.decode_ledger = CompileLedger(DecodeCompile.of(decode_compile))
@@ -115,6 +115,8 @@ class LocalExecutor:
         # bf16 autocast over fp32 weights on CUDA; None: compute in the weights' dtype. The FSDP2
         # executor passes no device (it has its own MixedPrecisionPolicy), so it stays None there.
         self.compute_dtype: torch.dtype | None = torch.bfloat16 if self.device.type == "cuda" else None
+        # `update`'s forwards (and their backwards) under torch.compile (`train_compile.py`; `train.compile`)
+        self.compile_train = compile_train
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """The forwards' precision: autocast to `compute_dtype`, or nothing (fp32 on the CPU, as before)."""
@@ -328,6 +330,16 @@ class LocalExecutor:
             micros[widest:widest + 1] = list(torch.tensor_split(micros[widest], 2))
         return micros + [rows[:1]] * (wanted - len(micros)), len(micros)
 
+    def _train_forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
+                       packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward` of an update's micro-batch: compiled with `compile_train` (`train_compile.py`)."""
+        if not self.compile_train:
+            return self._forward(worker, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
+        from rlgraph.backends.local.train_compile import compiled_role_outputs
+
+        return compiled_role_outputs()(worker.model, worker.kind, rollouts, temperature=temperature,
+                                       with_entropy=with_entropy, packed=packed)
+
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
                  packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probs or values [n, T], entropy [n, T] or None) of `rollouts`, with gradients;
@@ -422,8 +434,8 @@ class LocalExecutor:
                 finite: list[torch.Tensor] = []  # per micro-batch, on the device: read only if the step fails
                 for position, micro in enumerate(micros):
                     with self._autocast():  # the forward only: the loss math and backward stay out of autocast
-                        output, entropy = self._forward(worker, batch.select(micro), temperature=config.temperature,
-                                                        with_entropy=wants_entropy, packed=packed)
+                        output, entropy = self._train_forward(worker, batch.select(micro), temperature=config.temperature,
+                                                              with_entropy=wants_entropy, packed=packed)
                     if position >= real:  # a filler: no loss; its backward keeps the ranks' collectives in step
                         self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
                         (output.sum() * 0.0).backward()
