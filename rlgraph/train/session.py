@@ -326,6 +326,7 @@ class _Session:
             trainer.save()  # the last step is always checkpointed
         if self.setup.eval_rows and (not self.config.eval.every or trainer.step % self.config.eval.every):
             final = self.evaluate()
+            final["time/compile_s"] = self.executor.decode_ledger.pop_seconds()  # the evaluation's decode compiles
             self.logger.log(trainer.step, final)
         return time.perf_counter() - start
 
