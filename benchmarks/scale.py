@@ -14,7 +14,10 @@ What it does:
    takes), a few GRPO steps with KL to the reference, no warm start, tiny batches;
 3. samples the resident memory (RSS) of the controller and of every worker process every
    `--interval` seconds and reports each one's peak, beside one fp32 copy of the policy, and the
-   step and weight-sync times from the run's metrics.
+   step and weight-sync times from the run's metrics;
+4. sets each process's peak beside the memory model's figure for it (`rlgraph.plan.memory.process_memory`
+   of the run's compiled plan) plus a baseline measured once: the RSS of a fresh interpreter that
+   imported what a run's processes import (torch, transformers' Qwen2, rlgraph) and built nothing.
 
 Peak RSS and PSS (`RssSampler`) count what a process really holds (allocator caching included),
 sampled: a peak shorter than the interval can be missed, so the figures are lower bounds.
@@ -97,6 +100,37 @@ class RssSampler(threading.Thread):
             self.stopped.wait(self.interval)
 
 
+def baseline_rss() -> int:
+    """RSS (bytes) of a fresh interpreter after importing what the controller and a rank import, before
+    anything is built: the part of every process the memory model does not count."""
+    code = ("import psutil, transformers.models.qwen2.modeling_qwen2, rlgraph.train.run, rlgraph.runtime.spmd, "
+            "rlgraph.backends.fsdp.executor; print(psutil.Process().memory_info().rss)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def modelled(config_path: Path) -> dict[str, int]:
+    """The memory model's bytes per process of the run `config_path` describes ("controller", "rank r"),
+    from its compiled plan (nothing is built)."""
+    from rlgraph.plan.memory import process_memory
+    from rlgraph.train.config import load_config
+    from rlgraph.train.setup import prepare
+
+    return {name: need.total for name, need in process_memory(prepare(load_config(config_path)).rl.plan).items()}
+
+
+def against_model(peaks: dict[str, int], model: dict[str, int], baseline: int) -> dict[str, dict[str, float]]:
+    """Per process: measured peak RSS, the model's figure plus the baseline, and (measured / that) - 1."""
+    out = {}
+    for label, rss in peaks.items():
+        process = "controller" if label == "controller" else label.replace("worker", "rank")
+        if process in model:
+            estimate = baseline + model[process]
+            out[process] = {"measured_gib": round(rss / GiB, 2), "estimate_gib": round(estimate / GiB, 2),
+                            "model_gib": round(model[process] / GiB, 2), "error": round(rss / estimate - 1, 3)}
+    return out
+
+
 def run_config(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict:
     lora = f"{{r: {args.lora}, alpha: {2 * args.lora}, target_modules: [q_proj, k_proj, v_proj, o_proj]}}"
     return {
@@ -109,7 +143,8 @@ def run_config(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict
         "rollout": {"prompts_per_step": args.prompts, "n": args.n, "max_new_tokens": args.tokens},
         "optimizer": {"name": "adamw", "lr": 1e-6},
         "train": {"steps": args.steps, "seed": 0},
-        "runtime": {"runtime": args.runtime, "nproc": args.nproc, "device": "cpu", "threads": args.threads},
+        "runtime": {"runtime": args.runtime, "nproc": args.nproc, "device": "cpu", "threads": args.threads,
+                    "timeout_s": args.timeout},
         "eval": {"every": 0},
         "checkpoint": {"every": 1000},  # none within the run: the figures are the steps
         "logging": {"progress": False, "plots": False, "tensorboard": False},
@@ -129,12 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--interval", type=float, default=0.25)
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds a worker step may take (a 0.5B step on 2 busy cores takes minutes)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "scale", help="where models, configs and runs go")
     args = parser.parse_args(argv)
 
     import yaml
 
-    base = ROOT / "runs" / "scale"
+    base = args.out
+    base.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or base / Path(args.model).name.removesuffix(".json")
     start = time.perf_counter()
     if not (model_dir / "config.json").is_file():
@@ -148,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path = base / f"{run_dir.name}.yaml"
     config_path.write_text(yaml.safe_dump(run_config(args, model_dir, run_dir), sort_keys=False))
 
+    baseline = baseline_rss()
     command = [sys.executable, "-m", "rlgraph", "train", str(config_path)]
     began = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -175,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "controller_peak_rss_gib": round(sampler.peaks.get(process.pid, 0) / GiB, 2),
         "step_s": _median(steps, "time/step_s"), "sync_s": _median(steps, "time/sync_weights_s"),
         "stage_s": {key: _median(steps, key) for key in sorted({k for row in steps for k in row if k.startswith("time/")})},
+        "baseline_rss_gib": round(baseline / GiB, 2),
+        "vs_memory_model": against_model(_labelled(sampler, process.pid, sampler.peaks), modelled(config_path), baseline),
     }
     print(json.dumps(report, indent=1))
     if args.json:

@@ -145,6 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("-p", "--param", action="append", default=[], help="hyper-parameter key=value, e.g. estimator=rloo")
     plan.add_argument("--staleness", default="0", help="asynchronous RL: generate each batch up to k versions "
                       "before the one it trains (0: synchronous); the plan prints both lanes")
+    plan.add_argument("--env-workers", help="rg.rollout: step the environments in k worker processes per "
+                      "generating rank (default: in the rank's own process); the rollout stage says where")
     plan.add_argument("--micro-batch-tokens", help="packed sequences: micro-batches of at most this many real tokens, "
                       "no padding (docs/training.md); the plan prints them")
     plan.add_argument("--dot", help="write the Graphviz diagram here (.dot; .svg/.png rendered if Graphviz is installed)")
@@ -391,12 +393,12 @@ def _plan(args) -> int:
     try:
         compiled = rg.compile(algorithm, mesh=args.mesh, placement=parse_placement(args.placement),
                               sizes=sizes, models={"policy": args.model}, engine=args.engine,
-                              staleness=_staleness(args.staleness),
+                              staleness=_staleness(args.staleness), env_workers=_env_workers(args.env_workers),
                               micro_batch_tokens=_micro_batch_tokens(args.micro_batch_tokens), **hparams)
-    except ValueError as exc:
+    except ValueError as exc:  # placement and model-size mistakes; RLGraphError is handled by main
         if isinstance(exc, ConfigError) and exc.summary.startswith("micro_batch_tokens="):  # named by its flag
             raise ConfigError(f"--micro-batch-tokens {exc.summary.split('=', 1)[1]}",
-                              fix=exc.fix and exc.fix.replace("micro_batch_tokens >=", "--micro-batch-tokens")) from None  # placement and model-size mistakes; RLGraphError is handled by main
+                              fix=exc.fix and exc.fix.replace("micro_batch_tokens >=", "--micro-batch-tokens")) from None
         print(f"rlgraph plan: {exc}", file=sys.stderr)
         return 1
     print(compiled.as_text())
@@ -432,6 +434,19 @@ def _staleness(text: str) -> int:
     if not text.strip().isdigit():
         raise ConfigError(f"--staleness {text}: not a whole number >= 0 (0: synchronous; k: each batch is generated "
                           "by a policy at most k versions older than the one it trains)", fix="--staleness 1")
+    return int(text)
+
+
+def _env_workers(text: str | None) -> int | None:
+    """`--env-workers k` as a whole number >= 1 (absent: None), the flag named when it is not one."""
+    from rlgraph.ir.errors import ConfigError
+
+    if text is None:
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"--env-workers {text}: not a whole number >= 1 (the env worker processes per generating "
+                          "rank; leave the flag out to step environments in the rank's own process)",
+                          fix="--env-workers 2")
     return int(text)
 
 

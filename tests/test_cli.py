@@ -396,6 +396,15 @@ def test_dry_run_never_wraps_plan_lines_when_not_on_a_terminal(tmp_path, capsys)
     assert code == 0 and set(plan_lines) <= set(out.splitlines())
 
 
+def test_plan_env_workers_say_where_env_steps_run_and_bad_values_name_the_flag(capsys):
+    code, out, _ = run(capsys, "plan", "agent_grpo", "--mesh", "cpu:1", "--sizes", "B=2,P=8,T=16", "--env-workers", "3")
+    assert code == 0 and "per row in 3 env worker processes per generating rank (4096 MiB each" in out
+    for bad in ("0", "two", "-1"):
+        code, out, err = run(capsys, "plan", "agent_grpo", "--env-workers", bad)
+        assert code == 1 and out == "" and f"--env-workers {bad}: not a whole number >= 1" in err
+        assert "fix: --env-workers 2" in err
+
+
 def test_plan_micro_batch_tokens_prints_packed_micro_batches_and_bad_values_name_the_flag(capsys):
     code, out, _ = run(capsys, "plan", "grpo", "--mesh", "cpu:1", "--sizes", "B=4,P=8,T=4", "-p", "n=4",
                        "--micro-batch-tokens", "24")

@@ -7,15 +7,17 @@
 
 Row r's environment lives in worker r % workers (`EnvHost` there builds it from the recipe on each
 reset). The episode driver (`rlgraph.agents.episode`) sends the resets, steps and closes of all
-rows of a turn at once (`initial_observations`, `step`, `close`): each worker answers its rows one
-after the other, the workers run side by side. What the controller gets back is JSON (never a
+rows of a turn at once (`initial_observations`, `step`, `close_all`): a worker gets all its rows'
+requests in one write and answers them in order (each with its own timeout), the workers run side
+by side. What the controller gets back is JSON (never a
 pickle), read by `SupervisedPool`, which also enforces the step timeout and the memory limit.
 
 Failures, and what they become:
   - a step past its timeout (the worker is killed: a C loop, a sleep, SIGSTOP) or a worker that dies
     (a segfault, the memory limit, `os._exit`): the row's episode ends there with reward 0 and
     `env_errors` 1 (`env/env_errors`); the other rows of that worker lose their environment too
-    and end the same way at their next step ("lost with its worker"). The run goes on.
+    and end the same way (their steps reach the replacement worker, which answers "lost"). The
+    run goes on.
   - a step that raises or answers with something other than a `Step`: an `EnvError` naming the row
     and the turn, as in the controller (a bug in the environment, not an accident of its process).
   - a recipe that cannot build in a fresh process: an `EnvError` naming what it raised.
@@ -204,7 +206,8 @@ class EnvWorkers:
         """Step every row's environment with its action; for each row a finished future holding
         (Step, seconds) or the `EnvError` its step raised, as the in-process driver's futures do."""
         remotes = [remote_of(env) for env in envs]
-        sent = [env.action_text(action) if isinstance(env, TextEnvAdapter) else list(action)
+        sent = [env.action_text(action) if isinstance(env, TextEnvAdapter)
+                else list(action) if isinstance(action, (list, tuple)) else action  # ids, or a text env's own text
                 for env, action in zip(envs, actions)]
         started = time.perf_counter()
         answers = self._run([("step", remote.row, action) for remote, action in zip(remotes, sent)],

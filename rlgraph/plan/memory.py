@@ -13,6 +13,7 @@ the activation constants follow the Hugging Face Llama/Qwen2 decoder layer that 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 from pathlib import Path
 
 import attrs
@@ -538,3 +539,34 @@ def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int,
         + "  fix: " + "\n       ".join(fixes)
     )
 
+
+
+# -- whole processes of a run: the controller and each rank --------------------------------------
+def process_memory(plan: Any) -> dict[str, MemoryBreakdown]:
+    """What each process of a spmd/Ray run of `plan` holds beyond the interpreter and the libraries it
+    imports (a baseline to measure once and add: `benchmarks/scale.py`), by process: "controller",
+    "rank 0", "rank 1", ...
+
+    controller: no model (it holds the rewards, the tokenizer, the data and the plans): nothing here.
+    rank r on a cpu mesh, whose device is host memory: every phase of every group placed on r
+      together, as `colocated_moments(offload=False)` counts them (an offload step moves nothing on
+      a cpu device): each phase's persistent parts (the FSDP2 shards, their gradients and AdamW
+      state, a reference's shard, the generation engine's full copy) and the largest transient one.
+    rank r on an accelerator: what it keeps in host memory (`plan.host_memory`: offloaded state).
+    """
+    out = {"controller": MemoryBreakdown()}
+    for rank in range(plan.mesh.size):
+        groups = [group for group in plan.groups if rank in group.ranks]
+        if plan.mesh.device != "cpu":
+            out[f"rank {rank}"] = MemoryBreakdown.sum(_breakdown(plan.host_memory[group.name]) for group in groups
+                                                      if group.name in plan.host_memory)
+            continue
+        phases = {f"{group.name}.{phase}": _breakdown(parts)
+                  for group in groups for phase, parts in plan.memory.get(group.name, {}).items()}
+        out[f"rank {rank}"] = colocated_peak(phases, offload=False)
+    return out
+
+
+def _breakdown(parts: Mapping[str, int]) -> MemoryBreakdown:
+    """A `Plan.memory` entry ({part: bytes, "total": ...}) as a `MemoryBreakdown`."""
+    return MemoryBreakdown(**{name: value for name, value in parts.items() if name != "total"})

@@ -8,13 +8,16 @@
 Each worker (`process.py`) builds a handler from the picklable `factory` once (the reward terms,
 a rollout's environments), then answers one pickled request at a time with JSON. A pool has
 `workers` slots; a call may name the slot whose worker must answer it (an environment lives in
-one worker), or take any free one. The controller enforces the rest from outside, where a handler
-cannot reach:
-  - a call that runs past `timeout_s` (hung, in a C loop, stopped by SIGSTOP) gets its worker killed
+one worker), or take any free one. Calls named to a slot are written to its worker at once and
+answered in order (no round trip between them); the others go one at a time to idle workers. The
+controller enforces the rest from outside, where a handler cannot reach:
+  - a call that runs past `timeout_s` (counted from when its worker starts it: hung, in a C loop,
+    stopped by SIGSTOP) gets its worker killed
     (SIGKILL to the worker's process group) and replaced; a worker that dies is replaced too; either
     way the call's answer is a failure {"failed": "timed out after 600 s (...)", "killed by signal 9
     ...", "exited with code 3 ..."}, which the client turns into its own (a reward's `on_error`
-    policy, an environment's ended episode);
+    policy, an environment's ended episode); calls queued behind it never ran and go to its
+    replacement;
   - answers are JSON, read with a byte cap (`answer_bytes`), never unpickled, and checked by the
     client's `valid`; requests are written without blocking, so a stopped worker cannot stall the
     controller on a full socket;
@@ -46,6 +49,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -120,19 +124,38 @@ def resolve_isolation(isolation: str, setting: str = "reward_isolation") -> str:
 
 
 class _Worker:
-    """One worker process and the controller's end of its channel (non-blocking, framed)."""
+    """One worker process and the controller's end of its channel (non-blocking, framed). It answers
+    the calls sent to it in order; `calls` holds those not answered yet (the first is the one it runs)."""
 
     def __init__(self, process: subprocess.Popen, channel: socket.socket, slot: int):
         self.process, self.channel, self.slot = process, channel, slot
         self.outgoing, self.incoming = b"", b""
-        self.call: int | None = None  # the call it is answering
-        self.deadline = 0.0
+        self.calls: deque[int] = deque()
+        self.deadline, self.limit = 0.0, float("inf")
 
-    def send(self, payload: bytes, call: int, deadline: float) -> None:
-        self.outgoing, self.incoming, self.call, self.deadline = HEADER.pack(len(payload)) + payload, b"", call, deadline
+    @property
+    def call(self) -> int | None:
+        """The call it is answering now (None: idle)."""
+        return self.calls[0] if self.calls else None
 
-    def pump(self, readable: bool, writable: bool, cap: int) -> bytes | None:
-        """Move bytes; the answer when complete. EOFError: the worker closed its end (it died)."""
+    def send(self, payload: bytes, call: int, limit: float) -> None:
+        """Queue `call` behind the ones sent before: it has `limit` seconds from when it becomes the
+        one the worker runs (the previous one answered), not from now."""
+        if not self.calls:
+            self.deadline = time.monotonic() + limit
+        self.outgoing += HEADER.pack(len(payload)) + payload
+        self.calls.append(call)
+        self.limit = limit
+
+    def answered(self) -> int:
+        """The call just answered; the next one's time starts."""
+        call = self.calls.popleft()
+        self.deadline = time.monotonic() + self.limit
+        return call
+
+    def pump(self, readable: bool, writable: bool, cap: int) -> list[bytes]:
+        """Move bytes; the answers completed, in order. EOFError: the worker closed its end (it died);
+        OverflowError: an answer longer than `cap` bytes."""
         if writable and self.outgoing:
             try:
                 sent = self.channel.send(self.outgoing)
@@ -141,6 +164,7 @@ class _Worker:
             except OSError:
                 raise EOFError from None
             self.outgoing = self.outgoing[sent:]
+        answers = []
         if readable:
             try:
                 chunk = self.channel.recv(1 << 20)
@@ -151,15 +175,15 @@ class _Worker:
             if chunk == b"":
                 raise EOFError
             self.incoming += chunk or b""
-            if len(self.incoming) >= HEADER.size:
+            while len(self.incoming) >= HEADER.size:
                 size = HEADER.unpack(self.incoming[:HEADER.size])[0]
                 if size > cap:
                     raise OverflowError(size)
-                if len(self.incoming) == HEADER.size + size:
-                    return self.incoming[HEADER.size:]
-                if len(self.incoming) > HEADER.size + size:  # more than one answer to one request
-                    return b""
-        return None
+                if len(self.incoming) < HEADER.size + size:
+                    break
+                answers.append(self.incoming[HEADER.size:HEADER.size + size])
+                self.incoming = self.incoming[HEADER.size + size:]
+        return answers
 
     def kill(self, grace_s: float = 0.0) -> str:
         """SIGKILL its process group (with it the PID namespace or the keeper's group) after `grace_s`
@@ -244,32 +268,38 @@ class SupervisedPool:
 
     def _dispatch(self, payloads: list[bytes], timeout_s: float | None, slots: list[int | None],
                   valid: Callable[[Any, int], bool]) -> list[dict[str, Any]]:
+        """Calls taken by any worker go one at a time to idle workers; calls pinned to a slot are all
+        sent to its worker at once (it answers them in order, without a round trip between them)."""
         answers: list[dict[str, Any] | None] = [None] * len(payloads)
         pending, limit = list(range(len(payloads))), timeout_s if timeout_s is not None else float("inf")
         late = f"timed out after {limit:g} s ({self.names.timeout})"
         with selectors.DefaultSelector() as selector:
             while pending or any(worker.call is not None for worker in self._workers):
-                held = {worker.slot for worker in self._workers}
+                held = {worker.slot: worker for worker in self._workers}
                 if pending and (not held or any(slots[call] is not None and slots[call] not in held for call in pending)):
                     self._start()  # a call's worker died earlier in this dispatch (or all did)
+                    held = {worker.slot: worker for worker in self._workers}
                 for call in list(pending):
-                    worker = self._idle(slots[call])
+                    worker = self._idle() if slots[call] is None else held.get(slots[call])
                     if worker is not None:
                         pending.remove(call)
-                        worker.send(payloads[call], call, time.monotonic() + limit)
+                        worker.send(payloads[call], call, limit)
                 busy = [worker for worker in self._workers if worker.call is not None]
                 for call, answer in self._step(selector, busy, late, valid):
-                    answers[call] = answer
+                    if answer is None:  # queued behind a call whose worker was killed: never ran, goes again
+                        pending.insert(0, call)
+                    else:
+                        answers[call] = answer
         return answers
 
-    def _idle(self, slot: int | None) -> _Worker | None:
-        """The idle worker of `slot` (any idle worker for None), or None."""
-        return next((worker for worker in self._workers if worker.call is None and slot in (None, worker.slot)), None)
+    def _idle(self) -> _Worker | None:
+        return next((worker for worker in self._workers if worker.call is None), None)
 
     def _step(self, selector: selectors.BaseSelector, busy: list[_Worker], late: str,
-              valid: Callable[[Any, int], bool]) -> list[tuple[int, dict]]:
+              valid: Callable[[Any, int], bool]) -> list[tuple[int, dict | None]]:
         """Wait for the next event of the `busy` workers (bytes, a death, a deadline); the calls it
-        finished. `late` is the problem a call past its deadline gets."""
+        finished (answer None: a call queued behind one whose worker was replaced, to send again).
+        `late` is the problem a call past its deadline gets."""
         for worker in busy:
             selector.register(worker.channel, selectors.EVENT_READ | (selectors.EVENT_WRITE if worker.outgoing else 0),
                               worker)
@@ -277,37 +307,39 @@ class SupervisedPool:
         events = {key.data: mask for key, mask in selector.select(timeout=max(0.0, min(wait, 3600.0)))}
         for worker in busy:
             selector.unregister(worker.channel)
-        done = []
+        done: list[tuple[int, dict | None]] = []
         for worker in busy:
             mask = events.get(worker, 0)
             try:
-                raw = worker.pump(bool(mask & selectors.EVENT_READ), bool(mask & selectors.EVENT_WRITE), self.answer_bytes)
+                raws = worker.pump(bool(mask & selectors.EVENT_READ), bool(mask & selectors.EVENT_WRITE),
+                                   self.answer_bytes)
             except EOFError:
-                done.append((worker.call, self._replace(worker, None, grace_s=2.0)))
+                done += self._replace(worker, None, grace_s=2.0)
                 continue
             except OverflowError as size:
-                done.append((worker.call, self._replace(worker, f"answered {size} bytes, over the cap of "
-                                                                f"{self.answer_bytes} bytes")))
+                done += self._replace(worker, f"answered {size} bytes, over the cap of {self.answer_bytes} bytes")
                 continue
-            if raw is not None:
+            for raw in raws:
                 answer = _json(raw)
-                if not valid(answer, worker.call):  # the channel no longer holds our frames: never trust it again
-                    done.append((worker.call, self._replace(worker, f"answered something other than "
-                                                                    f"{self.names.answer} on its channel")))
-                    continue
-                done.append((worker.call, answer))
-                worker.call = None
-            elif time.monotonic() >= worker.deadline:
-                done.append((worker.call, self._replace(worker, late)))
+                if worker.call is None or not valid(answer, worker.call):  # the channel no longer holds our frames
+                    done += self._replace(worker, f"answered something other than {self.names.answer} on its channel")
+                    break
+                done.append((worker.answered(), answer))
+            else:
+                if worker.call is not None and time.monotonic() >= worker.deadline:
+                    done += self._replace(worker, late)
         return done
 
-    def _replace(self, worker: _Worker, problem: str | None, grace_s: float = 0.0) -> dict[str, Any]:
-        """Kill `worker` (a new one starts in its slot on the next call); the failure its call gets."""
+    def _replace(self, worker: _Worker, problem: str | None, grace_s: float = 0.0) -> list[tuple[int, dict | None]]:
+        """Kill `worker` (a new one starts in its slot on the next call): the failure of the call it
+        was running, and None for those queued behind it (they never ran)."""
         ended = worker.kill(grace_s)
         self._workers.remove(worker)
         what = self.names.what
-        return {"failed": f"{problem} (its {what} worker was killed and replaced)" if problem
-                else f"{ended} in its {what} worker"}
+        failure = {"failed": f"{problem} (its {what} worker was killed and replaced)" if problem
+                   else f"{ended} in its {what} worker"}
+        calls = list(worker.calls)
+        return [(calls[0], failure), *((call, None) for call in calls[1:])] if calls else []
 
     # -- starting -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -321,9 +353,8 @@ class SupervisedPool:
         fresh = [self._spawner.submit(self._spawn, slot).result() for slot in range(self.size) if slot not in held]
         self._workers.extend(fresh)
         build = pickle.dumps(("build", self._factory, list(sys.path)))
-        deadline = time.monotonic() + self.start_timeout_s
         for index, worker in enumerate(fresh):
-            worker.send(build, index, deadline)
+            worker.send(build, index, self.start_timeout_s)
         return fresh
 
     def _start(self) -> None:
@@ -333,8 +364,8 @@ class SupervisedPool:
             worker.kill()
             self._workers.remove(worker)
         fresh, self._starting = self._starting + self._spawn_missing(), []
-        for index, worker in enumerate(fresh):
-            worker.call = index
+        for index, worker in enumerate(fresh):  # the build is each one's only call: number them in this list
+            worker.calls = deque([index])
         answers: dict[int, dict[str, Any]] = {}
         late = f"did not start within {self.start_timeout_s:g} s"
         built = lambda answer, call: isinstance(answer, dict) and ("ready" in answer or "error" in answer)  # noqa: E731

@@ -1,13 +1,15 @@
 """`rlgraph train`: a run on your own model, data and rewards, from one config.
 
     prepare(config)  -> Setup     tokenizer, prompt splits, rewards, the compiled RL and eval plans
-    build_roles(...) -> executor  the policy (LoRA or full), the reference, the critic, the rewards
+    build_roles(...) -> executor  local runtime: the policy (LoRA or full), the reference, the critic, the rewards
+    world_of_config(setup)        spmd/ray: the same roles as a recipe the workers build; no model here
     train(config)                 warm start, then the RL plan step after step: metrics, evaluation,
                                   checkpoints, logs; `resume=True` continues a run exactly
 
 Every RL step is one run of the compiled plan by the `PlanRunner` (the plan is the truth); so is
 every evaluation (the `evaluate` algorithm's plan). This module is the run's entry and its resume
-checks; `setup.py` prepares (data, rewards, plans), `roles.py` builds the models, `session.py`
+checks; `setup.py` prepares (data, rewards, plans), `roles.py` builds the local models, `recipe.py`
+the workers' (spmd/ray: warm start and evaluations run there too, as plans), `session.py`
 drives the warm start, the runners and the loop, and `user_code.py` loads what the config names.
 The run directory holds `config.yaml` (resolved), `plan.txt`, `metrics.jsonl`, `tensorboard/`,
 `step-*/` checkpoints, `plots/*.png` and `summary.json`.

@@ -45,6 +45,7 @@ class _Session:
         self.first_eval: float | None = None
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
+        self._busy_before: dict[int, float] = {}  # spmd/ray: `_rank_busy()` when the step began
         self.announce_decode()
         setup.rewards.start()  # the reward workers import while the models warm up
         # Asynchronous RL: the reward terms' metrics of each batch generated and not trained yet, by batch
@@ -242,6 +243,13 @@ class _Session:
             if role in roles:
                 target.set_learning_rate(role, base * factor)
         self.setup.rewards.pop_metrics()  # what an evaluation left behind is not this step's
+        self._busy_before = self._rank_busy()
+
+    def _rank_busy(self) -> dict[int, float]:
+        """spmd/ray: plan step index -> seconds the busiest rank has spent on that step's commands so far
+        (the transports pipeline commands, so the controller's clock sees only where it waits)."""
+        busy = getattr(self.transport, "step_busy", None) or {}
+        return {index: max(seconds) for index, seconds in busy.items()}
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""
@@ -271,13 +279,22 @@ class _Session:
         return metrics
 
     def _stage_times(self) -> dict[str, float]:
-        """Seconds of this step in each kind of plan step (generate, train, reward, ...)."""
+        """Seconds of this step in each kind of plan step (generate, train, reward, ...): on spmd/ray a
+        worker step's are the busiest rank's own (`time/sync_weights_s` is the ranks' sync), measured
+        since `before_step` (evaluations between steps run on the same ranks); the controller's
+        steps, and every step on the local runtime, are the controller's clock."""
         totals: dict[str, float] = {}
         for step in self.setup.rl.plan.steps:
             kind = _step_kind(step)
             totals[kind] = totals.get(kind, 0.0) + self.runner.step_seconds.get(step.index, 0.0)
         out = {f"time/{kind}_s": seconds - self._stage_seconds.get(kind, 0.0) for kind, seconds in totals.items()}
         self._stage_seconds = totals
+        busy, before = self._rank_busy(), self._busy_before
+        ranks: dict[str, float] = {}
+        for step in self.setup.rl.plan.steps:
+            if step.index in busy:
+                ranks[_step_kind(step)] = ranks.get(_step_kind(step), 0.0) + busy[step.index] - before.get(step.index, 0.0)
+        out.update({f"time/{kind}_s": seconds for kind, seconds in ranks.items()})
         return out
 
     def evaluate(self, runner: Any = None) -> dict[str, float]:
@@ -309,6 +326,7 @@ class _Session:
             trainer.save()  # the last step is always checkpointed
         if self.setup.eval_rows and (not self.config.eval.every or trainer.step % self.config.eval.every):
             final = self.evaluate()
+            final["time/compile_s"] = self.executor.decode_ledger.pop_seconds()  # the evaluation's decode compiles
             self.logger.log(trainer.step, final)
         return time.perf_counter() - start
 

@@ -40,6 +40,10 @@ def test_workers_give_the_episodes_the_controller_gives(env):
     executor = tiny_executor()
     try:
         away = run(executor, env, tiny_prompts(2), env_workers=2)
+        # one row's environment called on its own (the protocol's methods, one round trip each), as the driver does
+        (alone,), (local,) = executor.env_workers["env"].environments(1, executor.tokenizer), [executor._environment(EnvRef("env"))]
+        assert alone.initial_observation({"text": "1+2="}) == local.initial_observation({"text": "1+2="})
+        assert alone.step([5, 6]) == local.step([5, 6])
     finally:
         executor.env_workers["env"].close()
     for name in ("response_ids", "mask", "context_mask", "logprobs"):
@@ -49,18 +53,23 @@ def test_workers_give_the_episodes_the_controller_gives(env):
 
 
 @pytest.mark.slow
-def test_a_hanging_step_and_a_dying_worker_end_their_episodes_counted():
-    """Three episodes, one per worker: on turn 2 the first hangs (killed at the 1 s timeout) and the
-    second kills its own process; both end there, counted in env_errors; the third plays its 3 turns."""
+@pytest.mark.parametrize("workers, errors, turns", [
+    (3, [1.0, 1.0, 0.0], [2.0, 2.0, 3.0]),  # one episode per worker: only the two accidents end
+    (1, [1.0, 1.0, 1.0], [2.0, 2.0, 2.0]),  # one worker: the steps queued behind the hang find their env gone
+])
+def test_a_hanging_step_and_a_dying_worker_end_their_episodes_counted(workers, errors, turns):
+    """Three episodes: on turn 2 the first hangs (killed at the 1 s timeout) and the second kills its
+    own process; they end there, counted in env_errors, and so does any episode whose env lived in a
+    killed worker; the others play their 3 turns. The run returns."""
     executor = tiny_executor()
     started = time.perf_counter()
     try:
-        ro, episodes, _ = run(executor, envs.Accidents, tiny_prompts(3), n=1, env_workers=3, step_timeout=1.0)
+        ro, episodes, _ = run(executor, envs.Accidents, tiny_prompts(3), n=1, env_workers=workers, step_timeout=1.0)
     finally:
         executor.env_workers["env"].close()
     assert time.perf_counter() - started < 120  # not the 600 s of the hung step (worker starts: a few s each)
-    assert episodes[:, ERRORS].tolist() == [1.0, 1.0, 0.0]
-    assert episodes[:, TURNS].tolist() == [2.0, 2.0, 3.0]  # the failed step is the second turn's
+    assert episodes[:, ERRORS].tolist() == errors
+    assert episodes[:, TURNS].tolist() == turns  # the failed step is the second turn's
     assert (ro.mask.sum(1) > 0).all()
 
 

@@ -14,6 +14,7 @@ class Countdown(rg.Env):
         self.turn, self.ones = 0, 0
 
     def step(self, text):
+        assert isinstance(text, str), f"a text env's action is text, got {type(text).__name__}"
         self.turn += 1
         self.ones += text.count("1")
         return rg.Step("12" * self.turn, reward=float(self.ones), done=self.turn >= 3, info={"tool_calls": 1})

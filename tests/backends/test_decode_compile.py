@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlgraph.backends.local import decode_compile as dc
 from rlgraph.backends.local.decode_compile import CompileLedger, DecodeCompile, padded_width, step_saving
@@ -88,6 +90,25 @@ def test_bad_projected_calls_are_refused(calls):
 def test_bad_widths_are_refused(width):
     with pytest.raises(ConfigError, match=r"DecodeCompile\(width="):
         DecodeCompile("auto", width=width)
+
+
+JUNK = st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=True, allow_infinity=True), st.none(), st.booleans(),
+                 st.text(max_size=6), st.lists(st.integers(-2, 9), max_size=3))
+KEYS = st.one_of(st.integers(-3, 99), st.text(max_size=3), st.booleans(), st.none(), st.floats(allow_nan=False))
+
+
+@settings(max_examples=50, deadline=None)
+@given(mode=st.one_of(JUNK, st.sampled_from(dc.MODES)), calls=st.one_of(JUNK, st.dictionaries(KEYS, JUNK, max_size=3)),
+       width=JUNK)
+def test_any_policy_is_built_or_refused_with_a_config_error(mode, calls, width):
+    """Whatever a user passes, a policy is built (and then decides) or a ConfigError names the field."""
+    try:
+        policy = DecodeCompile(mode, calls=calls, width=width)
+    except ConfigError as error:
+        assert any(field in str(error) for field in ("DecodeCompile.mode=", "DecodeCompile(calls=", "DecodeCompile(width="))
+        return
+    assert policy.mode in dc.MODES and all(type(k) is int and type(v) is int and v >= 0 for k, v in policy.calls.items())
+    assert isinstance(CompileLedger(DecodeCompile(policy.mode, calls=policy.calls)).decide(**SHAPE).compile, bool)
 
 
 def test_the_executor_refuses_a_bad_mode_and_on_for_a_model_the_lean_step_cannot_drive(tokenizer):

@@ -106,3 +106,28 @@ def test_a_checkpoint_state_restores_the_weights_it_was_taken_with():
     other = LocalTransport(make_executor(seed=1))
     other.restore_state(state, "a test")
     assert all(torch.equal(a, b) for a, b in zip(other.pull_state("policy").values(), transport.pull_state("policy").values()))
+
+
+def test_save_weights_writes_the_roles_weights_and_a_lora_roles_merged(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlgraph.backends.local.executor import LMWorker
+    from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict
+
+    executor = make_executor()
+    transport = LocalTransport(executor)
+    written = load_file(transport.save_weights("policy", str(tmp_path / "policy.safetensors")))
+    live = executor.models["policy"].model.state_dict()
+    assert all(torch.equal(written[name], live[name]) for name in written) and set(live) - set(written) <= {"lm_head.weight"}
+    lora = apply_lora(executor.models["policy"].model, LoraSettings(4, 8.0, 0.0, ("q_proj",)), seed=1)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.01)  # adapters that change the merged weights
+    executor.models["lora"] = LMWorker(lora)
+    merged = load_file(transport.save_weights("lora", str(tmp_path / "merged.safetensors")))
+    want = merged_state_dict(lora)
+    assert not any("lora" in name for name in merged)
+    assert all(torch.equal(merged[name], want[name]) for name in merged)
+    with pytest.raises(rlgraph.RLGraphError, match="no role 'critic'; it holds policy, lora"):
+        transport.save_weights("critic", str(tmp_path / "critic.safetensors"))

@@ -480,6 +480,11 @@ def test_a_spmd_run_matches_the_local_run_and_its_controller_builds_no_model(ful
     for name in local:
         torch.testing.assert_close(spmd[name], local[name], rtol=0, atol=2 * (3 * 2e-3 + 4 * 1e-3))
     assert not (tmp_path / "spmd" / "start_weights").exists()  # the warm-started policy's file is gone
+    # Stage times are the ranks' own (commands are pipelined: the controller's clock sees only its waits)
+    steps = [json.loads(line) for line in (tmp_path / "spmd" / "metrics.jsonl").read_text().splitlines()]
+    for row in (row for row in steps if "reward" in row):
+        assert row["time/sync_weights_s"] > 0 and row["time/train_s"] > 0 and row["time/generate_s"] > 0, row
+        assert row["time/train_s"] < row["time/step_s"]
 
 
 def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, tmp_path):
