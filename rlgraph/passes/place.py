@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from rlgraph.ir.errors import did_you_mean
+from rlgraph.ir.errors import ConfigError, did_you_mean
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.tracing import DEFAULT_ROLES
@@ -254,6 +254,9 @@ def place(program: Program, options: CompileOptions) -> Program:
     from rlgraph.passes.memory_plan import defer_grad_sync, plan_memory  # the memory model is its own module
 
     check_model_roles(program, options)
+    if options.env_workers is not None and not any(primitive_name(node) == "rollout" for node in program.graph.nodes):
+        raise ConfigError(f"env_workers={options.env_workers} but {program.name} never calls rg.rollout: there are no "
+                          "environments to step", fix="leave env_workers out (None) for an algorithm without rg.rollout")
     groups = resolve_groups(program, options)
     memory, host_memory = plan_memory(program, groups, options)  # a placement that cannot fit is refused as given
     deferred = defer_grad_sync(program, groups, options) if getattr(options.placement, "grad_sync", "each") == "auto" else groups

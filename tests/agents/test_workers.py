@@ -113,6 +113,13 @@ def test_bad_env_worker_settings_are_refused_naming_them(option, values):
             EnvWorkers(envs.Countdown, **({"workers": 2, "memory_mb": 4096} | {option.removeprefix("env_"): value}))
 
 
+def test_env_workers_for_an_algorithm_without_environments_are_refused():
+    from rlgraph.algorithms import grpo
+
+    with pytest.raises(ConfigError, match="env_workers=2 but grpo never calls rg.rollout"):
+        rg.compile(grpo, sizes={"B": 2, "P": 8, "T": 8}, env_workers=2)
+
+
 HPARAMS = dict(n=2, max_turns=3, max_tokens_per_turn=4, max_total_tokens=30)
 
 
