@@ -256,6 +256,10 @@ class WorkerPool(Transport):
         """The full (unsharded) weights of `role`, on the CPU, from the ranks that train or hold it."""
         return self.recipe.full_weights(role, self._all(range(self.world), "full_state", role))
 
+    def busy_seconds(self) -> dict[int, float]:
+        """Plan step index -> seconds the busiest rank has spent on that step's commands, so far."""
+        return {index: max(seconds) for index, seconds in self.step_busy.items()}
+
     def save_weights(self, role: str, path: str) -> str:
         """`role`'s full weights written to `path` by the first rank of its group (the others join the
         gather); nothing of them crosses to the controller."""

@@ -19,6 +19,7 @@ of them (tests/runtime/test_transport.py checks the signatures):
 | `fetch(name, rank)` | one rank's value (a model version, update statistics) |
 | `current(role, rank)` | the live version of `role` on `rank` |
 | `flush()` | wait until every command sent so far has finished (the end of an iteration) |
+| `busy_seconds()` | plan step index -> seconds the busiest rank has spent on that step's commands (remote workers: commands are pipelined, so the controller's clock sees only its waits; {} in one process) |
 | `set_learning_rate(role, lr)` | every rank training `role` sets its optimizer's learning rate |
 | `pull_state(role)` | `role`'s full weights, on the CPU |
 | `save_weights(role, path)` | `role`'s full weights (a LoRA role's merged) written to a safetensors file where the role lives, none through the controller |
@@ -109,6 +110,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def flush(self) -> None: ...
 
+    @abc.abstractmethod
+    def busy_seconds(self) -> dict[int, float]: ...
+
     # -- the run's commands, between iterations ---------------------------------------------------
     @abc.abstractmethod
     def set_learning_rate(self, role: str, lr: float) -> None: ...
@@ -185,6 +189,9 @@ class LocalTransport(Transport):
 
     def flush(self) -> None:
         pass  # nothing is pipelined in one process
+
+    def busy_seconds(self) -> dict[int, float]:
+        return {}  # every command runs as it is sent: the controller's clock times it
 
     def set_learning_rate(self, role: str, lr: float) -> None:
         self.executor.set_learning_rate(role, lr)

@@ -248,8 +248,7 @@ class _Session:
     def _rank_busy(self) -> dict[int, float]:
         """spmd/ray: plan step index -> seconds the busiest rank has spent on that step's commands so far
         (the transports pipeline commands, so the controller's clock sees only where it waits)."""
-        busy = getattr(self.transport, "step_busy", None) or {}
-        return {index: max(seconds) for index, seconds in busy.items()}
+        return self.transport.busy_seconds() if self.transport is not None else {}
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """The plan's metrics plus the reward terms, accuracy, throughput, stage times and evaluation."""

@@ -72,3 +72,21 @@ def test_weights_gathered_in_the_engines_dtype_equal_the_full_weights_cast(gloo)
         assert full.dtype == torch.bfloat16
         assert torch.equal(full, param.full_tensor().detach().to(torch.bfloat16))
     assert (engine_dtype(torch.device("cuda")), engine_dtype(torch.device("cpu"))) == (torch.bfloat16, torch.float32)
+
+
+def test_host_buffers_are_allocated_once_and_reused_every_offload():
+    """The offload step parks optimizer state in host buffers it keeps (pinned on CUDA: that path is
+    untested without a GPU); here the same logic on pageable CPU tensors."""
+    from rlgraph.backends.fsdp.shards import HostBuffers
+
+    buffers = HostBuffers(pin=False)
+    moment = torch.randn(5, 3)
+    parked = buffers.park(("policy", 0, "exp_avg"), moment)
+    assert torch.equal(parked, moment) and parked.data_ptr() != moment.data_ptr()
+    back = buffers.restore(parked, torch.device("cpu"))
+    back.add_(1.0)  # the optimizer steps on the restored copy
+    again = buffers.park(("policy", 0, "exp_avg"), back)
+    assert again.data_ptr() == parked.data_ptr() and torch.equal(again, moment + 1.0)  # reused, new values
+    other = buffers.park(("policy", 0, "exp_avg"), torch.zeros(2, dtype=torch.float64))  # another shape: a new buffer
+    assert other.data_ptr() != parked.data_ptr() and other.dtype == torch.float64
+    assert len(buffers.buffers) == 1

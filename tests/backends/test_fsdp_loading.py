@@ -272,3 +272,28 @@ def test_a_critic_starts_from_the_policys_weights_by_seed_or_by_file(tmp_path):
 def test_a_bad_backbone_seed_is_refused_naming_the_field(options, message):
     with pytest.raises(ValueError, match=message):
         RoleSpec(**options)
+
+
+def test_the_engine_of_a_trained_role_is_allocated_empty_for_its_first_sync(tmp_path):
+    """No second full read of the model at start-up: the plan syncs a trained role's weights into its
+    engine before every generate, so the engine is allocated (buffers computed, head still tied)
+    without reading any weights; a frozen generator's engine is built with its weights."""
+    from rlgraph.backends.fsdp.build import _generation_engine
+
+    model = _model()
+    model.save_pretrained(str(tmp_path))
+    tokenizer = load_tokenizer(None)
+    world = WorldSpec({"policy": RoleSpec(source=str(tmp_path), optimizer="adamw")}, {})
+    trained = rg.compile(ALGORITHMS["grpo"], mesh="cpu:2", placement=rg.colocated(), sizes={"B": 2, "P": 8, "T": 4},
+                         n=2).plan
+    group = next(group for group in trained.groups if group.name == "policy")
+    engine = _generation_engine(world, "policy", group, 0, tokenizer, torch.device("cpu"), trained.groups)
+    full = build_causal_lm(str(tmp_path), tokenizer=tokenizer)
+    assert not any(param.is_meta or param.requires_grad for param in engine.parameters())
+    assert engine.lm_head.weight is engine.model.embed_tokens.weight
+    assert [name for name, _ in engine.named_parameters()] == [name for name, _ in full.named_parameters()]
+    for (name, buffer), (_, want) in zip(engine.named_buffers(), full.named_buffers(), strict=True):
+        assert torch.equal(buffer, want), name  # rotary frequencies: computed, not read
+    frozen = [attrs.evolve(group, train=None)]  # a generator no plan step syncs keeps its own weights
+    built = _generation_engine(world, "policy", group, 0, tokenizer, torch.device("cpu"), frozen)
+    assert all(torch.equal(built.state_dict()[name], tensor) for name, tensor in full.state_dict().items())

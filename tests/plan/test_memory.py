@@ -336,7 +336,7 @@ def test_a_cpu_rank_holds_every_phase_placed_on_it_and_the_controller_no_model()
     persistent = MemoryBreakdown.sum(part.persistent() for part in phases.values())
     largest = max(part.transient().total for part in phases.values())
     assert processes["rank 0"].total == processes["rank 1"].total == persistent.total + largest
-    params = get_preset("qwen2.5-0.5b").n_params
+    params = ModelShape.from_hf_config(get_preset("qwen2.5-0.5b")).n_params
     # engine copy 4n, policy shard 4n/2 + grads 4n/2 + two moments 8n/2, reference shard 4n/2
     assert persistent.params + persistent.grads + persistent.optimizer == pytest.approx(4 * params + 10 * params, rel=0.01)
 

@@ -487,6 +487,19 @@ def test_a_spmd_run_matches_the_local_run_and_its_controller_builds_no_model(ful
         assert row["time/train_s"] < row["time/step_s"]
 
 
+@pytest.mark.slow
+def test_a_ray_run_warm_starts_trains_and_evaluates_on_its_actors_like_the_local_run(full_run, tmp_path):
+    """The same recipe on Ray actors: the warm start's actors write the warm-started policy, the RL
+    actors read it; the first two steps' metrics are the local run's (whose steps 1-2 do not depend on
+    its length: a constant learning rate)."""
+    pytest.importorskip("ray")
+    run_dir, _, _ = full_run
+    config, _ = make_config(tmp_path, "ray", ["runtime.runtime=ray", "runtime.nproc=2", "train.steps=2"])
+    train(config)
+    assert_rows_close(train_rows(tmp_path / "ray"), train_rows(run_dir)[:2])
+    assert not (tmp_path / "ray" / "start_weights").exists()
+
+
 def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, tmp_path):
     from rlgraph.train.export import export_run
 

@@ -104,7 +104,7 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
                 adapters[group.name] = adapter_deltas(role_module(models[group.name]))
         if group.generate is not None:
             served = GENERATOR_OF.get(group.name, group.name)
-            engines[served] = _generation_engine(world, served, group, rank, tokenizer, device)
+            engines[served] = _generation_engine(world, served, group, rank, tokenizer, device, plan.groups)
     for role in views:
         from rlgraph.backends.lora import base_view
 
@@ -133,9 +133,13 @@ def check_views(views: Mapping[str, str], plan: Any) -> None:
                              f"{sorted(groups[role].ranks)}: use a colocated placement, or give it {base!r}'s group")
 
 
-def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device) -> Any:
+def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device,
+                       plan_groups: Any = ()) -> Any:
     """The engine a generating rank runs: a full copy of the model for the native generator, or
-    a vLLM engine (GPU only; UNTESTED against a live vLLM, see rlgraph/backends/vllm/engine.py)."""
+    a vLLM engine (GPU only; UNTESTED against a live vLLM, see rlgraph/backends/vllm/engine.py).
+    The native engine of a role the plan trains is allocated empty: the plan's sync_weights step
+    before its every generate loads it (no second full read of the model at start-up); a frozen
+    generator's is built with its weights."""
     spec = _role_spec(world, served)
     if group.generate.engine == "vllm":
         if device.type != "cuda":
@@ -147,6 +151,16 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
         return VLLMEngine.build(source, role=served, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id, rank=rank, seed=world.seed, load_format="dummy",
                                 tensor_parallel_size=group.generate.tp)
+    trained = next((other.train for other in plan_groups if other.name == served), None) is not None
+    if trained:  # every generate of a trained role follows a sync_weights step: the first one fills the engine
+        from rlgraph.backends.fsdp.loading import allocate
+        from rlgraph.backends.local.models import build_causal_lm
+        from rlgraph.backends.world import _config_only
+
+        with parameters_on_meta():  # the plain model (a LoRA role's engine serves its merged weights)
+            engine = build_causal_lm(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
+        allocate(engine, device)
+        return engine.eval().requires_grad_(False)
     return spec.build_module(tokenizer, engine_dtype(device), merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
 
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 # The builders and the shard helpers are re-exported: callers have imported them from here.
 from rlgraph.backends.fsdp.build import GENERATOR_OF, build_fsdp_executor, check_views
-from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, gather_full, on_host, role_module
+from rlgraph.backends.fsdp.shards import HostBuffers, LocalShardOptimizer, RoleForward, gather_full, on_host, role_module
 from rlgraph.backends.fsdp.state import ShardedState, merge_optimizer_states
 from rlgraph.backends.fsdp.sync import WeightSync
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker, StaleVersionError
@@ -60,6 +60,7 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
         self.sync_groups = sync_groups    # {trainer leader} | generating ranks -> process group
         self.offloaded: dict[str, bool] = {}
         self.adapters = adapters or {}    # LoRA role -> its adapters to merge for the engine (`adapter_deltas`)
+        self.host_buffers: HostBuffers | None = None  # CUDA: pinned host copies of parked optimizer state, reused
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, model: ModelRef, prompts: Any, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -126,9 +127,11 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
 
     # -- memory ------------------------------------------------------------------------------
     def offload(self, role: str, direction: str) -> None:
-        """Optimizer state and gradients to host memory (`offload`) or back (`onload`).
+        """Optimizer state and gradients to host memory (`offload`) or back (`onload`), through
+        pinned host buffers allocated at the first offload and reused every step (`HostBuffers`).
 
         On a CPU device they are host memory already: the step is recorded, nothing moves.
+        UNTESTED on CUDA (no GPU in the sessions that wrote it); `HostBuffers` is tested on the CPU.
         """
         self.offloaded[role] = direction == "offload"
         engine = self.engines.get(role)
@@ -137,11 +140,13 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
         worker = self.models.get(role)
         if worker is None or worker.optimizer is None or self.device.type != "cuda" or on_host(worker):
             return
-        target = torch.device("cpu") if direction == "offload" else self.device
-        for state in worker.optimizer.state.values():
+        if self.host_buffers is None:
+            self.host_buffers = HostBuffers(pin=True)
+        for position, state in enumerate(worker.optimizer.state.values()):
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = value.to(target, non_blocking=True)
+                    state[key] = (self.host_buffers.park((role, position, key), value) if direction == "offload"
+                                  else self.host_buffers.restore(value, self.device))
         if direction == "offload":
             for param in worker.model.parameters():
                 param.grad = None

@@ -149,6 +149,16 @@ def fill_shards(root: torch.nn.Module, module: torch.nn.Module, source: WeightSo
     """Allocate `root`'s meta parameters (FSDP2-sharded DTensors or plain) on `device` and copy into
     each one only its local rows from `source`, read by `module`'s names (`module` is `root`'s
     model, the names a state dict has). Buffers keep their values; persistent ones are read too."""
+    allocate(root, device)
+    with torch.no_grad():
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if name in source.names:
+                _fill(tensor, name, source)
+
+
+def allocate(root: torch.nn.Module, device: torch.device) -> None:
+    """Give `root`'s meta parameters storage on `device`, uninitialised (what `fill_shards` fills, or
+    a generation engine's first `sync_weights`); buffers keep their values and tied parameters stay tied."""
     buffers = [buffer.detach().clone() for buffer in root.buffers()]
     owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # a tied parameter: every (module, name) holding it
     for owner in root.modules():
@@ -163,9 +173,6 @@ def fill_shards(root: torch.nn.Module, module: torch.nn.Module, source: WeightSo
     with torch.no_grad():
         for kept, fresh in zip(buffers, root.buffers(), strict=True):
             fresh.copy_(kept)
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if name in source.names:
-                _fill(tensor, name, source)
 
 
 def _fill(tensor: torch.Tensor, name: str, source: WeightSource) -> None:

@@ -139,3 +139,28 @@ class LocalShardOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+
+
+class HostBuffers:
+    """Host copies of the optimizer state an offload step parks, allocated once and reused every step:
+    pinned where an accelerator is present (`pin`), so the device-to-host and host-to-device copies
+    run asynchronously (until the executor synchronizes), instead of a fresh pageable tensor per
+    tensor per step. Keyed by (role, the state's position, its name); a shape or dtype change
+    allocates anew."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def park(self, key: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied into its host buffer (which is returned: the optimizer state now)."""
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin)
+        buffer.copy_(tensor, non_blocking=self.pin)
+        return buffer
+
+    def restore(self, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A device copy of a parked buffer (the buffer stays, for the next park)."""
+        return buffer.to(device, non_blocking=self.pin)
+
