@@ -18,9 +18,9 @@ removes, so it is taken per layer; on CUDA it is an estimate (CUDA graphs over t
 docs/gpu.md). Each measured compile is written to `decode_compiles.json` beside Inductor's own
 cache, so the next run of the same shapes knows it compiles warm.
 
->>> policy = DecodeCompile("auto", calls={64: 2000})  # 2000 x 64 x 0.209 ms = 26.8 s > 14 s
+>>> policy = DecodeCompile("auto", calls={16: 1000})  # 1000 x 64 x 0.328 ms = 21 s > 14 s
 >>> ledger = CompileLedger(policy)
->>> ledger.decide(rows=64, width=48, steps=64, layers=2, device="cpu", signature="qwen2").compile
+>>> ledger.decide(rows=16, width=48, steps=64, layers=2, device="cpu", signature="qwen2").compile
 True
 """
 
@@ -40,11 +40,13 @@ from rlgraph.ir.errors import ConfigError, did_you_mean
 MODES = ("auto", "on", "off")
 WIDTH_BUCKET = 16  # compiled decode pads the prompt columns up to a multiple of this: few cache lengths, few compiles
 
-# Measured on the 2-core CPU, tiny Qwen2 (2 layers), 16 tokens a call (benchmarks/decode.py, 2026-11-25):
-# 16 rows save 2.4 ms a call (0.150 ms a step), 128 rows 4.6 ms (0.288 ms a step): a fit of
-# a + b x rows through both gives a = 0.130 ms and b = 1.23 us a step, per 2 layers.
-CPU_SAVING_PER_LAYER_S = 0.065e-3
-CPU_SAVING_PER_ROW_LAYER_S = 0.62e-6
+# Measured on the 2-core CPU, tiny Qwen2 (2 layers), 16 tokens a call, one thread, Inductor's C++
+# wrapper (benchmarks/decode.py --rows 8 16 64 128 --threads 1, 2026-11-28): 8, 16, 64, 128 rows save
+# 0.32, 0.37, 0.15, -0.19 ms a step. The saving is dispatch removed, and shrinks with the rows, where
+# Inductor's kernels lose to eager's BLAS calls: a least-squares fit of a + b x rows gives a = 0.405 ms
+# and b = -4.5 us a step, per 2 layers (no saving from ~90 rows on).
+CPU_SAVING_PER_LAYER_S = 0.20e-3
+CPU_SAVING_PER_ROW_LAYER_S = -2.25e-6
 # CUDA (estimate, untested): a CUDA graph replays the step's ~20 kernels a layer without the host
 # dispatch of each (~10 us an op in eager PyTorch), whatever the rows.
 CUDA_SAVING_PER_LAYER_S = 0.2e-3
@@ -183,6 +185,8 @@ class CompileLedger:
         projected = (f"{calls} calls x {steps} steps x {step_saving(rows, layers, device) * 1e3:.3f} ms "
                      f"= {saving:.1f} s saved")
         verdict = ">" if saving > cost else "<="
+        if saving <= 0:
+            projected += " (at this many rows the compiled step is not faster)"
         return Decision(saving > cost, f"auto, {rows} rows x {length} columns: {projected} {verdict} {basis}")
 
     def first_call(self, shape: tuple) -> bool:
