@@ -55,12 +55,20 @@ class _Session:
     def announce_decode(self) -> None:
         """Say at start whether the rollouts' decode step compiles (`generation.compile`) and why."""
         rollout, sizes = self.config.rollout, self.setup.rl.plan.sizes
+        if self.executor is None:  # spmd/ray: rollouts and evaluations run on the workers, which decode eager
+            self.console.print(f"generation.compile={self.config.generation.compile}: the {self.config.runtime.runtime} "
+                               "workers decode eager (the compiled decode step is the local runtime's)",
+                               markup=False, highlight=False, soft_wrap=True)
+            return
         policy = self.executor.models["policy"].model
         decision = self.executor.decode_decision(policy, rollout.prompts_per_step * rollout.n, sizes.get("P", 1),
                                                  rollout.max_new_tokens)
-        where = "" if self.config.runtime.runtime == "local" else " (evaluation only: the workers decode eager)"
-        self.console.print(f"generation.compile={self.config.generation.compile}{where}: {decision.text()}",
+        self.console.print(f"generation.compile={self.config.generation.compile}: {decision.text()}",
                            markup=False, highlight=False, soft_wrap=True)
+
+    def _compile_seconds(self) -> float:
+        """Seconds of decode compiles since the last call (the local executor's; none on spmd/ray)."""
+        return self.executor.decode_ledger.pop_seconds() if self.executor is not None else 0.0
 
     def next_batch(self) -> Any:
         return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
@@ -203,7 +211,7 @@ class _Session:
         """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its
         accuracy (`warm_start/accuracy`, also printed), and the warm start's own metrics."""
         row = {**self.warm, **(self.evaluate() if self.setup.eval_rows else {})}
-        row["time/compile_s"] = self.executor.decode_ledger.pop_seconds()  # the evaluation's decode compiles
+        row["time/compile_s"] = self._compile_seconds()  # the evaluation's decode compiles
         if self.warm and "eval/accuracy" in row:
             row["warm_start/accuracy"] = row["eval/accuracy"]
             self.console.print(f"warm start: held-out accuracy {row['eval/accuracy']:.1%} "
@@ -263,7 +271,7 @@ class _Session:
         rows = self.config.rollout.prompts_per_step * self.config.rollout.n * metrics.get("filter/rounds", 1.0)
         # Decode compiles (generation.compile) are reported apart: time/step_s is the step's wall time,
         # compile included; the throughputs are of the step without them.
-        compile_seconds = self.executor.decode_ledger.pop_seconds()
+        compile_seconds = self._compile_seconds()
         seconds = metrics["time/step_s"] - compile_seconds
         metrics["samples_per_s"] = rows / seconds
         if "response_length/mean" in metrics:
@@ -272,7 +280,7 @@ class _Session:
         every = self.config.eval.every
         if self.setup.eval_rows and every and step % every == 0:
             metrics.update(self.evaluate())
-        metrics["time/compile_s"] = compile_seconds + self.executor.decode_ledger.pop_seconds()  # and the evaluation's
+        metrics["time/compile_s"] = compile_seconds + self._compile_seconds()  # and the evaluation's
         if self.logger is not None:  # before the step's checkpoint: a run killed after it has its metrics
             self.logger.log(step, metrics)
         return metrics
@@ -325,7 +333,7 @@ class _Session:
             trainer.save()  # the last step is always checkpointed
         if self.setup.eval_rows and (not self.config.eval.every or trainer.step % self.config.eval.every):
             final = self.evaluate()
-            final["time/compile_s"] = self.executor.decode_ledger.pop_seconds()  # the evaluation's decode compiles
+            final["time/compile_s"] = self._compile_seconds()  # the evaluation's decode compiles
             self.logger.log(trainer.step, final)
         return time.perf_counter() - start
 
