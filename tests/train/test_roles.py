@@ -9,17 +9,10 @@ from rlgraph.train.roles import compiles_training
 from tests.train.test_run import make_config
 
 
-def test_auto_counts_the_runs_training_forwards(tmp_path):
-    # 4 prompts x n=4 = 16 rows a step, one micro-batch: 10,000 steps reach the break-even, 9,999 do not
-    long, _ = make_config(tmp_path, "long", ["train.steps=10000"])
-    short, _ = make_config(tmp_path, "short", ["train.steps=9999"])
-    assert compiles_training(long, "cpu") and not compiles_training(short, "cpu")
-    # micro-batches of 4 rows: 4 forwards a step
-    micro, _ = make_config(tmp_path, "micro", ["train.steps=2500", "algorithm.hparams={kl: 0.04, micro_batch_size: 4}"])
-    assert compiles_training(micro, "cpu")
-    seconds, _ = make_config(tmp_path, "seconds", ["train.steps=null", "train.seconds=60"])
-    assert not compiles_training(seconds, "cpu")
-    assert not compiles_training(long, "cuda")
+def test_auto_stays_eager_however_long_the_run(tmp_path):
+    # auto is off until the recompiles measured in `rlgraph bench` are bounded (train_compile's docstring)
+    long, _ = make_config(tmp_path, "long", ["train.steps=100000"])
+    assert not compiles_training(long, "cpu") and not compiles_training(long, "cuda")
 
 
 def test_on_and_off_are_taken_as_said(tmp_path):

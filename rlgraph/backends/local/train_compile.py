@@ -8,12 +8,13 @@ the second distinct shape makes Dynamo compile a dynamic-shape graph, after whic
 prompt widths reuse it. Inference forwards (`rg.logprobs`, `rg.values`) stay eager: they run once
 per step, under `no_grad`, where the compiled graph would be another compile.
 
-`auto` (the config's default) compiles only where it is measured to pay: docs/benchmarks.md
-("Training step: eager vs torch.compile") measured 1.34x on the update's forward+backward on
-the CPU (~2.3 ms saved per 64-row micro-batch of the tiny model) against a ~24 s cold compile,
-so it repays after ~10,000 micro-batches. `auto` is therefore on for a CPU run that trains at
-least `AUTO_MIN_FORWARDS` micro-batches (from `train.steps`; a run bounded only by
-`train.seconds` has no count and stays eager), and off on CUDA, where nothing was measured.
+`auto` (the config's default) is off for now. docs/benchmarks.md ("Training step: eager vs
+torch.compile") measured 1.34x on one update's forward+backward on the CPU (~2.3 ms saved per
+64-row micro-batch of the tiny model) against a ~24 s cold compile, which would repay after
+~`BREAK_EVEN_FORWARDS` micro-batches; but in `rlgraph bench` (docs/benchmarks.md, "Compiled decode
+in runs") the compiled update recompiled as the batches' shapes changed: 0.21x TRL's speed on the
+large configuration, where nearly every step compiled. Until those recompiles are understood and
+bounded, `auto` never compiles the training forward; `on` does, where asked.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from rlgraph.errors import ConfigError
 
 COMPILE_MODES = ("auto", "on", "off")
-AUTO_MIN_FORWARDS = 10_000  # micro-batch forwards a cold CPU compile needs to repay itself (module docstring)
+BREAK_EVEN_FORWARDS = 10_000  # micro-batch forwards a cold CPU compile would need to repay itself (module docstring)
 
 
 @functools.cache
@@ -37,13 +38,9 @@ def compiled_role_outputs() -> Any:
     return torch.compile(role_outputs)
 
 
-def resolve_train_compile(mode: str, device: str, forwards: int | None, where: str = "train.compile") -> bool:
-    """Whether to compile the training forward: `on`, `off`, or `auto` (module docstring).
-
-    `forwards`: the micro-batch forwards the run will train (None: unknown)."""
+def resolve_train_compile(mode: str, where: str = "train.compile") -> bool:
+    """Whether to compile the training forward: `on`, `off`, or `auto` (off: module docstring)."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"{where}={mode!r} is not one of {', '.join(map(repr, COMPILE_MODES))}",
-                          fix=f"{where}=auto (compile where it pays), on, or off")
-    if mode != "auto":
-        return mode == "on"
-    return torch.device(device).type == "cpu" and forwards is not None and forwards >= AUTO_MIN_FORWARDS
+                          fix=f"{where}=auto (off for now), on, or off")
+    return mode == "on"  # auto: off until the recompiles measured in the bench are bounded (module docstring)
