@@ -335,10 +335,10 @@ class LocalExecutor:
         """`_forward` of an update's micro-batch: compiled with `compile_train` (`train_compile.py`)."""
         if not self.compile_train:
             return self._forward(worker, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
-        from rlgraph.backends.local.train_compile import compiled_role_outputs
+        from rlgraph.backends.local.train_compile import compiled_role_outputs, mark_dynamic_shapes
 
-        return compiled_role_outputs()(worker.model, worker.kind, rollouts, temperature=temperature,
-                                       with_entropy=with_entropy, packed=packed)
+        return compiled_role_outputs()(worker.model, worker.kind, mark_dynamic_shapes(rollouts),
+                                       temperature=temperature, with_entropy=with_entropy, packed=packed)
 
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
                  packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

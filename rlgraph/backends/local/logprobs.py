@@ -74,13 +74,21 @@ def sequence_logprobs(
     if not temperature > 0.0:
         raise ValueError(f"sequence_logprobs: temperature must be > 0, got {temperature}; "
                          "for greedy rollouts recompute at temperature 1")
-    device = rollouts.response_ids.device
-    mask = rollouts.mask.bool()  # [N, T]
     hidden = response_hidden_states(model, rollouts, packed=packed)  # [N, T, H]
-    logprobs, entropy = token_logprobs(hidden[mask], _head_weight(model), rollouts.response_ids[mask],
+    full, entropy = masked_head(hidden, _head_weight(model), rollouts.response_ids, rollouts.mask.bool(),
+                                temperature=temperature, with_entropy=with_entropy)  # [N, T], [N, T] | None
+    return (full, entropy) if with_entropy else full
+
+
+# Under torch.compile (`train.compile`) the head stays eager: its M (the real tokens of a
+# micro-batch) is data-dependent, and the chunk loop would make Dynamo compile a graph per M.
+@torch.compiler.disable
+def masked_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *,
+                temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked LM head on the states `hidden` [N, T, H] of the real tokens `mask` [N, T]:
+    log-probs of `targets` [N, T] (and entropy), zero where `mask` is False."""
+    logprobs, entropy = token_logprobs(hidden[mask], weight, targets[mask],
                                        temperature=temperature, with_entropy=with_entropy)  # [M], [M] | None
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # [N, T]
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)  # [N, T]
     full = zeros.masked_scatter(mask, logprobs.float())  # [N, T]
-    if not with_entropy:
-        return full
-    return full, zeros.masked_scatter(mask, entropy.float())  # [N, T], [N, T]
+    return full, (zeros.masked_scatter(mask, entropy.float()) if with_entropy else None)  # [N, T], [N, T] | None
