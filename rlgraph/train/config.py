@@ -171,7 +171,7 @@ class TrainSection(Section):
     seed: int = 0
     # packed sequences: micro-batches of at most this many real tokens, no padding (null: micro-batches of rows)
     micro_batch_tokens: int | None = Field(None, strict=True, ge=1)
-    # the update's forward + backward under torch.compile: on, off, or auto (off for now: backends/local/train_compile.py)
+    # the update's forward + backward under torch.compile: auto (where it pays: backends/local/train_compile.py), on, off
     compile: Literal["auto", "on", "off"] = "auto"
 
 

@@ -48,18 +48,27 @@ def decode_policy(setup: Setup) -> DecodeCompile:
 
 
 def compiles_training(config: TrainConfig, device: str) -> bool:
-    """`train.compile` resolved for this run (`rlgraph.backends.local.train_compile`: `auto` is off
-    until the recompiles measured in the bench are bounded). `on` is refused off the local runtime:
-    FSDP2 under torch.compile is untested."""
+    """`train.compile` resolved for this run (`rlgraph.backends.local.train_compile`): `auto` counts
+    the micro-batch forwards the run trains: train.steps x epochs x micro-batches a step (rows /
+    micro_batch_size; rows x max_new_tokens / train.micro_batch_tokens, a lower bound; else one).
+    `on` is refused off the local runtime: FSDP2 under torch.compile is untested."""
     from rlgraph.backends.local.train_compile import resolve_train_compile
     from rlgraph.errors import ConfigError
 
-    mode = config.train.compile
+    mode, hparams, rollout = config.train.compile, config.algorithm.hparams, config.rollout
     if mode == "on" and config.runtime.runtime != "local":
         raise ConfigError(f"train.compile=on with runtime.runtime={config.runtime.runtime}: the compiled training "
                           "forward runs on the local runtime only (FSDP2 under torch.compile is untested)",
                           fix="train.compile=off (or auto), or runtime.runtime=local")
-    return config.runtime.runtime == "local" and resolve_train_compile(mode)
+    rows = rollout.prompts_per_step * rollout.n
+    if hparams.get("micro_batch_size"):
+        micro = -(-rows // int(hparams["micro_batch_size"]))
+    elif config.train.micro_batch_tokens:
+        micro = -(-rows * rollout.max_new_tokens // config.train.micro_batch_tokens)
+    else:
+        micro = 1
+    forwards = None if config.train.steps is None else config.train.steps * int(hparams.get("epochs", 1)) * micro
+    return config.runtime.runtime == "local" and resolve_train_compile(mode, device, forwards)
 
 
 BASE_FILE = "base.safetensors"  # a LoRA run's base after its warm start (the adapters merged into it)

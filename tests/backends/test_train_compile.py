@@ -1,27 +1,32 @@
 """The update's forward under torch.compile (`rlgraph.backends.local.train_compile`): the same
-step as eager, and `train.compile: auto` (off for now)."""
+step as eager, and `train.compile: auto` decided by the measured break-even."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlgraph.backends.local.train_compile import resolve_train_compile
+from rlgraph.backends.local.train_compile import AUTO_MIN_FORWARDS, resolve_train_compile
 from rlgraph.errors import ConfigError
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.testing.tiny import tiny_executor
 from tests.backends.test_packing import clipped_surrogate, ragged_rollouts
 
 
-@pytest.mark.parametrize("mode, expected", [("on", True), ("off", False), ("auto", False)])
-def test_on_compiles_and_auto_stays_eager_until_the_bench_recompiles_are_bounded(mode, expected):
-    assert resolve_train_compile(mode) is expected
+@pytest.mark.parametrize("mode, device, forwards, expected", [
+    ("on", "cpu", 1, True), ("on", "cuda", None, True), ("off", "cpu", 10 ** 9, False),
+    ("auto", "cpu", AUTO_MIN_FORWARDS, True), ("auto", "cpu", AUTO_MIN_FORWARDS - 1, False),
+    ("auto", "cpu", None, False),  # a run bounded by seconds: no count, no compile
+    ("auto", "cuda", 10 ** 9, False),  # nothing measured on a GPU
+])
+def test_auto_compiles_only_where_the_measured_break_even_is_passed(mode, device, forwards, expected):
+    assert resolve_train_compile(mode, device, forwards) is expected
 
 
 @pytest.mark.parametrize("bad", ["yes", "ON", True, None])
 def test_a_bad_mode_is_named(bad):
     with pytest.raises(ConfigError, match=f"train.compile={bad!r} is not one of 'auto', 'on', 'off'"):
-        resolve_train_compile(bad)
+        resolve_train_compile(bad, "cpu", 1)
 
 
 @pytest.mark.slow

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import pytest
 
+from rlgraph.backends.local.train_compile import AUTO_MIN_FORWARDS
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.roles import compiles_training
 from tests.train.test_run import make_config
 
 
-def test_auto_stays_eager_however_long_the_run(tmp_path):
-    # auto is off until the recompiles measured in `rlgraph bench` are bounded (train_compile's docstring)
-    long, _ = make_config(tmp_path, "long", ["train.steps=100000"])
-    assert not compiles_training(long, "cpu") and not compiles_training(long, "cuda")
+def test_auto_counts_the_runs_training_forwards(tmp_path):
+    # 4 prompts x n=4 = 16 rows a step, one micro-batch: AUTO_MIN_FORWARDS steps reach the break-even, one less does not
+    long, _ = make_config(tmp_path, "long", [f"train.steps={AUTO_MIN_FORWARDS}"])
+    short, _ = make_config(tmp_path, "short", [f"train.steps={AUTO_MIN_FORWARDS - 1}"])
+    assert compiles_training(long, "cpu") and not compiles_training(short, "cpu")
+    # micro-batches of 4 rows: 4 forwards a step, so a quarter of the steps reach it
+    micro, _ = make_config(tmp_path, "micro", [f"train.steps={AUTO_MIN_FORWARDS // 4}",
+                                               "algorithm.hparams={kl: 0.04, micro_batch_size: 4}"])
+    assert compiles_training(micro, "cpu")
+    # two epochs of 4 micro-batches: 8 forwards a step
+    epochs, _ = make_config(tmp_path, "epochs", [f"train.steps={AUTO_MIN_FORWARDS // 8 - 1}",
+                                                 "algorithm.hparams={kl: 0.04, micro_batch_size: 4, epochs: 2}"])
+    assert not compiles_training(epochs, "cpu")
+    seconds, _ = make_config(tmp_path, "seconds", ["train.steps=null", "train.seconds=60"])
+    assert not compiles_training(seconds, "cpu")
+    assert not compiles_training(long, "cuda")
 
 
 def test_on_and_off_are_taken_as_said(tmp_path):

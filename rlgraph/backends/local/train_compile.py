@@ -11,13 +11,14 @@ compiles the one graph every later shape reuses (a dimension of size 1 may add o
 specialises sizes 0 and 1). Inference forwards (`rg.logprobs`, `rg.values`) stay eager: they run once
 per step, under `no_grad`, where the compiled graph would be another compile.
 
-`auto` (the config's default) is off for now. docs/benchmarks.md ("Training step: eager vs
-torch.compile") measured 1.34x on one update's forward+backward on the CPU (~2.3 ms saved per
-64-row micro-batch of the tiny model) against a ~24 s cold compile, which would repay after
-~`BREAK_EVEN_FORWARDS` micro-batches; but in `rlgraph bench` (docs/benchmarks.md, "Compiled decode
-in runs") the compiled update recompiled as the batches' shapes changed: 0.21x TRL's speed on the
-large configuration, where nearly every step compiled. Until those recompiles are understood and
-bounded, `auto` never compiles the training forward; `on` does, where asked.
+`auto` (the config's default) compiles where it was measured to pay. In `rlgraph bench`
+(docs/benchmarks.md, "Compiled training step in the bench") the train stage of a step (one
+8-row micro-batch) ran 1.17-1.32x faster compiled on the small configuration (~3 ms saved an
+update) and 1.21-1.30x on the large one (~60 ms saved), against a cold compile of the dynamic
+graph of 110-140 s on the loaded 2-core CPU (11-18 s from a warm Inductor cache). The smaller
+saving sets the break-even: 139 s / 2.9 ms = ~48,000 micro-batches, so `auto` compiles a CPU run
+that trains at least `AUTO_MIN_FORWARDS` micro-batch forwards (from `train.steps`; a run bounded
+only by `train.seconds` has no count and stays eager), and is off on CUDA, where nothing was measured.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from rlgraph.batches import Rollouts
 from rlgraph.errors import ConfigError
 
 COMPILE_MODES = ("auto", "on", "off")
-BREAK_EVEN_FORWARDS = 10_000  # micro-batch forwards a cold CPU compile would need to repay itself (module docstring)
+AUTO_MIN_FORWARDS = 50_000  # micro-batch forwards a cold CPU compile needs to repay itself (module docstring)
 
 
 @functools.cache
@@ -54,9 +55,13 @@ def mark_dynamic_shapes(rollouts: Rollouts) -> Rollouts:
     return rollouts
 
 
-def resolve_train_compile(mode: str, where: str = "train.compile") -> bool:
-    """Whether to compile the training forward: `on`, `off`, or `auto` (off: module docstring)."""
+def resolve_train_compile(mode: str, device: str, forwards: int | None, where: str = "train.compile") -> bool:
+    """Whether to compile the training forward: `on`, `off`, or `auto` (module docstring).
+
+    `forwards`: the micro-batch forwards the run will train (None: unknown)."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"{where}={mode!r} is not one of {', '.join(map(repr, COMPILE_MODES))}",
-                          fix=f"{where}=auto (off for now), on, or off")
-    return mode == "on"  # auto: off until the recompiles measured in the bench are bounded (module docstring)
+                          fix=f"{where}=auto (compile where it pays), on, or off")
+    if mode != "auto":
+        return mode == "on"
+    return torch.device(device).type == "cpu" and forwards is not None and forwards >= AUTO_MIN_FORWARDS
