@@ -49,13 +49,16 @@ def test_the_compiled_update_equals_the_eager_one():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
 
 
-def test_updates_of_changing_shapes_reuse_one_graph_and_equal_eager(monkeypatch):
-    """Five updates whose rows (2..6), prompt width (3..7), response width (2..7) and real-token
-    count all change reuse the one dynamic graph of the first (`mark_dynamic_shapes`; the LM head
-    with its data-dependent token count runs eager, `logprobs.masked_head`). Dynamo's guards do
-    not depend on the backend, so a counting `aot_eager` stands in for Inductor (no compile
-    minutes); it runs the same aten ops as eager, so metrics and weights agree within fp32
-    rounding (rel 1e-5; weights after SGD at lr 0.1 within 1e-6)."""
+SHAPES = [([6, 2, 4, 1, 5, 3], [7, 1, 0, 5, 3, 7], 6, 7), ([3, 2], [2, 1], 3, 2), ([7, 7, 1, 2], [4, 4, 4, 0], 7, 4),
+          ([1, 2, 3], [5, 6, 1], 4, 6), ([4, 4, 4, 4, 4], [3, 1, 2, 3, 3], 5, 3)]  # (prompt lengths, response lengths, P, T)
+
+
+def _graphs_over_changing_shapes(monkeypatch, **hparams) -> list[int]:
+    """Five updates of `SHAPES` on an eager and a compiled tiny policy: the graphs compiled after
+    each, checking metrics and weights against eager. Dynamo's guards do not depend on the backend,
+    so a counting `aot_eager` stands in for Inductor (no compile minutes); it runs the same aten ops
+    as eager, so metrics and weights agree within fp32 rounding (rel 1e-5; weights after SGD at lr
+    0.1 within 1e-6)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from rlgraph.backends.local import train_compile
@@ -64,20 +67,36 @@ def test_updates_of_changing_shapes_reuse_one_graph_and_equal_eager(monkeypatch)
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda: torch.compile(role_outputs, backend=counter))
     torch._dynamo.reset()
-    shapes = [([6, 2, 4, 1, 5, 3], [7, 1, 0, 5, 3, 7], 6, 7), ([3, 2], [2, 1], 3, 2), ([7, 7, 1, 2], [4, 4, 4, 0], 7, 4),
-              ([1, 2, 3], [5, 6, 1], 4, 6), ([4, 4, 4, 4, 4], [3, 1, 2, 3, 3], 5, 3)]
     executors = {compiled: tiny_executor(lr=0.1) for compiled in (False, True)}
     executors[True].compile_train = True
     graphs = []
-    for k, (prompts, responses, width, steps) in enumerate(shapes):
+    for k, (prompts, responses, width, steps) in enumerate(SHAPES):
         batch = ragged_rollouts(prompts, responses, width, steps, seed=k)
-        eager, compiled = (Interpreter(executors[c]).run(clipped_surrogate.trace(), batch)[1] for c in (False, True))
+        eager, compiled = (Interpreter(executors[c]).run(clipped_surrogate.trace(**hparams), batch)[1]
+                           for c in (False, True))
         graphs.append(counter.frame_count)
         assert compiled.keys() == eager.keys()
         for key, value in eager.items():
             assert compiled[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (k, key)
     torch._dynamo.reset()
-    assert graphs == [1] * len(shapes), f"graphs compiled after each update: {graphs}"
     weights = zip(*(executors[c].models["policy"].model.parameters() for c in (False, True)))
     for eager_weight, compiled_weight in weights:
         torch.testing.assert_close(compiled_weight, eager_weight, rtol=0, atol=1e-6)
+    return graphs
+
+
+def test_updates_of_changing_shapes_reuse_one_graph_and_equal_eager(monkeypatch):
+    """Rows (2..6), prompt width (3..7), response width (2..7) and real-token count all change;
+    every update reuses the one dynamic graph of the first (`mark_dynamic_shapes`; the LM head
+    with its data-dependent token count runs eager, `logprobs.masked_head`)."""
+    graphs = _graphs_over_changing_shapes(monkeypatch)
+    assert graphs == [1] * len(SHAPES), f"graphs compiled after each update: {graphs}"
+
+
+def test_packed_updates_compile_a_bounded_number_of_graphs(monkeypatch):
+    """Packed micro-batches (of at most 16 tokens: 1-3 rows each) around two graph breaks (the
+    packing and the head run eager): each of the three compiled pieces compiles at most a static,
+    a dynamic and a one-row graph (Dynamo specialises sizes 0 and 1), so at most 9, and the last
+    shapes add none (with the packing compiled too: 17 and still growing)."""
+    graphs = _graphs_over_changing_shapes(monkeypatch, micro_batch_tokens=16)
+    assert graphs[-1] <= 9 and graphs[-2] == graphs[-1], f"graphs compiled after each update: {graphs}"

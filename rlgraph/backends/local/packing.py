@@ -103,8 +103,8 @@ def packed_hidden_states(decoder: torch.nn.Module, rollouts: Rollouts, implement
     real = torch.cat([rollouts.prompt_mask, rollouts.attention_mask], dim=1).bool()  # [N, P+T]
     lengths = real.sum(1)  # [N]
     rank_in_row = real.long().cumsum(-1) - 1  # [N, P+T]: a real token's position in its own row
-    mask = packed_attention_mask(lengths, implementation, dtype)  # [1, 1, L, L]
-    hidden = decoder(input_ids=ids[real][None], attention_mask=mask, position_ids=rank_in_row[real][None],
+    packed_ids, positions, mask = _packed_inputs(ids, rank_in_row, real, lengths, implementation, dtype)
+    hidden = decoder(input_ids=packed_ids, attention_mask=mask, position_ids=positions,
                      use_cache=False).last_hidden_state[0]  # [L, H]
     starts = lengths.cumsum(0) - lengths  # [N]: where each row begins in the packed sequence
     columns = torch.arange(ids.shape[1], device=ids.device)  # [P+T]
@@ -113,3 +113,16 @@ def packed_hidden_states(decoder: torch.nn.Module, rollouts: Rollouts, implement
     packed_index = starts[:, None] + rank_in_row.gather(1, before)  # [N, T]
     # a column with no real token before it (only at unmasked positions) reads row r's first state
     return hidden[torch.maximum(packed_index, starts[:, None])]  # [N, T, H]
+
+
+# Under torch.compile (`train.compile`) the packing stays eager: L (the real tokens) is
+# data-dependent; its outputs are marked dynamic so the decoder's graph serves every L.
+@torch.compiler.disable
+def _packed_inputs(ids: torch.Tensor, rank_in_row: torch.Tensor, real: torch.Tensor, lengths: torch.Tensor,
+                   implementation: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids [1, L], position ids [1, L], attention mask [1, 1, L, L]) of the rows' real tokens."""
+    packed = (ids[real][None], rank_in_row[real][None], packed_attention_mask(lengths, implementation, dtype))
+    for tensor in packed:
+        for dim in range(1, tensor.dim()):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return packed
