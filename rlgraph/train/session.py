@@ -170,14 +170,21 @@ class _Session:
             train = PlanRunner(self.setup.warm, transport, controller=controller)
             evaluation = PlanRunner(self.setup.eval, transport, controller=controller)
             program = None
+        from rlgraph.train.progress import RunProgress
+
         try:
             start, accuracy = time.perf_counter(), None
             demonstrations = self._demonstrations()
-            for step in range(1, warm.steps + 1):
-                train.run(program, demonstrations(sampler.next_batch()))
-                if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
-                    accuracy = self.evaluate(evaluation)["eval/accuracy"]
-                    if accuracy >= warm.target_accuracy:
+            with RunProgress(total_steps=warm.steps, console=self.console, enabled=self.config.logging.progress,
+                             label="SFT") as progress:
+                for step in range(1, warm.steps + 1):
+                    began = time.perf_counter()
+                    train.run(program, demonstrations(sampler.next_batch()))
+                    shown = {"time/step_s": time.perf_counter() - began}
+                    if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
+                        accuracy = shown["eval/accuracy"] = self.evaluate(evaluation)["eval/accuracy"]
+                    progress.update(step, shown)
+                    if accuracy is not None and accuracy >= warm.target_accuracy:
                         break
             if transport is not None:
                 self._warm_weights = Path(transport.save_weights("policy", str(self._warm_file(run_dir))))
