@@ -100,12 +100,12 @@ def grpo_step(training, sampler, tokenizer, problems, *, n: int, lr: float, step
 
 def warm_base(directory: str, *, seed: int = 0, target: float = 0.30, log=print) -> str:
     """The demo's warm start saved as a model directory: full-weight SFT on the train split until
-    held-out accuracy (greedy, the 200 test problems, checked every 10 steps) reaches `target`, at
+    dev accuracy (greedy, 200 problems, checked every 10 steps) reaches `target`, at
     most 800 steps (`rlgraph demo`'s run config, warm-started by the same session as `rlgraph train`).
     A fixed number of steps leaves some seeds' bases too weak for RL to find a reward (300 steps: 7%
     held-out for seed 1); a target starts every seed equally."""
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < target < 1.0:
-        raise ValueError(f"warm_base: target is the held-out accuracy SFT stops at, a number in (0, 1); got {target!r} "
+        raise ValueError(f"warm_base: target is the dev accuracy SFT stops at, a number in (0, 1); got {target!r} "
                          "(0.30 is the demo's)")
     from rich.console import Console
 
@@ -121,7 +121,7 @@ def warm_base(directory: str, *, seed: int = 0, target: float = 0.30, log=print)
         finally:
             session.close()
     log(f"warm start: {session.warm['warm_start/steps']:.0f} SFT steps ({session.warm['time/warm_start_s']:.0f} s), "
-        f"held-out accuracy {session.last_eval:.1%}")
+        f"dev accuracy {session.last_eval:.1%}")
     executor.models["policy"].model.save_pretrained(directory)
     setup.tokenizer.save_pretrained(directory)
     return directory

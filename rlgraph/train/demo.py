@@ -2,8 +2,8 @@
 
 The demo is a configuration, not a trainer of its own: `demo_config` turns the flags of
 `rlgraph demo` into a `TrainConfig` (the shipped tiny model, the arithmetic splits written as
-JSONL, exact-match reward, an SFT warm start to a target accuracy, evaluation on the held-out
-problems) and `rlgraph.train.run.train()` runs it, on every runtime: on spmd and Ray the
+JSONL, exact-match reward, an SFT warm start to a target accuracy on the dev split, evaluation on
+the held-out test problems) and `rlgraph.train.run.train()` runs it, on every runtime: on spmd and Ray the
 controller builds no model (the warm start and the evaluations run as plans on the workers).
 The RL algorithm is any of `rlgraph.algorithms` (GRPO by default; PPO gets a critic initialised
 from the warm-started policy; DAPO refills its batch from the same prompt sampler). Defaults
@@ -43,7 +43,7 @@ class DemoConfig:
     seed: int = 0
     sft_batch: int = 128
     sft_lr: float = 2e-3
-    sft_target: float = 0.30      # stop SFT once held-out accuracy reaches this: RL needs some signal to start from
+    sft_target: float = 0.30      # stop SFT once dev accuracy reaches this: RL needs some signal to start from
     sft_max_steps: int = 800
     sft_eval_every: int = 10
     rl_prompts: int = 32
@@ -71,27 +71,27 @@ class DemoResult:
     sft_seconds: float
     rl_steps: int
     rl_seconds: float             # the RL steps' own time (time/step_s summed)
-    test_before_rl: float         # held-out accuracy after the warm start (its target is measured on the same split)
+    test_before_rl: float         # held-out (test) accuracy after the warm start (which stopped on the dev split)
     test_after_rl: float
     samples_per_second: float     # rollouts generated (DAPO's dropped groups included) per second of RL
     trained_per_second: float     # rollouts the updates trained on per second of RL
     final_reward: float
 
 
-def write_data(directory: Path, seed: int) -> tuple[Path, Path]:
-    """The arithmetic splits as JSONL (`prompt`, `answer`): (train, held-out test) paths. The test
-    split is what the demo reports; the dev split of `arithmetic.make_splits` is not used."""
+def write_data(directory: Path, seed: int) -> tuple[Path, Path, Path]:
+    """The arithmetic splits as JSONL (`prompt`, `answer`): (train, dev, test) paths. The warm start
+    stops on the dev split; the test split is what the demo reports before and after RL."""
     splits = arithmetic.make_splits(seed=seed)
     directory.mkdir(parents=True, exist_ok=True)
-    paths = directory / "train.jsonl", directory / "test.jsonl"
-    for path, problems in zip(paths, (splits.train, splits.test)):
+    paths = directory / "train.jsonl", directory / "dev.jsonl", directory / "test.jsonl"
+    for path, problems in zip(paths, (splits.train, splits.dev, splits.test)):
         path.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
     return paths
 
 
-def demo_config(config: DemoConfig, run_dir: Path, data: tuple[Path, Path]) -> TrainConfig:
+def demo_config(config: DemoConfig, run_dir: Path, data: tuple[Path, Path, Path]) -> TrainConfig:
     """The `TrainConfig` the demo runs: `config`'s choices in the sections of `rlgraph train`."""
-    train, test = data
+    train, dev, test = data
     hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams}
     return TrainConfig.model_validate({
         "name": NAME, "run_dir": str(run_dir),
@@ -108,7 +108,7 @@ def demo_config(config: DemoConfig, run_dir: Path, data: tuple[Path, Path]) -> T
                     "threads": config.threads},
         "optimizer": {"name": "adamw", "lr": config.rl_lr, "critic_lr": config.critic_lr},
         "warm_start": {"steps": config.sft_max_steps, "batch_size": config.sft_batch, "lr": config.sft_lr,
-                       "target_accuracy": config.sft_target, "eval_every": config.sft_eval_every},
+                       "target_accuracy": config.sft_target, "eval_every": config.sft_eval_every, "eval": str(dev)},
         "train": {"steps": config.rl_max_steps, "seconds": config.rl_seconds, "seed": config.seed},
         "logging": {"tensorboard": False, "plots": False},
         "checkpoint": {"every": 10**9},  # the last step only (the run's end always checkpoints)

@@ -181,8 +181,9 @@ class _Session:
                     began = time.perf_counter()
                     train.run(program, demonstrations(sampler.next_batch()))
                     shown = {"time/step_s": time.perf_counter() - began}
-                    if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
-                        accuracy = shown["eval/accuracy"] = self.evaluate(evaluation)["eval/accuracy"]
+                    if warm.target_accuracy and self.setup.target_rows and step % warm.eval_every == 0:
+                        accuracy = self.evaluate(evaluation, self.setup.target_rows)["eval/accuracy"]
+                        shown["eval/accuracy"] = accuracy
                     progress.update(step, shown)
                     if accuracy is not None and accuracy >= warm.target_accuracy:
                         break
@@ -311,13 +312,14 @@ class _Session:
         out.update({f"time/{kind}_s": seconds for kind, seconds in ranks.items()})
         return out
 
-    def evaluate(self, runner: Any = None) -> dict[str, float]:
-        """Greedy decoding of the held-out prompts through the evaluate plan (in this process on the
-        local runtime; on the workers, from the live policy, on spmd/ray): accuracy and reward."""
+    def evaluate(self, runner: Any = None, rows: list | None = None) -> dict[str, float]:
+        """Greedy decoding of the held-out prompts (or `rows`: the warm start's dev split) through the
+        evaluate plan (in this process on the local runtime; on the workers, from the live policy, on
+        spmd/ray): accuracy and reward."""
         runner = runner or self.eval_runner
         runner.versions.clear()  # the RL plan moved the policy on since: ask for the live version
         self.setup.rewards.pop_metrics()
-        prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
+        prompts = to_prompts(self.setup.eval_rows if rows is None else rows, self.setup.tokenizer)
         _, metrics = runner.run(prompts)
         terms = self.pop_rewards("eval")
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])

@@ -46,7 +46,7 @@ def test_the_grpo_loop_gives_identical_results_in_process_and_over_http(server, 
 
 @pytest.mark.parametrize("target", [0.0, 1.5, "0.3"])
 def test_the_warm_base_refuses_a_target_accuracy_sft_cannot_stop_at(target, tmp_path):
-    with pytest.raises(ValueError, match=r"target is the held-out accuracy SFT stops at, a number in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"target is the dev accuracy SFT stops at, a number in \(0, 1\)"):
         load("rl_loop").warm_base(str(tmp_path / "base"), target=target)
     assert not (tmp_path / "base").exists()  # refused before any training
 
