@@ -192,7 +192,9 @@ class _Session:
         finally:
             if transport is not None:
                 transport.close()
-        shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
+        dev = self.setup.warm_eval_rows
+        shown = ("" if accuracy is None else f", held-out accuracy {accuracy:.1%}" if dev is None
+                 else f", accuracy {accuracy:.1%} on the {len(dev)} warm_start.eval prompts")
         self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
         self.warm = {"warm_start/steps": float(step), "time/warm_start_s": time.perf_counter() - start}
 
