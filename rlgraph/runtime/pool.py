@@ -60,7 +60,11 @@ def start_worker(rank: int, world: int, master: tuple[str, int], plan: Any, spec
                       LOCAL_RANK=str(local_device))
     if device == "cuda":
         torch.cuda.set_device(local_device)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+    # The rendezvous is start-up, bounded like it (a loaded machine spawns slowly); the group's own
+    # timeout, which bounds every collective, is the step timeout.
+    store = dist.TCPStore(master[0], master[1], world, is_master=rank == 0,
+                          timeout=timedelta(seconds=max(timeout_s, START_TIMEOUT_S)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     executor = spec.build(rank, plan, torch.device("cuda", local_device) if device == "cuda" else torch.device("cpu"))
     return Worker(executor, rank)
