@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import tempfile
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,8 +41,9 @@ from rlgraph.plan.model_size import ModelShape
 from rlgraph.plan.presets import get_preset
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
-from rlgraph.train.demo import DemoConfig, build_roles
+from rlgraph.train.demo import DemoConfig, demo_setup
 from rlgraph.train.loop import Trainer
+from rlgraph.train.roles import build_roles
 
 TOLERANCE = 0.25
 
@@ -132,8 +134,10 @@ def demo_run(sft_steps: int, rl_steps: int) -> list[Row]:
     config = DemoConfig(device="cpu")  # the CPU demo: fp32, what the CPU estimates describe
     calls: dict[str, list[tuple[int, int, int]]] = {"sft/update": [], "grpo/update": [], "generate": []}
     tracker = LiveTensorBytes()
+    with tempfile.TemporaryDirectory() as directory:  # its data files are read by the time it returns
+        setup = demo_setup(config, directory)  # the demo's run, prepared as `rlgraph demo` prepares it
     with tracker:
-        executor, tokenizer = build_roles(config)
+        executor, tokenizer = build_roles(setup), setup.tokenizer
         model = executor.models["policy"].model
         tracker.track_all(list(model.parameters()), list(model.buffers()))
         update, generate = executor.update, executor.generate

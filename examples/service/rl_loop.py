@@ -26,6 +26,7 @@ import argparse
 import random
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -98,28 +99,31 @@ def grpo_step(training, sampler, tokenizer, problems, *, n: int, lr: float, step
 
 
 def warm_base(directory: str, *, seed: int = 0, target: float = 0.30, log=print) -> str:
-    """The demo's warm start saved as a model directory: full-weight SFT on the train split until dev
-    accuracy (greedy, 200 problems, checked every 10 steps) reaches `target`, at most 800 steps
-    (`rlgraph.train.demo.warm_start`). A fixed number of steps leaves some seeds' bases too weak for
-    RL to find a reward (300 steps: 7% held-out for seed 1); a target starts every seed equally."""
+    """The demo's warm start saved as a model directory: full-weight SFT on the train split until
+    dev accuracy (greedy, 200 problems, checked every 10 steps) reaches `target`, at
+    most 800 steps (`rlgraph demo`'s run config, warm-started by the same session as `rlgraph train`).
+    A fixed number of steps leaves some seeds' bases too weak for RL to find a reward (300 steps: 7%
+    held-out for seed 1); a target starts every seed equally."""
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < target < 1.0:
         raise ValueError(f"warm_base: target is the dev accuracy SFT stops at, a number in (0, 1); got {target!r} "
                          "(0.30 is the demo's)")
     from rich.console import Console
 
-    from rlgraph.algorithms import evaluate
-    from rlgraph.runtime.eager import Interpreter
-    from rlgraph.train.demo import DemoConfig, build_roles, warm_start
+    from rlgraph.train.demo import DemoConfig, demo_setup
+    from rlgraph.train.run import _Session, build_roles
 
-    config = DemoConfig(seed=seed, device="cpu", sft_target=target)
-    executor, tokenizer = build_roles(config)
-    interpreter, splits = Interpreter(executor), arithmetic.make_splits(seed=seed)
-    dev, program = arithmetic.to_prompts(splits.dev, tokenizer), evaluate.trace(max_new_tokens=config.max_new_tokens)
-    steps, seconds, dev_accuracy = warm_start(config, interpreter, splits, tokenizer,
-                                              lambda: interpreter.run(program, dev)[1]["accuracy"], Console(quiet=True))
-    log(f"warm start: {steps} SFT steps ({seconds:.0f} s), dev accuracy {dev_accuracy:.1%}")
+    with tempfile.TemporaryDirectory() as scratch:
+        setup = demo_setup(DemoConfig(seed=seed, device="cpu", sft_target=target), scratch)
+        executor = build_roles(setup)
+        session = _Session(setup, executor, Console(quiet=True))
+        try:
+            session.warm_start(Path(scratch))
+        finally:
+            session.close()
+    log(f"warm start: {session.warm['warm_start/steps']:.0f} SFT steps ({session.warm['time/warm_start_s']:.0f} s), "
+        f"dev accuracy {session.last_eval:.1%}")
     executor.models["policy"].model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    setup.tokenizer.save_pretrained(directory)
     return directory
 
 

@@ -161,6 +161,7 @@ class WarmStartSection(Section):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
     target_accuracy: float | None = Field(None, gt=0, le=1)  # stop early once held-out greedy accuracy reaches it
+    eval: str | None = None                           # the prompts that target is measured on (a dev split; default: data.eval's)
     eval_every: int = Field(10, ge=1)
     trace_field: str | None = None                    # multi-turn: the data field of each row's trace (docs/agents.md)
 

@@ -1,48 +1,39 @@
 """The demo run: a tiny Qwen2 learns two-number addition, SFT warm start then RL, on CPU (or CUDA).
 
-Everything runs through traced algorithms (`sft`, the RL algorithm, `evaluate`) and the
-interpreter; this module only wires the roles, the data and the clock. The RL algorithm is any
-of `rlgraph.algorithms` (GRPO by default; PPO gets a critic initialised from the warm-started
-policy; DAPO refills its batch from the same prompt sampler). Defaults follow the configuration
-measured with a hand-written loop in shared/ENV-NOTES.md, so the gap to those figures is
-rlgraph's overhead.
+The demo is a configuration, not a trainer of its own: `demo_config` turns the flags of
+`rlgraph demo` into a `TrainConfig` (the shipped tiny model, the arithmetic splits written as
+JSONL, exact-match reward, an SFT warm start to a target accuracy on the dev split, evaluation on
+the held-out test problems) and `rlgraph.train.run.train()` runs it, on every runtime: on spmd and Ray the
+controller builds no model (the warm start and the evaluations run as plans on the workers).
+The RL algorithm is any of `rlgraph.algorithms` (GRPO by default; PPO gets a critic initialised
+from the warm-started policy; DAPO refills its batch from the same prompt sampler). Defaults
+follow the configuration measured with a hand-written loop in shared/ENV-NOTES.md, so the gap to
+those figures is rlgraph's overhead.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import time
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rlgraph.algorithms import ALGORITHMS, evaluate, sft
-from rlgraph.backends.local.critic import build_critic
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
-from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.algorithms import ALGORITHMS
 from rlgraph.data import arithmetic
-from rlgraph.rewards import exact_match
-from rlgraph.api import compile as compile_algorithm
-from rlgraph.backends.world import WorldSpec, make_optimizer
-from rlgraph.plan.hardware import detect_device_kind
-from rlgraph.plan.mesh import Mesh, colocated
-from rlgraph.runtime.spmd import SpmdTransport, resolve_device
-from rlgraph.runtime.eager import Interpreter
-from rlgraph.runtime.plan_runner import PlanRunner
-from rlgraph.train.loop import Trainer
-
+from rlgraph.train.config import TrainConfig
 
 # Demo-specific hyper-parameters: answers are <= 4 tokens (3 digits + EOS) of max_new_tokens=5, so
 # DAPO's overlong punishment starts at the 5th token (a response that never stopped).
 DEMO_HPARAMS: dict[str, dict[str, Any]] = {"dapo": {"overlong_buffer": 1}}
 # agent_grpo needs an environment (rg.rollout): `rlgraph train` with an env: section runs it, not the demo
 RL_ALGORITHMS = tuple(name for name in ALGORITHMS if name not in ("sft", "evaluate", "agent_grpo"))
+NAME = "demo"  # the TrainConfig's name: a run directory whose config.yaml has it is the demo's own
 
 
 @attrs.frozen
@@ -64,7 +55,7 @@ class DemoConfig:
     temperature: float = 1.0
     max_new_tokens: int = 5
     threads: int = 2
-    run_dir: str | None = "runs/demo"
+    run_dir: str | None = "runs/demo"  # None: a temporary directory, removed at the end
     runtime: str = attrs.field(default="local", validator=attrs.validators.in_(("local", "spmd", "ray")))
     nproc: int = 2                # spmd/ray: workers (mesh ranks); the policy trains with FSDP2 over them
     address: str | None = None    # ray: a running cluster ("auto" after `ray start --head`); None starts a local one
@@ -79,81 +70,93 @@ class DemoResult:
     sft_steps: int
     sft_seconds: float
     rl_steps: int
-    rl_seconds: float
-    dev_after_sft: float
-    test_before_rl: float
+    rl_seconds: float             # the RL steps' own time (time/step_s summed)
+    test_before_rl: float         # held-out (test) accuracy after the warm start (which stopped on the dev split)
     test_after_rl: float
     samples_per_second: float     # rollouts generated (DAPO's dropped groups included) per second of RL
     trained_per_second: float     # rollouts the updates trained on per second of RL
     final_reward: float
 
 
-def build_roles(config: DemoConfig) -> tuple[LocalExecutor, Any]:
-    """The policy on `config.device` (`auto`: CUDA when present; `cuda` without a GPU is refused)."""
-    device = resolve_device(config.device)
-    tokenizer = load_tokenizer()
-    model = build_causal_lm(tokenizer=tokenizer, seed=config.seed).to(device)  # built on the CPU: same weights anywhere
-    policy = LMWorker(model, make_optimizer("adamw", model.parameters(), config.sft_lr))
-    executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(exact_match)}, tokenizer,
-                             max_new_tokens=config.max_new_tokens, seed=config.seed, device=device)
-    return executor, tokenizer
+def write_data(directory: Path, seed: int) -> tuple[Path, Path, Path]:
+    """The arithmetic splits as JSONL (`prompt`, `answer`): (train, dev, test) paths. The warm start
+    stops on the dev split; the test split is what the demo reports before and after RL."""
+    splits = arithmetic.make_splits(seed=seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = directory / "train.jsonl", directory / "dev.jsonl", directory / "test.jsonl"
+    for path, problems in zip(paths, (splits.train, splits.dev, splits.test)):
+        path.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
+    return paths
 
 
-def add_reference(executor: LocalExecutor) -> None:
-    """The KL reference: a frozen copy of the warm-started policy (KL is 0 when RL starts)."""
-    reference = copy.deepcopy(executor.models["policy"].model).requires_grad_(False)
-    executor.models["ref"] = LMWorker(reference)
+def demo_config(config: DemoConfig, run_dir: Path, data: tuple[Path, Path, Path]) -> TrainConfig:
+    """The `TrainConfig` the demo runs: `config`'s choices in the sections of `rlgraph train`."""
+    train, dev, test = data
+    hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams}
+    return TrainConfig.model_validate({
+        "name": NAME, "run_dir": str(run_dir),
+        "algorithm": {"name": config.algorithm, "hparams": hparams},
+        "model": {"path": None},  # the shipped tiny Qwen2 and its character tokenizer
+        "data": {"train": str(train), "eval": str(test), "chat_template": False},
+        "rewards": [{"name": "exact_match"}],
+        "reward_workers": 0,  # exact match is a string compare: no worker processes to start
+        "rollout": {"prompts_per_step": config.rl_prompts, "n": config.rl_samples,
+                    "max_new_tokens": config.max_new_tokens, "temperature": config.temperature},
+        "runtime": {"runtime": config.runtime, "nproc": config.nproc if config.runtime != "local" else 1,
+                    "device": config.device, "placement": "colocated:offload=False,checkpointing=False",
+                    "engine": "native", "address": config.address, "timeout_s": config.timeout_s,
+                    "threads": config.threads},
+        "optimizer": {"name": "adamw", "lr": config.rl_lr, "critic_lr": config.critic_lr},
+        "warm_start": {"steps": config.sft_max_steps, "batch_size": config.sft_batch, "lr": config.sft_lr,
+                       "target_accuracy": config.sft_target, "eval_every": config.sft_eval_every, "eval": str(dev)},
+        "train": {"steps": config.rl_max_steps, "seconds": config.rl_seconds, "seed": config.seed},
+        "logging": {"tensorboard": False, "plots": False},
+        "checkpoint": {"every": 10**9},  # the last step only (the run's end always checkpoints)
+    })
 
 
-def add_critic(executor: LocalExecutor, config: DemoConfig) -> None:
-    """PPO's critic: the warm-started policy's backbone (as verl initialises it) plus a value head."""
-    critic = build_critic(tokenizer=executor.tokenizer, seed=config.seed + 1).to(executor.device)
-    critic.backbone.load_state_dict(executor.models["policy"].model.state_dict())
-    executor.models["critic"] = LMWorker(critic, make_optimizer("adamw", critic.parameters(), config.critic_lr), kind="critic")
+def demo_setup(config: DemoConfig, directory: str | Path) -> Any:
+    """The demo's prepared run (`rlgraph.train.setup.prepare`: tokenizer, rows, rewards, the compiled RL
+    and evaluation plans), its data written under `directory`; what benchmarks and tests build from."""
+    from rlgraph.train.setup import prepare
+
+    directory = Path(directory)
+    _check(config)
+    return prepare(demo_config(config, directory, write_data(directory / "data", config.seed)))
 
 
 def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) -> DemoResult:
+    """`rlgraph demo`: the demo's `TrainConfig` run by `train()`, then its held-out table."""
+    from rlgraph.train.run import train
+
+    _check(config)
+    console = console or Console()
+    torch.set_num_threads(config.threads)
+    scratch = None if config.run_dir else tempfile.mkdtemp(prefix="rlgraph-demo-")
+    run_dir = Path(config.run_dir or scratch)
+    try:
+        _forget_previous_demo(run_dir)
+        train_config = demo_config(config, run_dir, write_data(run_dir / "data", config.seed))
+        splits = arithmetic.make_splits(seed=config.seed)
+        console.print(f"[bold]rlgraph demo[/]: {_parameters():,}-parameter Qwen2 learns A+B (A, B in [0, 99]); "
+                      f"held-out {len(splits.test)} problems, greedy exact match")
+        run = train(train_config, console=console)
+        result = _result(config, run, run_dir)
+        _report(console, result, run_dir if config.run_dir else None)
+        return result
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check(config: DemoConfig) -> None:
+    """Refuse, before the warm start, what the demo cannot run, naming the flag or field."""
     if config.algorithm not in RL_ALGORITHMS:
         raise ValueError(f"demo: unknown RL algorithm {config.algorithm!r}; choose one of {', '.join(RL_ALGORITHMS)}")
     fixed = sorted({"n", "temperature", "max_new_tokens"} & set(config.hparams))
     if fixed:
         raise ValueError(f"demo: set {', '.join(fixed)} through DemoConfig (rl_samples, temperature, max_new_tokens), "
                          "not hparams: the demo sizes its batches and figures from them")
-    _check_runtime(config)
-    console = console or Console()
-    torch.manual_seed(config.seed)
-    torch.set_num_threads(config.threads)
-    executor, tokenizer = build_roles(config)
-    interpreter = Interpreter(executor)
-    splits = arithmetic.make_splits(seed=config.seed)
-    dev, test = arithmetic.to_prompts(splits.dev, tokenizer), arithmetic.to_prompts(splits.test, tokenizer)
-    eval_program = evaluate.trace(max_new_tokens=config.max_new_tokens)
-
-    def accuracy(prompts) -> float:
-        return interpreter.run(eval_program, prompts)[1]["accuracy"]
-
-    console.print(f"[bold]rlgraph demo[/]: {sum(p.numel() for p in executor.models['policy'].model.parameters()):,}-parameter "
-                  f"Qwen2 learns A+B (A, B in [0, 99]); held-out {len(splits.test)} problems, greedy exact match")
-    sft_steps, sft_seconds, dev_acc = warm_start(config, interpreter, splits, tokenizer, lambda: accuracy(dev), console)
-    before = accuracy(test)
-    console.print(f"SFT: {sft_steps} steps in {sft_seconds:.1f} s, dev {dev_acc:.1%}; "
-                  f"held-out accuracy before RL: [bold]{before:.1%}[/]")
-    rl_trainer, rl_seconds, reward = _reinforce(config, executor, splits, tokenizer, console)
-    after = accuracy(test)
-    generated = sum(metrics.get("filter/rounds", 1.0) for metrics in rl_trainer.history) * config.rl_prompts * config.rl_samples
-    result = DemoResult(
-        algorithm=config.algorithm, sft_steps=sft_steps, sft_seconds=sft_seconds, rl_steps=rl_trainer.step,
-        rl_seconds=rl_seconds, dev_after_sft=dev_acc, test_before_rl=before, test_after_rl=after,
-        samples_per_second=generated / max(rl_seconds, 1e-9),
-        trained_per_second=rl_trainer.step * config.rl_prompts * config.rl_samples / max(rl_seconds, 1e-9),
-        final_reward=reward,
-    )
-    _report(console, result, rl_trainer.run_dir)
-    return result
-
-
-def _check_runtime(config: DemoConfig) -> None:
-    """Refuse, before the warm start, a runtime that cannot run the RL plan."""
     if config.runtime == "local":
         return
     if config.nproc < 1 or config.rl_prompts % config.nproc:
@@ -163,97 +166,48 @@ def _check_runtime(config: DemoConfig) -> None:
         raise ValueError(f"demo: --timeout must be a positive number of seconds, got {config.timeout_s}")
 
 
-def warm_start(config: DemoConfig, interpreter: Interpreter, splits, tokenizer, dev_accuracy, console: Console):
-    """SFT until the dev split shows some signal (RL needs some to start from); (steps, seconds, dev acc)."""
-    sampler = arithmetic.PromptSampler(splits.train, batch_size=config.sft_batch, seed=config.seed)
-    sft_trainer = Trainer(sft.trace(), interpreter, lambda: arithmetic.to_demonstrations(sampler.next_batch(), tokenizer), sampler)
-    dev_acc, start = 0.0, time.perf_counter()
-    with _progress(console) as progress:
-        task = progress.add_task("SFT", total=config.sft_max_steps, info="")
-        for metrics in sft_trainer.run(steps=config.sft_max_steps):
-            if sft_trainer.step % config.sft_eval_every == 0:
-                dev_acc = dev_accuracy()
-            progress.update(task, advance=1, info=f"loss {metrics['policy/loss']:.3f}  dev acc {dev_acc:.1%}")
-            if dev_acc >= config.sft_target:
-                break
-    return sft_trainer.step, time.perf_counter() - start, dev_acc
+def _forget_previous_demo(run_dir: Path) -> None:
+    """`make demo` twice starts afresh: the checkpoints of an earlier demo run in `run_dir` are
+    removed (those of any other run are left, and `train()` refuses the directory)."""
+    import yaml
+
+    saved = run_dir / "config.yaml"
+    if not saved.is_file() or (yaml.safe_load(saved.read_text()) or {}).get("name") != NAME:
+        return
+    for old in [*run_dir.glob("step-*"), *run_dir.glob(".step-*")]:
+        shutil.rmtree(old, ignore_errors=True)
+    (run_dir / "latest").unlink(missing_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (run_dir / "samples.jsonl").unlink(missing_ok=True)
 
 
-def compile_rl(config: DemoConfig, device: str, ranks: int = 1) -> Any:
-    """The demo's RL plan (`config.algorithm` and its hyper-parameters) for a mesh of `ranks` devices
-    of kind `device` ("cpu" or "cuda"), colocated, native generation engine."""
-    hparams = {**DEMO_HPARAMS.get(config.algorithm, {}), **config.hparams,
-               "n": config.rl_samples, "temperature": config.temperature, "max_new_tokens": config.max_new_tokens}
-    mesh = Mesh(detect_device_kind(device), 1, ranks)
-    placement = colocated(offload=False, checkpointing=False)
-    return compile_algorithm(ALGORITHMS[config.algorithm], mesh=mesh, placement=placement,
-                             engine="native",  # the engine the workers run (vLLM: issue 13)
-                             sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens}, **hparams)
+def _parameters() -> int:
+    """The tiny Qwen2's parameter count, from its config on the meta device (no weights built)."""
+    from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_causal_lm(tokenizer=load_tokenizer()).parameters())
 
 
-def _reinforce(config: DemoConfig, executor: LocalExecutor, splits, tokenizer, console: Console):
-    """The RL phase through the compiled plan; returns (trainer, seconds, smoothed reward).
+def _result(config: DemoConfig, run: Any, run_dir: Path) -> DemoResult:
+    """The demo's figures, read from the run's metrics.jsonl: step 0 is the warm start, then one row
+    per RL step (and the final evaluation's row at the last step)."""
+    from rlgraph.train.logging import METRICS_FILE
 
-    RL starts a fresh AdamW at `rl_lr` from the warm-started weights. Locally the plan is compiled
-    for a mesh of one device, the executor's. With `runtime="spmd"` or `"ray"` the same algorithm
-    is compiled for a mesh of `nproc` ranks of that kind and runs in worker processes (the policy
-    FSDP2-sharded over them); the trained weights come back to `executor` at the end.
-    """
-    remote = config.runtime != "local"  # spmd or ray: worker processes, one per mesh rank
-    device = executor.device.type  # where the models live: the workers use the same kind of device
-    # RL runs the compiled plan, not the eager interpreter: the plan is the truth.
-    compiled = compile_rl(config, device, ranks=config.nproc if remote else 1)
-    roles = {node.target for node in compiled.source.inputs}
-    executor.models["policy"].optimizer = make_optimizer("adamw", executor.models["policy"].model.parameters(), config.rl_lr)
-    if "critic" in roles:
-        add_critic(executor, config)
-    if "ref" in roles:
-        add_reference(executor)
-    rl_sampler = arithmetic.PromptSampler(splits.train, batch_size=config.rl_prompts, seed=config.seed + 1)
-    run_dir = Path(config.run_dir) if config.run_dir else None
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
-    transport = None
-    if remote:
-        world = WorldSpec.of_executor(executor, {"reward": exact_match}, max_new_tokens=config.max_new_tokens,
-                                      seed=config.seed)
-        console.print(f"starting {config.nproc} {config.runtime} workers ({device}) for the plan's ranks ...")
-        if config.runtime == "ray":
-            from rlgraph.runtime.ray_transport import RayTransport
-
-            transport = RayTransport(compiled.plan, world, address=config.address, device=device, timeout_s=config.timeout_s)
-        else:
-            transport = SpmdTransport(compiled.plan, world, device=device, timeout_s=config.timeout_s)
-        runner = PlanRunner(compiled, transport, controller=world.controller())
-    else:
-        runner = PlanRunner(compiled, executor)
-    rl_trainer = Trainer(compiled.program, runner, lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer),
-                         rl_sampler, run_dir=run_dir)
-    reward, start, label = 0.0, time.perf_counter(), config.algorithm.upper()
-    try:
-        with _progress(console) as progress:
-            task = progress.add_task(label, total=config.rl_seconds, info="")
-            for metrics in rl_trainer.run(steps=config.rl_max_steps, seconds=config.rl_seconds):
-                reward = 0.9 * reward + 0.1 * metrics["reward"] if rl_trainer.step > 1 else metrics["reward"]
-                progress.update(task, completed=min(time.perf_counter() - start, config.rl_seconds),
-                                info=f"step {rl_trainer.step}  reward {reward:.2f}")
-        seconds = time.perf_counter() - start
-        if rl_trainer.run_dir is not None:
-            rl_trainer.save()  # a resumable checkpoint, whichever runtime ran the plan
-        if transport is not None:
-            for role, worker in executor.models.items():  # the trained weights, for evaluation on the controller
-                if worker.optimizer is not None:
-                    worker.model.load_state_dict(transport.pull_state(role))
-    finally:
-        if transport is not None:
-            transport.close()
-    return rl_trainer, seconds, reward
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description:>5}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), console=console, transient=False)
+    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+    first, steps = rows[0], [row for row in rows if row["step"] > 0 and "time/step_s" in row]
+    seconds = sum(row["time/step_s"] for row in steps)
+    batch = config.rl_prompts * config.rl_samples
+    generated = sum(row.get("filter/rounds", 1.0) for row in steps) * batch
+    reward = 0.0
+    for index, row in enumerate(steps):  # smoothed as the progress bar shows it
+        reward = 0.9 * reward + 0.1 * row["reward"] if index else row["reward"]
+    return DemoResult(
+        algorithm=config.algorithm, sft_steps=int(first.get("warm_start/steps", 0)),
+        sft_seconds=first.get("time/warm_start_s", 0.0), rl_steps=run.steps, rl_seconds=seconds,
+        test_before_rl=run.eval_before, test_after_rl=run.eval_after,
+        samples_per_second=generated / max(seconds, 1e-9), trained_per_second=len(steps) * batch / max(seconds, 1e-9),
+        final_reward=reward)
 
 
 def _report(console: Console, result: DemoResult, run_dir: Path | None) -> None:
@@ -264,7 +218,7 @@ def _report(console: Console, result: DemoResult, run_dir: Path | None) -> None:
     table.add_row(f"{result.test_before_rl:.1%}", f"{result.test_after_rl:.1%}")
     console.print(table)
     trained = f" ({result.trained_per_second:,.0f} trained on)" if result.trained_per_second != result.samples_per_second else ""
-    console.print(f"{label}: {result.rl_steps} steps in {result.rl_seconds:.0f} s, "
-                  f"{result.samples_per_second:,.0f} samples/s{trained}")
+    console.print(f"SFT: {result.sft_steps} steps in {result.sft_seconds:.1f} s; {label}: {result.rl_steps} steps in "
+                  f"{result.rl_seconds:.0f} s, {result.samples_per_second:,.0f} samples/s{trained}")
     if run_dir is not None:
-        (run_dir / "summary.json").write_text(json.dumps(attrs.asdict(result), indent=1))
+        (run_dir / "demo.json").write_text(json.dumps(attrs.asdict(result), indent=1))

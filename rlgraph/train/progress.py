@@ -60,10 +60,13 @@ def _check_positive(value: Any, name: str, kind: type, fix: str) -> None:
 
 
 class RunProgress:
-    """Progress of `rlgraph train`: steps done out of `total_steps` and/or time out of `seconds`."""
+    """Progress of `rlgraph train`: steps done out of `total_steps` and/or time out of `seconds`.
+    `label` names the phase: the RL loop's bar is "RL"; another phase's (the warm start's "SFT")
+    also starts each plain line, so a log tells the phases apart."""
 
     def __init__(self, total_steps: int | None = None, seconds: float | None = None, *, console: Console | None = None,
-                 enabled: bool = True, start_step: int = 0, every: int = 10, smoothing: float = 0.9):
+                 enabled: bool = True, start_step: int = 0, every: int = 10, smoothing: float = 0.9,
+                 label: str = "RL"):
         if total_steps is not None:
             _check_positive(total_steps, "total_steps", int, "give train.steps as an int >= 1 (or leave it unset)")
         if seconds is not None:
@@ -71,7 +74,11 @@ class RunProgress:
         _check_positive(every, "every", int, "print a line every 1 or more steps")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ConfigError(f"start_step must be an int >= 0, got {start_step!r}", fix="pass trainer.step")
+        if not isinstance(label, str) or not label.strip() or "[" in label:
+            raise ConfigError(f"label must be a short non-empty phase name without '[', got {label!r}",
+                              fix='e.g. label="SFT" (the RL loop\'s is "RL")')
         self.total_steps, self.seconds, self.every, self.start_step = total_steps, seconds, every, start_step
+        self.label = label
         self.console = console or Console()
         self.enabled = bool(enabled)
         self.live = self.enabled and self.console.is_terminal
@@ -122,7 +129,8 @@ class RunProgress:
         """`step 10/100  reward 0.412  ...  1.23 s/step  [12s]`: the line printed where there is no terminal."""
         now = now if now is not None else time.perf_counter()
         elapsed = "" if self.seconds else f"[{now - self._start:.0f}s]"  # _where shows it against the budget
-        return "  ".join(part for part in (self._where(now), self.describe(), elapsed) if part)
+        phase = "" if self.label == "RL" else self.label  # the RL loop's lines stay as they were
+        return "  ".join(part for part in (phase, self._where(now), self.describe(), elapsed) if part)
 
     def _where(self, now: float) -> str:
         where = f"step {self.step}" + (f"/{self.total_steps}" if self.total_steps else "")
@@ -141,11 +149,11 @@ class RunProgress:
     def __enter__(self) -> RunProgress:
         self._start = self._last = time.perf_counter()
         if self.live:
-            self._progress = Progress(TextColumn("[bold]RL"), BarColumn(), TextColumn("{task.fields[where]}"),
+            self._progress = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), TextColumn("{task.fields[where]}"),
                                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                                       console=self.console, transient=False)
             total = self.total_steps if self.total_steps is not None else self.seconds
-            self._task = self._progress.add_task("RL", total=total, completed=self._completed(self._start),
+            self._task = self._progress.add_task(self.label, total=total, completed=self._completed(self._start),
                                                  where=self._where(self._start), info="")
             self._progress.start()
         return self

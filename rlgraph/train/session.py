@@ -170,21 +170,31 @@ class _Session:
             train = PlanRunner(self.setup.warm, transport, controller=controller)
             evaluation = PlanRunner(self.setup.eval, transport, controller=controller)
             program = None
+        from rlgraph.train.progress import RunProgress
+
         try:
             start, accuracy = time.perf_counter(), None
             demonstrations = self._demonstrations()
-            for step in range(1, warm.steps + 1):
-                train.run(program, demonstrations(sampler.next_batch()))
-                if warm.target_accuracy and self.setup.eval_rows and step % warm.eval_every == 0:
-                    accuracy = self.evaluate(evaluation)["eval/accuracy"]
-                    if accuracy >= warm.target_accuracy:
+            with RunProgress(total_steps=warm.steps, console=self.console, enabled=self.config.logging.progress,
+                             label="SFT") as progress:
+                for step in range(1, warm.steps + 1):
+                    began = time.perf_counter()
+                    train.run(program, demonstrations(sampler.next_batch()))
+                    shown = {"time/step_s": time.perf_counter() - began}
+                    if warm.target_accuracy and self.setup.target_rows and step % warm.eval_every == 0:
+                        accuracy = self.evaluate(evaluation, self.setup.target_rows)["eval/accuracy"]
+                        shown["eval/accuracy"] = accuracy
+                    progress.update(step, shown)
+                    if accuracy is not None and accuracy >= warm.target_accuracy:
                         break
             if transport is not None:
                 self._warm_weights = Path(transport.save_weights("policy", str(self._warm_file(run_dir))))
         finally:
             if transport is not None:
                 transport.close()
-        shown = f", held-out accuracy {accuracy:.1%}" if accuracy is not None else ""
+        dev = self.setup.warm_eval_rows
+        shown = ("" if accuracy is None else f", held-out accuracy {accuracy:.1%}" if dev is None
+                 else f", accuracy {accuracy:.1%} on the {len(dev)} warm_start.eval prompts")
         self.console.print(f"warm start: {step} SFT steps in {time.perf_counter() - start:.1f} s{shown}")
         self.warm = {"warm_start/steps": float(step), "time/warm_start_s": time.perf_counter() - start}
 
@@ -304,13 +314,14 @@ class _Session:
         out.update({f"time/{kind}_s": seconds for kind, seconds in ranks.items()})
         return out
 
-    def evaluate(self, runner: Any = None) -> dict[str, float]:
-        """Greedy decoding of the held-out prompts through the evaluate plan (in this process on the
-        local runtime; on the workers, from the live policy, on spmd/ray): accuracy and reward."""
+    def evaluate(self, runner: Any = None, rows: list | None = None) -> dict[str, float]:
+        """Greedy decoding of the held-out prompts (or `rows`: the warm start's dev split) through the
+        evaluate plan (in this process on the local runtime; on the workers, from the live policy, on
+        spmd/ray): accuracy and reward."""
         runner = runner or self.eval_runner
         runner.versions.clear()  # the RL plan moved the policy on since: ask for the live version
         self.setup.rewards.pop_metrics()
-        prompts = to_prompts(self.setup.eval_rows, self.setup.tokenizer)
+        prompts = to_prompts(self.setup.eval_rows if rows is None else rows, self.setup.tokenizer)
         _, metrics = runner.run(prompts)
         terms = self.pop_rewards("eval")
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])

@@ -38,6 +38,12 @@ class Setup:
     device: str
     env: Any = None         # the env: section's environment recipe (multi-turn algorithms), or None
     warm: Any = None        # Compiled: the warm start's `sft` plan on the spmd/ray workers (None: local, or none)
+    warm_eval_rows: list | None = None  # warm_start.eval's prompts (its target's dev split); None: eval_rows
+
+    @property
+    def target_rows(self) -> list:
+        """The prompts the warm start's target accuracy is measured on."""
+        return self.eval_rows if self.warm_eval_rows is None else self.warm_eval_rows
 
 
 # -- setup ----------------------------------------------------------------------------------------
@@ -64,6 +70,16 @@ def prepare(config: TrainConfig) -> Setup:
         eval_rows = []
     if config.eval.max_prompts:
         eval_rows = eval_rows[: config.eval.max_prompts]
+    warm_eval_rows = None
+    if config.warm_start.eval is not None:
+        if config.warm_start.target_accuracy is None:
+            raise ConfigError(f"warm_start.eval {config.warm_start.eval}: prompts to measure warm_start.target_accuracy "
+                              "on, but no target is set", fix="set warm_start.target_accuracy (e.g. 0.3), or drop warm_start.eval")
+        warm_eval_rows, warm_report = load_prompts(config.warm_start.eval, tokenizer, **options)
+        reports.append(warm_report)
+        if not warm_eval_rows:
+            raise ConfigError(f"warm_start.eval {config.warm_start.eval}: no usable prompts",
+                              fix="point it at a file of held-out prompts with answers (a dev split)")
     if len(train_rows) < config.rollout.prompts_per_step:
         raise ConfigError(f"data.train {data.train}: {len(train_rows)} usable prompts, fewer than "
                           f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
@@ -79,7 +95,10 @@ def prepare(config: TrainConfig) -> Setup:
     if config.runtime.runtime != "local":  # the warm start and the evaluations run on the workers
         answered = sum(row.answer is not None for row in train_rows)
         evaluation, warm = _worker_plans(config, rl, len(eval_rows), answered)
-    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env, warm)
+        if warm_eval_rows is not None:
+            _check_splits(config, evaluation, len(warm_eval_rows), "the warm start's held-out prompts", "warm_start.eval")
+    return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env, warm,
+                 warm_eval_rows)
 
 
 def _check_env_is_used(config: TrainConfig, rl: Any) -> None:

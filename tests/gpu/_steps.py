@@ -13,18 +13,27 @@ nearly tied, so step comparisons replay one run's rollouts in the other (`replay
 from __future__ import annotations
 
 import math
+import tempfile
+from typing import Any
 
+import attrs
 import torch
 
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.batches import Rollouts, to_device
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
-from rlgraph.train.demo import DemoConfig
+from rlgraph.train.demo import DemoConfig, demo_setup
 
 CONFIG = DemoConfig(rl_prompts=8, rl_samples=4, max_new_tokens=5)
 PROMPTS = tiny_prompts(CONFIG.rl_prompts)
 METRIC_TOLERANCE = dict(rel_tol=5e-2, abs_tol=2e-2)
 STEP_TOLERANCE = 5e-2
+
+
+def demo_plan(device: str) -> Any:
+    """The demo's RL plan as `rlgraph demo` prepares it (`demo_setup`), on one device of kind `device`."""
+    with tempfile.TemporaryDirectory() as directory:
+        return demo_setup(attrs.evolve(CONFIG, device=device), directory).rl
 
 
 def world() -> WorldSpec:

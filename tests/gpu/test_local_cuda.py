@@ -12,9 +12,9 @@ import torch
 
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.runtime.plan_runner import PlanRunner
-from rlgraph.train.demo import compile_rl
 from tests.gpu._steps import (
-    CONFIG, METRIC_TOLERANCE, PROMPTS, assert_close_metrics, assert_close_steps, record, replay, weights, world,
+    CONFIG, METRIC_TOLERANCE, PROMPTS, assert_close_metrics, assert_close_steps, demo_plan, record, replay, weights,
+    world,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,9 +26,9 @@ def test_a_grpo_step_on_cuda_matches_the_cpu_fp32_step_on_the_same_rollouts():
     cpu, cuda = world().build_local("cpu"), world().build_local("cuda")
     before = weights(cpu.models["policy"].model.state_dict())
     sampled = record(cpu)
-    want = PlanRunner(compile_rl(CONFIG, "cpu"), cpu).run(PROMPTS)[1]
+    want = PlanRunner(demo_plan("cpu"), cpu).run(PROMPTS)[1]
     replay(cuda, sampled[0])
-    got = PlanRunner(compile_rl(CONFIG, "cuda"), cuda).run(PROMPTS)[1]
+    got = PlanRunner(demo_plan("cuda"), cuda).run(PROMPTS)[1]
     assert want["policy/grad_norm"] > 0 and got["reward"] == want["reward"]  # the same rollouts, the same rewards
     assert_close_metrics(got, want)
     trained = cuda.models["policy"].model
@@ -50,7 +50,7 @@ def test_cuda_sampling_draws_the_cpu_tokens_except_at_bf16_near_ties():
 
 
 def test_a_local_cuda_run_keeps_worker_values_on_the_gpu_and_hands_the_controller_cpu_values():
-    runner = PlanRunner(compile_rl(CONFIG, "cuda"), world().build_local("cuda"))
+    runner = PlanRunner(demo_plan("cuda"), world().build_local("cuda"))
     _, metrics = runner.run(PROMPTS)
     assert all(math.isfinite(value) for value in metrics.values())
     transport = runner.transport

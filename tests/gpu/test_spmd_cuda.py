@@ -12,15 +12,16 @@ import torch
 
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.spmd import SpmdTransport
-from rlgraph.train.demo import compile_rl
-from tests.gpu._steps import CONFIG, PROMPTS, assert_close_metrics, assert_close_steps, replay, weights, world
+from tests.gpu._steps import (
+    CONFIG, PROMPTS, assert_close_metrics, assert_close_steps, demo_plan, replay, weights, world,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def test_one_nccl_rank_with_fsdp2_bf16_matches_the_local_cuda_executor():
-    compiled, spec = compile_rl(CONFIG, "cuda", ranks=1), world()
+    compiled, spec = demo_plan("cuda"), world()
     with SpmdTransport(compiled.plan, spec, device="cuda") as transport:
         before = weights(transport.pull_state("policy"))
         spmd = PlanRunner(compiled, transport, controller=spec.controller()).run(PROMPTS)[1]

@@ -5,7 +5,7 @@ import torch
 from rich.console import Console
 
 from rlgraph.cli import main
-from rlgraph.runtime.plan_runner import WorkerFailure
+from rlgraph.errors import ConfigError
 from rlgraph.train.demo import DemoConfig, run_demo
 
 
@@ -40,13 +40,18 @@ def test_a_kl_penalty_gets_a_frozen_reference_copy_of_the_warm_started_policy(tm
 
 
 @pytest.mark.slow
-def test_the_demo_runs_rl_on_two_spmd_worker_processes(tmp_path):
+def test_the_demo_runs_rl_on_two_spmd_worker_processes(tmp_path, monkeypatch):
+    from rlgraph.train import run
+
+    # the controller builds no model: the warm start, RL and evaluations run as plans on the workers
+    monkeypatch.setattr(run, "build_roles", lambda *_: pytest.fail("the spmd controller built the model roles"))
     config = DemoConfig(sft_max_steps=2, sft_eval_every=1, rl_max_steps=3, rl_prompts=4, rl_samples=2, threads=1,
                         run_dir=str(tmp_path), runtime="spmd", nproc=2, device="cpu")
     result = run_demo(config, Console(quiet=True))
     assert result.rl_steps == 3
     assert "fsdp2 shard=2" in (tmp_path / "plan.txt").read_text()
     assert (tmp_path / "latest").exists()  # the remote run's checkpoint, gathered from the ranks' shards
+    assert result.test_before_rl is not None and result.test_after_rl is not None  # evaluated on the workers
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -72,5 +77,40 @@ def test_the_demo_flags_refuse_bad_values(flags, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_the_demo_refuses_cuda_without_a_gpu_before_training():
-    with pytest.raises(WorkerFailure, match="device 'cuda' was asked for, but torch sees no CUDA GPU here"):
+    with pytest.raises(ConfigError, match="runtime.device 'cuda': .*torch sees no CUDA GPU here"):
         run_demo(DemoConfig(device="cuda", threads=1, run_dir=None), Console(quiet=True))
+
+
+def test_the_demo_is_a_train_config_that_rlgraph_train_reruns_step_for_step(tmp_path):
+    """The demo writes its resolved TrainConfig (config.yaml) and data; `train()` of that file alone
+    repeats the run: the same warm start, the same per-step loss and reward, the same evaluations."""
+    import json
+
+    from rlgraph.train.run import load_run_config, train
+
+    config = DemoConfig(sft_max_steps=3, sft_eval_every=1, sft_target=0.9, rl_max_steps=2, rl_prompts=4,
+                        rl_samples=2, threads=1, run_dir=str(tmp_path / "demo"))
+    demo = run_demo(config, Console(quiet=True))
+    rerun_config = load_run_config(tmp_path / "demo").model_copy(update={"run_dir": str(tmp_path / "again")})
+    again = train(rerun_config, console=Console(quiet=True))
+    assert (again.steps, again.eval_before, again.eval_after) == (demo.rl_steps, demo.test_before_rl, demo.test_after_rl)
+
+    def rows(run_dir):
+        keep = ("step", "reward", "policy/loss", "policy/grad_norm", "warm_start/steps", "eval/accuracy")
+        return [{key: row[key] for key in keep if key in row}
+                for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+    assert rows(tmp_path / "again") == rows(tmp_path / "demo")
+    assert demo.sft_steps == 3 and len(rows(tmp_path / "demo")) == 4  # warm start row, 2 RL steps, final evaluation
+
+
+def test_a_second_demo_in_the_same_directory_starts_afresh_and_another_run_is_left_alone(tmp_path):
+    config = DemoConfig(sft_max_steps=1, sft_eval_every=1, rl_max_steps=1, rl_prompts=4, rl_samples=2, threads=1,
+                        run_dir=str(tmp_path))
+    for _ in range(2):  # `make demo` twice: the first demo's checkpoints are replaced, not resumed or refused
+        assert run_demo(config, Console(quiet=True)).rl_steps == 1
+    assert sorted(path.name for path in tmp_path.glob("step-*")) == ["step-000001"]
+    (tmp_path / "config.yaml").write_text("name: my-run\n")  # now the directory of another run
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        run_demo(config, Console(quiet=True))
+    assert (tmp_path / "step-000001").is_dir()

@@ -121,3 +121,22 @@ def test_decode_compile_seconds_are_shown_apart_and_not_averaged_into_the_step_t
     lines = out.file.getvalue().splitlines()
     assert "2.00 s/step  compile 14.5 s" in lines[0] and "2.00 s/step  compile 14.5 s" in lines[1]
     assert progress.compile_seconds == 14.5
+
+
+def test_a_warm_start_phase_is_labelled_on_its_bar_and_its_plain_lines():
+    out = console(terminal=False)
+    with RunProgress(total_steps=20, console=out, every=10, label="SFT") as progress:
+        for step in range(1, 11):
+            progress.update(step, {"time/step_s": 0.5, **({"eval/accuracy": 0.25} if step == 10 else {})})
+    lines = out.file.getvalue().splitlines()
+    assert lines == ["SFT  step 1/20  0.50 s/step  [0s]", "SFT  step 10/20  eval acc 25.0%  0.50 s/step  [0s]"]
+    terminal = console(terminal=True)
+    with RunProgress(total_steps=2, console=terminal, label="SFT") as progress:
+        progress.update(1, {"time/step_s": 0.5})
+    assert "SFT" in terminal.file.getvalue() and "RL" not in terminal.file.getvalue()
+
+
+@pytest.mark.parametrize("label", ["", "  ", 3, "[bold]SFT"])
+def test_a_bad_phase_label_is_refused(label):
+    with pytest.raises(ConfigError, match=r"label must be a short non-empty phase name"):
+        RunProgress(total_steps=1, label=label)

@@ -725,3 +725,48 @@ def test_an_async_run_killed_and_resumed_gives_the_same_run(async_run, tmp_path)
     _, path = make_config(tmp_path, "killed", rollout=ASYNC)
     kill_after_checkpoint_and_resume(path, tmp_path / "killed", 2)  # a batch is in flight at every checkpoint
     assert_same_run(async_run, tmp_path / "killed")
+
+
+def write_dev(tmp_path: Path, rows: int) -> Path:
+    path = tmp_path / "dev.jsonl"  # held-out sums outside the train file's 0..7 + 0..7
+    path.write_text("".join(json.dumps({"question": f"{a}+9=", "answer": str(a + 9)}) + "\n" for a in range(rows)))
+    return path
+
+
+def test_the_warm_start_target_is_measured_on_its_own_dev_split(tmp_path, monkeypatch):
+    """warm_start.eval: the target accuracy is checked on those prompts; the run's evaluations
+    (before RL, every eval.every, at the end) stay on the held-out split."""
+    from rich.console import Console
+
+    from rlgraph.train.run import _Session
+
+    evaluated, evaluate = [], _Session.evaluate
+
+    def counted(self, runner=None, rows=None):
+        evaluated.append(len(self.setup.eval_rows if rows is None else rows))
+        return evaluate(self, runner, rows)
+
+    monkeypatch.setattr(_Session, "evaluate", counted)
+    config, _ = make_config(tmp_path, "dev", warm_start={"steps": 2, "target_accuracy": 1.0, "eval_every": 1,
+                                                         "eval": str(write_dev(tmp_path, 3))},
+                            train={"steps": 1}, eval={"every": 0})
+    train(config, console=Console(quiet=True))
+    assert evaluated == [3, 3, 8, 8]  # two warm start checks on the 3 dev prompts; before and after RL on the 8 held out
+
+
+@pytest.mark.parametrize("sections, error", [
+    ({"warm_start": {"eval": "DEV"}}, r"warm_start.eval .*dev.jsonl: prompts to measure warm_start.target_accuracy on, "
+                                      r"but no target is set"),
+    ({"warm_start": {"eval": "/nonexistent/dev.jsonl", "target_accuracy": 0.5}}, r"/nonexistent/dev.jsonl"),
+    ({"warm_start": {"eval": "DEV", "target_accuracy": 0.5}, "runtime": {"runtime": "spmd", "nproc": 2}},
+     r"the warm start's held-out prompts: 3 rows cannot be split evenly over the 2 data-parallel ranks.*\n.*"
+     r"set warm_start.eval so that there are 2"),
+])
+def test_a_bad_warm_start_dev_split_is_refused_naming_the_key(tmp_path, sections, error):
+    from rlgraph.train.run import prepare
+
+    dev = str(write_dev(tmp_path, 3))
+    sections = {key: {k: dev if v == "DEV" else v for k, v in value.items()} for key, value in sections.items()}
+    config, _ = make_config(tmp_path, "bad", **sections)
+    with pytest.raises(RLGraphError, match=error):
+        prepare(config)
