@@ -23,10 +23,10 @@ demo: $(STAMP) sandbox-tools
 	$(PY) -m rlgraph.cli demo
 
 test: $(STAMP) sandbox-tools
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 test-fast: $(STAMP) sandbox-tools
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 # The nightly run: every property with 500 examples instead of 25 (docs/testing.md).
 test-thorough: $(STAMP) sandbox-tools

@@ -46,7 +46,7 @@ print('cuda', torch.cuda.is_available(), torch.version.cuda,
 import rlgraph; print('rlgraph from', rlgraph.__file__)"
 
 if [[ $SMOKE -eq 1 ]]; then
-    step kernels-smoke 600 $PY benchmarks/kernels.py --smoke
+    step kernels-smoke 600 $PY benchmarks/kernels.py --smoke --no-compile  # torch.compile columns: the GPU run
     step gpu-tests-collect 120 $PY -m pytest -q --collect-only tests/gpu
     exit $FAILED
 fi
