@@ -2,9 +2,12 @@
 
     rlgraph bench --config small --steps 12 --out bench.json      # or: python benchmarks/vs_trl.py ...
 
-Both sides get the same weights (one tiny Qwen2 written to a directory; TRL loads its policy and
-reference from it, rlgraph its policy and a frozen copy), the same prompts in the same order
-(arithmetic "A+B=", 2 a step), the same reward (`rlgraph.rewards.exact_match`) and the same GRPO
+rlgraph's side is an `rlgraph train` configuration (`bench_train_config`) opened as a
+`rlgraph.train.run.Run` and stepped by the bench: the same wiring as `train()`, not a copy. Both
+sides get the same weights (one tiny Qwen2 written to a directory; TRL loads its policy and
+reference from it, rlgraph's run its policy and a frozen copy), the same prompts in the same order
+(arithmetic "A+B=", 2 a step, written as the run's JSONL data; TRL's dataset is in the order the
+run's seeded sampler draws them), the same reward (`rlgraph.rewards.exact_match`) and the same GRPO
 setting: 4 samples a prompt at temperature 1, `max_new_tokens` new tokens, a k3 KL penalty of 0.04
 against the reference, clip 0.2, AdamW (no weight decay) at a constant learning rate, gradient
 norm clipped to 1, fp32, no gradient checkpointing. TRL's `loss_type="bnpo"` divides by the
@@ -46,15 +49,13 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.backends.local.decode_compile import DecodeCompile
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
-from rlgraph.backends.world import make_optimizer
 from rlgraph.backends.local.generation import lean_decoding
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer, tiny_config
 from rlgraph.batches import Rollouts
 from rlgraph.data import arithmetic
 from rlgraph.ir.errors import ConfigError
 from rlgraph.rewards import exact_match
+from rlgraph.train.config import TrainConfig
 
 
 @attrs.frozen
@@ -108,51 +109,76 @@ def _step_kind(step: Any) -> str:
     return getattr(step, "phase", None) or type(step).__name__.lower()
 
 
-class RlgraphSide:
-    """rlgraph's GRPO as `rlgraph demo` runs it: `rlgraph.algorithms.grpo` compiled for one CPU
-    device, colocated, native generation, run by a `PlanRunner` over a `LocalExecutor`.
+def bench_train_config(config: BenchConfig, model_dir: Path, data: Path, run_dir: Path, steps: int, *,
+                       decode_compile: str = "off", compile_train: bool = False) -> TrainConfig:
+    """The rlgraph side as an `rlgraph train` configuration: GRPO with the bench's KL (`beta`) on the
+    model in `model_dir`, the prompts of `data` (JSONL), exact match, AdamW without weight decay at a
+    constant `lr` for `steps` steps; no warm start, no evaluation, no checkpoint, metrics.jsonl only."""
+    return TrainConfig.model_validate({
+        "name": "bench", "run_dir": str(run_dir),
+        "algorithm": {"name": "grpo", "hparams": {"kl": config.beta}},
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(data), "chat_template": False},
+        "rewards": [{"name": "exact_match"}],
+        "reward_workers": 0,  # a string compare: no worker processes
+        "rollout": {"prompts_per_step": config.prompts, "n": config.n, "max_new_tokens": config.max_new_tokens,
+                    "temperature": config.temperature},
+        "runtime": {"runtime": "local", "device": "cpu", "placement": "colocated:offload=False,checkpointing=False",
+                    "engine": "native"},  # threads: the bench sets them for both sides
+        "optimizer": {"name": "adamw", "lr": config.lr, "weight_decay": 0.0},
+        "generation": {"compile": decode_compile},
+        "train": {"steps": steps, "seed": config.seed, "compile": "on" if compile_train else "off"},
+        "logging": {"tensorboard": False, "plots": False, "progress": False, "samples": 0},
+        "checkpoint": {"every": 10**9},
+    })
 
-    `lean` picks the generator's decode step (False: one Hugging Face forward per token).
-    Step k trains on prompts[k * prompts : (k + 1) * prompts], wrapping around.
+
+class RlgraphSide:
+    """rlgraph's GRPO as `rlgraph train` runs it: `bench_train_config` opened as a `rlgraph.train.run.Run`
+    (the compiled plan on one CPU device, colocated, native generation, a `PlanRunner` over the
+    `LocalExecutor`) and stepped by the bench, so the side is the train wiring, not a copy of it.
+
+    `lean` picks the generator's decode step (False: one Hugging Face forward per token). The run's
+    sampler draws `problems` (whole steps' worth) in its seeded order, `order()`, which TRL is given.
     """
 
     def __init__(self, config: BenchConfig, model_dir: Path, problems: Sequence[arithmetic.Problem], *,
                  lean: bool = True, decode_compile: str = "off", compile_train: bool = False) -> None:
-        from rlgraph.algorithms import grpo
-        from rlgraph.api import compile as compile_algorithm
-        from rlgraph.plan.mesh import Mesh, colocated
-        from rlgraph.runtime.plan_runner import PlanRunner
+        from rich.console import Console
 
-        self.config, self.problems, self.lean = config, list(problems), lean
-        self.tokenizer = load_tokenizer(model_dir)
-        model = build_causal_lm(model_dir, tokenizer=self.tokenizer)
-        reference = copy.deepcopy(model).requires_grad_(False)
-        optimizer = make_optimizer("adamw", model.parameters(), config.lr, weight_decay=0.0, fused=True)
-        width = max(len(self.tokenizer(problem.prompt)["input_ids"]) for problem in self.problems)
-        self.executor = LocalExecutor({"policy": LMWorker(model, optimizer), "ref": LMWorker(reference)},
-                                      {"reward": RewardWorker(exact_match)}, self.tokenizer,
-                                      max_new_tokens=config.max_new_tokens, seed=config.seed,
-                                      decode_compile=DecodeCompile(decode_compile, width=width),
-                                      compile_train=compile_train)
-        self.compile_train = compile_train
-        compiled = compile_algorithm(grpo, mesh=Mesh("cpu", 1, 1), placement=colocated(offload=False, checkpointing=False),
-                                     engine="native", sizes={"B": config.prompts, "P": 8, "T": config.max_new_tokens},
-                                     n=config.n, kl=config.beta, temperature=config.temperature,
-                                     max_new_tokens=config.max_new_tokens)
-        self.runner = PlanRunner(compiled, self.executor)
+        from rlgraph.train.run import Run
+
+        self.config, self.problems, self.lean, self.compile_train = config, list(problems), lean, compile_train
+        self._scratch = tempfile.TemporaryDirectory(prefix="rlgraph-bench-side-")
+        scratch = Path(self._scratch.name)
+        data = scratch / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in self.problems))
+        steps = len(self.problems) // config.prompts
+        self.run = Run(bench_train_config(config, model_dir, data, scratch / "run", steps, decode_compile=decode_compile,
+                                          compile_train=compile_train), console=Console(quiet=True))
+        self.executor, self.tokenizer = self.run.executor, self.run.setup.tokenizer
+        self.runner = self.run.session.runner
         self.seconds: list[float] = []
         self._stages_at_warmup: dict[str, float] = {}
 
+    def order(self) -> list[arithmetic.Problem]:
+        """`problems` in the order the run's sampler draws them (a copy of it: the run's is untouched)."""
+        sampler, by_prompt = copy.deepcopy(self.run.session.sampler), {p.prompt: p for p in self.problems}
+        return [by_prompt[row.text] for _ in range(len(self.problems) // self.config.prompts)
+                for row in sampler.next_batch()]
+
     def step(self) -> dict[str, float]:
-        """One GRPO step (prompt encoding included in its time, as TRL's step encodes its prompts)."""
-        k = len(self.seconds) * self.config.prompts % len(self.problems)
-        start = time.perf_counter()
-        prompts = arithmetic.to_prompts(self.problems[k : k + self.config.prompts], self.tokenizer)
+        """One GRPO step: the run's `step()` (prompt encoding included in its time, as TRL's step
+        encodes its prompts); a decode compile (the first step of a shape) is reported apart
+        (`compile_s`), not as step time."""
         with lean_decoding(self.lean):
-            _, metrics = self.runner.run(prompts)
-        # a decode compile (the first step of a shape) is reported apart (`compile_s`), not as step time
-        self.seconds.append(time.perf_counter() - start - self.executor.decode_ledger.pop_seconds())
+            metrics = self.run.step()
+        self.seconds.append(metrics["time/step_s"] - metrics["time/compile_s"])
         return metrics
+
+    def close(self) -> None:
+        self.run.close()
+        self._scratch.cleanup()
 
     def mark_warm(self) -> None:
         """Stage times from here on are the measured ones."""
@@ -367,30 +393,11 @@ def run_bench(config: BenchConfig, schedule: Schedule = Schedule(), *, threads: 
         log(f"rlgraph bench {config.name}: {report['parameters']:,}-parameter Qwen2, {config.prompts} prompts x "
             f"{config.n} samples x {config.max_new_tokens} tokens a step; {schedule.warmup} warm-up + "
             f"{schedule.measured} measured steps per side in rounds of {schedule.per_round}, {threads} thread(s)")
-        results: dict[str, dict[str, Any]] = {}
-        if trl:
-            callback = _alternating_callback(sides, schedule)
-            trainer = make_trl_trainer(config, model_dir, problems, max_steps=schedule.total,
-                                       output_dir=Path(tmp) / "trl", callbacks=[callback])
-            check = loss_check(config, trainer, sides["rlgraph"])
-            report["loss_check"] = {**attrs.asdict(check), "abs_difference": check.difference}
-            log(f"loss on one fixed batch: TRL {check.trl:.8f}, rlgraph {check.rlgraph:.8f}, |diff| {check.difference:.2e}")
-            trainer.train()
-            results["trl"] = _summary(callback.seconds, config, schedule.warmup)
-            results["trl"]["generate_s_per_step"] = statistics.median(trainer.generate_seconds[schedule.warmup:])
-        else:
-            for done in range(1, schedule.total + 1):
-                if schedule.boundary(done):
-                    _catch_up(sides, done, schedule)
-        for name, side in sides.items():
-            # a compile happens in a warm-up step (not in the medians) and is reported apart
-            summary = _summary(side.seconds, config, schedule.warmup)
-            # the training compile is not timed apart by the executor: its warm-up steps' excess over the median
-            excess = sum(side.seconds[: schedule.warmup]) - schedule.warmup * summary["median_s_per_step"]
-            results[name] = {**summary, "stages_s_per_step": side.stages_per_step(schedule.measured),
-                             "compile_s": side.executor.decode_ledger.seconds + (excess if side.compile_train else 0.0),
-                             "decode_compile_s": side.executor.decode_ledger.seconds,
-                             "compiles": len(side.executor.decode_ledger.compiles)}
+        try:
+            results = _run_sides(config, schedule, sides, model_dir, Path(tmp), report, trl=trl, log=log)
+        finally:
+            for side in sides.values():
+                side.close()
     report["results"] = results
     report["load_after"] = os.getloadavg()[0]
     if "trl" in results:
@@ -398,6 +405,37 @@ def run_bench(config: BenchConfig, schedule: Schedule = Schedule(), *, threads: 
                            for name in sides}
     log(format_table(report))
     return report
+
+
+def _run_sides(config: BenchConfig, schedule: Schedule, sides: dict[str, RlgraphSide], model_dir: Path, tmp: Path,
+               report: dict[str, Any], *, trl: bool, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """The sides stepped as `schedule` alternates them (TRL leading, given the prompts in the rlgraph
+    runs' order, after the loss check); each side's figures."""
+    results: dict[str, dict[str, Any]] = {}
+    if trl:
+        callback = _alternating_callback(sides, schedule)
+        trainer = make_trl_trainer(config, model_dir, sides["rlgraph"].order(), max_steps=schedule.total,
+                                   output_dir=tmp / "trl", callbacks=[callback])
+        check = loss_check(config, trainer, sides["rlgraph"])
+        report["loss_check"] = {**attrs.asdict(check), "abs_difference": check.difference}
+        log(f"loss on one fixed batch: TRL {check.trl:.8f}, rlgraph {check.rlgraph:.8f}, |diff| {check.difference:.2e}")
+        trainer.train()
+        results["trl"] = _summary(callback.seconds, config, schedule.warmup)
+        results["trl"]["generate_s_per_step"] = statistics.median(trainer.generate_seconds[schedule.warmup:])
+    else:
+        for done in range(1, schedule.total + 1):
+            if schedule.boundary(done):
+                _catch_up(sides, done, schedule)
+    for name, side in sides.items():
+        # a compile happens in a warm-up step (not in the medians) and is reported apart
+        summary = _summary(side.seconds, config, schedule.warmup)
+        # the training compile is not timed apart by the executor: its warm-up steps' excess over the median
+        excess = sum(side.seconds[: schedule.warmup]) - schedule.warmup * summary["median_s_per_step"]
+        results[name] = {**summary, "stages_s_per_step": side.stages_per_step(schedule.measured),
+                         "compile_s": side.executor.decode_ledger.seconds + (excess if side.compile_train else 0.0),
+                         "decode_compile_s": side.executor.decode_ledger.seconds,
+                         "compiles": len(side.executor.decode_ledger.compiles)}
+    return results
 
 
 def _machine(threads: int) -> dict[str, Any]:

@@ -28,6 +28,33 @@ def test_rlgraph_side_runs_a_grpo_step(model_dir):
     assert sum(stages.values()) <= side.seconds[0]
 
 
+def test_rlgraph_side_is_a_train_run_drawing_the_prompts_in_the_order_trl_gets(model_dir):
+    """The side is `rlgraph train`'s wiring (its resolved config: GRPO with the bench's beta as kl, no
+    warm start, no evaluation); `order()` is what its steps train on, step after step."""
+    import yaml
+
+    problems = bench_problems(SMALL, 3 * SMALL.prompts)
+    side = RlgraphSide(SMALL, model_dir, problems)
+    saved = yaml.safe_load((side.run.run_dir / "config.yaml").read_text())
+    assert saved["algorithm"]["hparams"]["kl"] == SMALL.beta and saved["warm_start"]["steps"] == 0
+    assert side.run.setup.eval_rows == [] and saved["optimizer"]["weight_decay"] == 0.0
+    order = side.order()
+    assert sorted(p.prompt for p in order) == sorted(p.prompt for p in problems)
+    drawn, sampler = [], side.run.session.sampler
+    draw = sampler.next_batch
+
+    def recorded():
+        rows = draw()
+        drawn.extend(row.text for row in rows)
+        return rows
+
+    sampler.next_batch = recorded
+    for _ in range(3):
+        side.step()
+    assert drawn == [p.prompt for p in order]
+    side.close()
+
+
 def test_schedule_alternates_whole_rounds():
     schedule = Schedule(steps=5, per_round=2, warmup=1)
     assert (schedule.measured, schedule.total) == (6, 7)

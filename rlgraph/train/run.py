@@ -3,7 +3,9 @@
     prepare(config)  -> Setup     tokenizer, prompt splits, rewards, the compiled RL and eval plans
     build_roles(...) -> executor  local runtime: the policy (LoRA or full), the reference, the critic, the rewards
     world_of_config(setup)        spmd/ray: the same roles as a recipe the workers build; no model here
-    train(config)                 warm start, then the RL plan step after step: metrics, evaluation,
+    Run(config)                   the run opened: prepared, roles built, warm-started, runners started;
+                                  `step()` -> one RL step's metrics, `finish()` -> the final evaluation
+    train(config)                 a `Run` stepped to train.steps / train.seconds: metrics, evaluation,
                                   checkpoints, logs; `resume=True` continues a run exactly
 
 Every RL step is one run of the compiled plan by the `PlanRunner` (the plan is the truth); so is
@@ -66,58 +68,107 @@ def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | 
           console: Console | None = None) -> RunResult:
     """Run `config` in `config.directory`; with `resume`, continue from its latest checkpoint, or from
     `checkpoint` (a step number or step-* name), whose later checkpoints are then deleted."""
-    from rlgraph.train.logging import SAMPLES_FILE, MetricLogger, SampleLog, make_sinks
+    with Run(config, resume=resume, checkpoint=checkpoint, console=console) as run:
+        seconds = run.session.loop(run.trainer)
+        return run.finish(seconds)
 
-    console = console or Console()
-    run_dir = config.directory
-    if checkpoint is not None and not resume:
-        raise ConfigError(f"--checkpoint {checkpoint}: a checkpoint to start from is only taken with --resume",
-                          fix=f"rlgraph train --resume {run_dir} --checkpoint {checkpoint}")
-    checkpoint = _resume_point(run_dir, checkpoint) if resume else None
-    if not resume and latest_checkpoint(run_dir) is not None:
-        raise ConfigError(f"run directory {run_dir} already holds checkpoints",
-                          fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
-    if checkpoint is not None:
-        _refuse_other_run(config, checkpoint)  # before anything is compiled or built
-    torch.manual_seed(config.train.seed)
-    setup = prepare(config)
-    for report in setup.reports:
-        console.print(report.summary())
-    _warn_tokenizer(setup, console)
-    if checkpoint is not None:
-        _refuse_other_data(setup, checkpoint)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(setup.config.to_yaml())  # resolved: the algorithm's defaults written out
-    (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
-    if checkpoint is None:
-        (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
-    # The local runtime builds the models here; spmd/ray workers build them from the config's recipe.
-    executor = build_roles(setup) if config.runtime.runtime == "local" else None
-    session = _Session(setup, executor, console)
-    try:
-        trainer = _start(session, setup, executor, checkpoint, run_dir, console)
-    except BaseException:
-        session.close()  # the reward workers a warm start's evaluation started
-        raise
-    try:
-        sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
-                           mlflow=config.logging.mlflow, resume_step=trainer.step if checkpoint else None)
-        with MetricLogger(sinks) as logger:
-            session.logger = logger
-            session.samples = SampleLog(run_dir / SAMPLES_FILE, resume_step=trainer.step if checkpoint else None)
+
+class Run:
+    """`train()` a step at a time. Opening prepares `config` (the compiled plans), builds the roles
+    (local; on spmd/ray the workers build them from the recipe), warm-starts, starts the runners and
+    logs step 0; `step()` runs the compiled RL plan once and returns the step's metrics (logged, and
+    checkpointed every `checkpoint.every`); `finish()` checkpoints the last step, runs the final
+    evaluation and writes summary.json (and the plots); leaving the `with` releases the workers and
+    the log files (also on an error, with no summary).
+
+        with Run(config) as run:
+            for _ in range(10):
+                print(run.step()["reward"])
+            result = run.finish()
+    """
+
+    def __init__(self, config: TrainConfig, *, resume: bool = False, checkpoint: str | int | None = None,
+                 console: Console | None = None) -> None:
+        from rlgraph.train.logging import SAMPLES_FILE, MetricLogger, SampleLog, make_sinks
+
+        self.console = console = console or Console()
+        run_dir = self.run_dir = config.directory
+        if checkpoint is not None and not resume:
+            raise ConfigError(f"--checkpoint {checkpoint}: a checkpoint to start from is only taken with --resume",
+                              fix=f"rlgraph train --resume {run_dir} --checkpoint {checkpoint}")
+        checkpoint = _resume_point(run_dir, checkpoint) if resume else None
+        if not resume and latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"run directory {run_dir} already holds checkpoints",
+                              fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
+        if checkpoint is not None:
+            _refuse_other_run(config, checkpoint)  # before anything is compiled or built
+        torch.manual_seed(config.train.seed)
+        setup = self.setup = prepare(config)
+        for report in setup.reports:
+            console.print(report.summary())
+        _warn_tokenizer(setup, console)
+        if checkpoint is not None:
+            _refuse_other_data(setup, checkpoint)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(setup.config.to_yaml())  # resolved: the algorithm's defaults written out
+        (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
+        if checkpoint is None:
+            (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
+        # The local runtime builds the models here; spmd/ray workers build them from the config's recipe.
+        self.executor = build_roles(setup) if config.runtime.runtime == "local" else None
+        self.session = session = _Session(setup, self.executor, console)
+        self.logger: MetricLogger | None = None
+        self._closed = False
+        try:
+            self.trainer = _start(session, setup, self.executor, checkpoint, run_dir, console)
+            resume_step = self.trainer.step if checkpoint else None
+            sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
+                               mlflow=config.logging.mlflow, resume_step=resume_step)
+            self.logger = session.logger = MetricLogger(sinks)
+            session.samples = SampleLog(run_dir / SAMPLES_FILE, resume_step=resume_step)
             if checkpoint is None and (setup.eval_rows or session.warm):
-                logger.log(0, session.first_row())
-            seconds = session.loop(trainer)
-    finally:
-        session.close()
-    result = RunResult(run_dir, trainer.step, seconds, session.first_eval, session.last_eval)
-    (run_dir / "summary.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
-                                                      for k, v in attrs.asdict(result).items()}, indent=1))
-    if config.logging.plots:
-        from rlgraph.train.plot import plot_run
+                self.logger.log(0, session.first_row())
+        except BaseException:
+            self.close()  # the reward workers a warm start's evaluation started, the sinks opened
+            raise
 
-        plot_run(run_dir)
-    return result
+    @property
+    def steps(self) -> int:
+        """RL steps done (a resumed run counts its earlier ones)."""
+        return self.trainer.step
+
+    def step(self) -> dict[str, float]:
+        """One RL step: the compiled plan run once on the next batch; its metrics, as logged."""
+        return self.trainer.run_step()
+
+    def finish(self, seconds: float = 0.0) -> RunResult:
+        """The run's end: the last step checkpointed, the final evaluation logged, the workers and
+        logs closed, summary.json (and the plots) written; `seconds` is the RL loop's wall time."""
+        self.session.finish(self.trainer)
+        self.close()
+        result = RunResult(self.run_dir, self.trainer.step, seconds, self.session.first_eval, self.session.last_eval)
+        (self.run_dir / "summary.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
+                                                               for k, v in attrs.asdict(result).items()}, indent=1))
+        if self.setup.config.logging.plots:
+            from rlgraph.train.plot import plot_run
+
+            plot_run(self.run_dir)
+        return result
+
+    def close(self) -> None:
+        """Release the workers, the reward processes and the log files; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.logger is not None:
+            self.logger.close()
+        self.session.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _start(session: _Session, setup: Any, executor: Any, checkpoint: Any, run_dir: Path, console: Console) -> Any:

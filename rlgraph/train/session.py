@@ -331,6 +331,7 @@ class _Session:
                 "eval/response_length": metrics["response_tokens"]}
 
     def loop(self, trainer: Trainer) -> float:
+        """Step `trainer` to `train.steps` or `train.seconds` under the progress bar; the loop's seconds."""
         from rlgraph.train.progress import RunProgress
 
         train, start = self.config.train, time.perf_counter()
@@ -340,13 +341,17 @@ class _Session:
                          enabled=self.config.logging.progress, start_step=trainer.step) as progress:
             for metrics in trainer.run(steps=remaining, seconds=train.seconds) if remaining != 0 else ():
                 progress.update(trainer.step, metrics)
+        return time.perf_counter() - start
+
+    def finish(self, trainer: Trainer) -> None:
+        """The run's end: the last step checkpointed (whatever `checkpoint.every`), the final evaluation."""
+        self.step = trainer.step  # a resumed run's final evaluation belongs to its step
         if trainer.step % self.config.checkpoint.every:
             trainer.save()  # the last step is always checkpointed
         if self.setup.eval_rows and (not self.config.eval.every or trainer.step % self.config.eval.every):
             final = self.evaluate()
             final["time/compile_s"] = self._compile_seconds()  # the evaluation's decode compiles
             self.logger.log(trainer.step, final)
-        return time.perf_counter() - start
 
 
 def _step_kind(step: Any) -> str:

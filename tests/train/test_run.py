@@ -130,6 +130,35 @@ def test_the_saved_config_is_resolved_and_reruns_the_same_run(full_run, tmp_path
     assert yaml.safe_load((tmp_path / "rerun" / "config.yaml").read_text())["algorithm"] == saved["algorithm"]
 
 
+def test_a_run_stepped_by_hand_is_the_run_train_makes(full_run, tmp_path):
+    """`train()` is a `Run` stepped to train.steps: stepping one by hand (as the bench does) and
+    finishing it gives the same metrics, evaluations, checkpoints and weights, bit for bit."""
+    from rlgraph.train.run import Run
+
+    run_dir, result, path = full_run
+    config = load_config(path, [f"run_dir={tmp_path / 'stepped'}"])
+    with Run(config) as run:
+        assert run.steps == 0 and (tmp_path / "stepped" / "plan.txt").is_file()
+        rewards = [run.step()["reward"] for _ in range(config.train.steps)]
+        assert run.steps == 4 and all(0.0 <= reward <= 1.0 for reward in rewards)
+        stepped = run.finish()
+    assert (stepped.steps, stepped.eval_before, stepped.eval_after) == (result.steps, result.eval_before, result.eval_after)
+    assert_same_run(run_dir, tmp_path / "stepped")
+    assert sorted(p.name for p in (tmp_path / "stepped").glob("step-*")) == ["step-000003", "step-000004"]
+
+
+def test_a_run_left_without_finish_writes_no_summary_and_closes_once(tmp_path):
+    from rlgraph.train.run import Run
+
+    config, _ = make_config(tmp_path, "left", warm_start={"steps": 0})
+    with Run(config) as run:
+        run.step()
+    run.close()  # a second close is a no-op
+    assert not (tmp_path / "left" / "summary.json").exists()
+    rows = metrics_of(tmp_path / "left")
+    assert [row["step"] for row in rows] == [0, 1]  # the first evaluation and the one step
+
+
 def test_a_checkpoint_fingerprinted_before_hparams_were_resolved_still_resumes(tmp_path, monkeypatch):
     import rlgraph.train.checkpoint as checkpoint
     from rlgraph.train.run import _refuse_other_run, fingerprint
