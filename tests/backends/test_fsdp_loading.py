@@ -172,18 +172,36 @@ def test_critic_and_lora_roles_built_empty_and_filled_equal_their_full_build(spe
     assert trainable and trainable == {name for name, p in empty.named_parameters() if p.requires_grad}
 
 
-def test_a_lora_role_given_only_its_base_lacks_the_adapters_so_a_rank_builds_it_whole(tmp_path):
-    """Its adapters are drawn on the rank (seeded), which a meta build cannot do: the FSDP2 build
-    falls back to the full module (`_empty_module` returns None)."""
+@pytest.mark.parametrize("given", ["weights_file", "model_dir"])
+def test_a_lora_role_given_only_its_base_is_built_on_meta_with_the_adapters_its_full_build_draws(given, tmp_path):
+    """A plain base (a warm start's merged base file, or a model directory): the rank builds the peft
+    model on the meta device, draws the adapters as the full build does (seeded: every runtime alike)
+    and fills base and adapters from the file and the draw; nothing is materialised before the fill."""
     from rlgraph.backends.fsdp.build import _empty_module
+    from rlgraph.backends.fsdp.loading import LoraStartSource
 
-    base = write_weights(_model().state_dict(), tmp_path / "base.safetensors")
-    spec = RoleSpec(lora=LORA, optimizer="adamw", weights_file=str(base))
-    with parameters_on_meta():
-        empty = spec.build_module(load_tokenizer(None), empty=True)
-    missing = missing_names(empty, spec.weight_source())  # the adapters (and the base under peft's names)
-    assert any(".lora_A." in name for name in missing) and any(".lora_B." in name for name in missing)
-    assert _empty_module(spec, load_tokenizer(None)) == (None, None)
+    tokenizer = load_tokenizer(None)
+    model = _model()
+    if given == "weights_file":
+        spec = RoleSpec(lora=LORA, optimizer="adamw", seed=5, weights_file=str(write_weights(model.state_dict(), tmp_path / "b.st")))
+    else:
+        model.save_pretrained(str(tmp_path / "dir"), safe_serialization=True)
+        spec = RoleSpec(source=str(tmp_path / "dir"), lora=LORA, optimizer="adamw", seed=5)
+    full = spec.build_module(tokenizer)  # the base read whole, the adapters drawn with seed 5
+    empty, source = _empty_module(spec, tokenizer)
+    assert isinstance(source, LoraStartSource) and not missing_names(empty, source)
+    assert all(p.device.type == "meta" for p in empty.parameters())
+    fill_shards(empty, empty, source, torch.device("cpu"))
+    assert empty.state_dict().keys() == full.state_dict().keys()
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(empty.state_dict()[name], tensor), name
+    trainable = {name for name, p in full.named_parameters() if p.requires_grad}
+    assert trainable == {name for name, p in empty.named_parameters() if p.requires_grad} and len(trainable) == 8
+    a = next(name for name in trainable if ".lora_A." in name)
+    assert not torch.equal(source.tensor(a), _empty_module(  # another seed, other adapters
+        attrs.evolve(spec, seed=6), tokenizer)[1].tensor(a))
+    with pytest.raises(KeyError, match="no tensor 'nope'"):
+        source.rows("nope", 0, 1)
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, missing_names, parameters_on_meta
+from rlgraph.backends.fsdp.loading import (LoraStartSource, WeightSource, fill_shards, holds_adapters, missing_names,
+                                          parameters_on_meta)
 from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, engine_dtype, role_module
 from rlgraph.backends.fsdp.sync import sync_ranks
 from rlgraph.backends.local.executor import LMWorker, RewardWorker
@@ -165,17 +166,22 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
 
 
 def _empty_module(spec: Any, tokenizer: Any) -> tuple[torch.nn.Module | None, Any]:
-    """The role's module with its parameters on the meta device, and the `WeightSource` that fills
-    every one of them (its weights file, or the safetensors of its model directory); (None, None)
-    when the role has no start-up weights, or they leave some parameters out (a LoRA role given a
-    plain base: its adapters are drawn on the rank)."""
+    """The role's module with its parameters on the meta device, and the source that fills every
+    one of them (its weights file, or the safetensors of its model directory; a LoRA role given a
+    plain base: that base under peft's names plus its adapters, drawn here as every runtime draws
+    them, `LoraStartSource`); (None, None) when the role has no start-up weights, or they leave
+    some parameters out."""
     source = spec.weight_source()
     if source is None and isinstance(spec.source, (str, os.PathLike)):
         source = WeightSource.of_model_dir(spec.source)  # the model's own files, each rank reading its rows
     if source is None:
         return None, None
-    with parameters_on_meta():
-        module = spec.build_module(tokenizer, empty=True)
+    if spec.lora is not None and not holds_adapters(source):
+        module, adapters = spec.build_lora_on_meta(tokenizer)
+        source = LoraStartSource.of(source, module, adapters)
+    else:
+        with parameters_on_meta():
+            module = spec.build_module(tokenizer, empty=True)
     if missing_names(module, source):
         return None, None
     return module, source

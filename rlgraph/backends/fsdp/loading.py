@@ -121,6 +121,44 @@ class WeightSource:
         return {name: self.tensor(name) for name in sorted(self.names)}
 
 
+class LoraStartSource:
+    """A LoRA role's start-up weights when its source is the plain model (a model directory, a warm
+    start's merged base): the frozen base read from `base` under the peft model's names
+    (`...q_proj.base_layer.weight` is `...q_proj.weight` there; `names` maps one to the other) and
+    the adapters drawn on the rank (`RoleSpec.build_lora_on_meta`), as full tensors. The same
+    reading interface as `WeightSource`, so `fill_shards` takes only each shard's rows of both."""
+
+    def __init__(self, base: WeightSource, names: Mapping[str, str], adapters: Mapping[str, torch.Tensor]):
+        self.base, self.adapters, self.where = base, dict(adapters), f"{base.where} and the drawn adapters"
+        self._plain = {name: plain for name, plain in names.items() if plain in base.names}
+        self.names = frozenset(self._plain) | frozenset(self.adapters)
+
+    @classmethod
+    def of(cls, base: WeightSource, module: torch.nn.Module, adapters: Mapping[str, torch.Tensor]) -> LoraStartSource:
+        from rlgraph.backends.lora import plain_name
+
+        names = {name: plain_name(name) for name in module.state_dict(keep_vars=True) if plain_name(name) is not None}
+        return cls(base, names, adapters)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.adapters[name] if name in self.adapters else self.base.tensor(self._plain_of(name))
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self.adapters:
+            return self.adapters[name][start:stop]
+        return self.base.rows(self._plain_of(name), start, stop)
+
+    def _plain_of(self, name: str) -> str:
+        if name not in self._plain:
+            raise KeyError(f"{self.where} has no tensor {name!r}")
+        return self._plain[name]
+
+
+def holds_adapters(source: WeightSource) -> bool:
+    """Whether `source` is a LoRA model's (peft names, adapters included) rather than a plain base."""
+    return any(".lora_" in name for name in source.names)
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside register their parameters on the meta device (no memory, no values)
