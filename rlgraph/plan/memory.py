@@ -566,6 +566,9 @@ def process_memory(plan: Any, options: Any = None) -> dict[str, MemoryBreakdown]
       base is counted as the executor holds it (`on_lora_base`).
     rank r on an accelerator: what it keeps in host memory (`plan.host_memory`: offloaded state).
     """
+    if options is not None and not (isinstance(getattr(options, "lora", None), Mapping) and hasattr(options, "models")):
+        raise TypeError(f"process_memory: options must be the run's CompileOptions (compiled.options: its lora and "
+                        f"models), or None; got {type(options).__name__} {options!r:.80}")
     out = {"controller": MemoryBreakdown()}
     for rank in range(plan.mesh.size):
         groups = [group for group in plan.groups if rank in group.ranks]
@@ -576,7 +579,7 @@ def process_memory(plan: Any, options: Any = None) -> dict[str, MemoryBreakdown]
         phases = {f"{group.name}.{phase}": _breakdown(parts)
                   for group in groups for phase, parts in plan.memory.get(group.name, {}).items()}
         policy = next((group for group in groups if group.name == "policy"), None)
-        lora = getattr(options, "lora", {}).get("policy") if options is not None else None
+        lora = options.lora.get("policy") if options is not None else None
         if policy is not None and lora is not None and shares_lora_base(
                 lora.target_modules, trains=policy.train is not None, engine=getattr(policy.generate, "engine", "none"),
                 param_dtype=torch.float32):

@@ -43,6 +43,50 @@ def test_a_weights_file_stores_tied_tensors_once_and_reads_them_under_both_names
     assert torch.equal(source.rows(HEAD, 5, 9), model.lm_head.weight[5:9])
 
 
+def test_a_safetensors_file_read_without_mmap_gives_what_safe_open_gives(tmp_path):
+    """`SafetensorsFile` reads each tensor, or rows of it, with a plain read: the same values, dtypes
+    and shapes as safetensors' own reader, clamped row ranges included."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from rlgraph.backends.fsdp.loading import SafetensorsFile
+
+    tensors = {"f32": torch.randn(7, 3), "bf16": torch.randn(5, 2).bfloat16(), "scalar": torch.tensor(3.0),
+               "empty": torch.zeros(0, 4), "int": torch.arange(6).view(3, 2), "bool": torch.tensor([True, False])}
+    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"key": "value"})
+    file = SafetensorsFile(tmp_path / "t.safetensors")
+    assert file.metadata() == {"key": "value"} and sorted(file.keys()) == sorted(tensors)
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as handle:
+        for name in tensors:
+            assert torch.equal(file.tensor(name), handle.get_tensor(name)), name
+            for start, stop in [(0, 2), (1, 100), (3, 2), (0, 0)] if tensors[name].dim() else []:
+                expected = handle.get_slice(name)[start:stop]
+                assert file.rows(name, start, stop).dtype == expected.dtype and torch.equal(file.rows(name, start, stop), expected)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!", b"\x02\x00\x00\x00\x00\x00\x00\x00[]"])
+def test_a_file_that_is_not_safetensors_is_refused_naming_it(content, tmp_path):
+    from rlgraph.backends.fsdp.loading import SafetensorsFile
+
+    (tmp_path / "bad.safetensors").write_bytes(content)
+    with pytest.raises(ConfigError, match="bad.safetensors is not a safetensors file"):
+        SafetensorsFile(tmp_path / "bad.safetensors")
+
+
+def test_a_truncated_safetensors_file_is_refused_naming_the_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    from rlgraph.backends.fsdp.loading import SafetensorsFile
+
+    save_file({"w": torch.randn(64, 4)}, str(tmp_path / "t.safetensors"))
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[:-100])
+    file = SafetensorsFile(tmp_path / "t.safetensors")
+    assert file.rows("w", 0, 8).shape == (8, 4)  # the rows still there read
+    with pytest.raises(ConfigError, match="ends before the data of tensor 'w'"):
+        file.tensor("w")
+
+
 def test_a_missing_weights_file_names_the_path_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="nowhere.safetensors.*does not exist(.|\n)*weights_dir"):
         WeightSource.of(tmp_path / "nowhere.safetensors")
