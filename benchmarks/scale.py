@@ -116,7 +116,8 @@ def modelled(config_path: Path) -> dict[str, int]:
     from rlgraph.train.config import load_config
     from rlgraph.train.setup import prepare
 
-    return {name: need.total for name, need in process_memory(prepare(load_config(config_path)).rl.plan).items()}
+    compiled = prepare(load_config(config_path)).rl
+    return {name: need.total for name, need in process_memory(compiled.plan, compiled.options).items()}
 
 
 def against_model(peaks: dict[str, int], model: dict[str, int], baseline: int) -> dict[str, dict[str, float]]:
@@ -132,7 +133,7 @@ def against_model(peaks: dict[str, int], model: dict[str, int], baseline: int) -
 
 
 def run_config(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict:
-    lora = f"{{r: {args.lora}, alpha: {2 * args.lora}, target_modules: [q_proj, k_proj, v_proj, o_proj]}}"
+    lora = {"r": args.lora, "alpha": 2 * args.lora, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     return {
         "name": "scale", "run_dir": str(run_dir),
         "algorithm": {"name": "grpo", "hparams": {"kl": 0.01}},

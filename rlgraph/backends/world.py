@@ -141,6 +141,36 @@ class RoleSpec:
         plain.load_state_dict(merged_state_dict(module), strict=True)
         return plain
 
+    def build_lora_on_meta(self, tokenizer: Any) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        """A LoRA role's peft model with every parameter on the meta device, and its adapters as
+        `build_module` draws them (the same seed, so the same values as the full build's), full
+        tensors under the peft model's names: what a rank fills its shards from, besides the base's
+        files. The base is never materialised: peft puts new adapters on their base weight's device,
+        so each target weight is, while peft wraps it, a one-element CPU placeholder of its shape."""
+        from rlgraph.backends.fsdp.loading import parameters_on_meta
+        from rlgraph.backends.local.models import build_causal_lm
+        from rlgraph.backends.lora import LoraSettings, apply_lora, trainable_state
+
+        settings = LoraSettings(**self.lora)
+        with parameters_on_meta():
+            base = build_causal_lm(_config_only(self.source), tokenizer=tokenizer, seed=self.seed)
+        targets = [module for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)
+                   and any(name == t or name.endswith("." + t) for t in settings.target_modules)]
+        held = [module.weight for module in targets]
+        for module in targets:  # stride 0: one element of storage, whatever the shape
+            module.weight = torch.nn.Parameter(torch.zeros(1).expand(module.weight.shape), requires_grad=False)
+        module = apply_lora(base, settings, seed=self.seed)  # peft wraps the same Linear objects
+        for linear, weight in zip(targets, held, strict=True):
+            linear.weight = weight.requires_grad_(False)  # frozen, as peft froze the placeholder
+        adapters = {name: tensor.clone() for name, tensor in trainable_state(module).items()}
+        for owner in module.modules():  # the adapters to the meta device too: the rank fills its rows of them
+            for key, param in owner._parameters.items():
+                if param is not None and param.device.type != "meta":
+                    owner._parameters[key] = torch.nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        if self.optimizer is None:
+            module.requires_grad_(False)
+        return module, adapters
+
     def build_optimizer(self, parameters: Any) -> torch.optim.Optimizer | None:
         """Over the parameters that require grad (LoRA: the adapters); None for a frozen role."""
         return None if self.optimizer is None else make_optimizer(self.optimizer, parameters, self.lr, **self.optimizer_options)

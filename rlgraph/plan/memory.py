@@ -230,7 +230,7 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
     head_backward = state + MemoryBreakdown(
         activations=stored + tokens * head_activation_bytes(shape, cfg.param_dtype),
         logits=0 if shape.value_head else 3 * 4 * min(tokens, cfg.logit_chunk_tokens) * shape.vocab,
-        workspace=gathered + (0 if shape.value_head else 4 * shape.vocab * shape.hidden),
+        workspace=gathered + _head_weight_bytes(shape, cfg),
     )
     layer_backward = state + MemoryBreakdown(
         activations=stored + (tokens * per_layer if cfg.checkpointing else 0),
@@ -238,6 +238,16 @@ def train_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakdown:
     )
     step = state + MemoryBreakdown(workspace=0 if cfg.offload_optimizer else _step_temporary_bytes(shape, cfg))
     return MemoryBreakdown.largest([head_backward, layer_backward, step])
+
+
+def _head_weight_bytes(shape: ModelShape, cfg: TrainMemoryConfig) -> int:
+    """The chunked log-prob head's [V, H] fp32 buffer in its backward: the fp32 weight gradient it
+    accumulates, or the fp32 copy of a 16-bit weight. None for a value head, nor for a frozen fp32
+    head (LoRA without `lm_head` in fp32: `weight.float()` is the weight itself and no gradient is asked)."""
+    frozen = cfg.lora is not None and "lm_head" not in cfg.lora.target_modules
+    if shape.value_head or (frozen and dtype_bytes(cfg.param_dtype) == 4):
+        return 0
+    return 4 * shape.vocab * shape.hidden
 
 
 # -- packed sequences ---------------------------------------------------------------------------
@@ -542,7 +552,7 @@ def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int,
 
 
 # -- whole processes of a run: the controller and each rank --------------------------------------
-def process_memory(plan: Any) -> dict[str, MemoryBreakdown]:
+def process_memory(plan: Any, options: Any = None) -> dict[str, MemoryBreakdown]:
     """What each process of a spmd/Ray run of `plan` holds beyond the interpreter and the libraries it
     imports (a baseline to measure once and add: `benchmarks/scale.py`), by process: "controller",
     "rank 0", "rank 1", ...
@@ -552,8 +562,13 @@ def process_memory(plan: Any) -> dict[str, MemoryBreakdown]:
       together, as `colocated_moments(offload=False)` counts them (an offload step moves nothing on
       a cpu device): each phase's persistent parts (the FSDP2 shards, their gradients and AdamW
       state, a reference's shard, the generation engine's full copy) and the largest transient one.
+      With the run's `options` (`CompiledRL.options`), a LoRA policy whose engine runs on its own
+      base is counted as the executor holds it (`on_lora_base`).
     rank r on an accelerator: what it keeps in host memory (`plan.host_memory`: offloaded state).
     """
+    if options is not None and not (isinstance(getattr(options, "lora", None), Mapping) and hasattr(options, "models")):
+        raise TypeError(f"process_memory: options must be the run's CompileOptions (compiled.options: its lora and "
+                        f"models), or None; got {type(options).__name__} {options!r:.80}")
     out = {"controller": MemoryBreakdown()}
     for rank in range(plan.mesh.size):
         groups = [group for group in plan.groups if rank in group.ranks]
@@ -563,7 +578,50 @@ def process_memory(plan: Any) -> dict[str, MemoryBreakdown]:
             continue
         phases = {f"{group.name}.{phase}": _breakdown(parts)
                   for group in groups for phase, parts in plan.memory.get(group.name, {}).items()}
+        policy = next((group for group in groups if group.name == "policy"), None)
+        lora = options.lora.get("policy") if options is not None else None
+        if policy is not None and lora is not None and shares_lora_base(
+                lora.target_modules, trains=policy.train is not None, engine=getattr(policy.generate, "engine", "none"),
+                param_dtype=torch.float32):
+            from rlgraph.passes.memory_plan import model_shape
+
+            phases = on_lora_base(phases, model_shape(options, "policy"), lora, policy.train.fsdp, torch.float32)
         out[f"rank {rank}"] = colocated_peak(phases, offload=False)
+    return out
+
+
+def shares_lora_base(targets: Iterable[str], *, trains: bool, engine: str | None, param_dtype: torch.dtype) -> bool:
+    """Whether a LoRA role's generation engine runs on the role's own frozen base, as the FSDP2
+    executor builds it (`rlgraph.backends.fsdp.build.shares_base`): the role trains and generates on
+    the same ranks (`engine` is its group's: None when it does not generate) with the native engine,
+    which holds weights in the role's dtype (fp32: a cpu device), and no adapter wraps the LM head
+    (tied to the embedding in Qwen2.5: a merged head would untie them)."""
+    return trains and engine not in ("vllm", "none") and param_dtype == torch.float32 and "lm_head" not in set(targets)
+
+
+def on_lora_base(phases: Mapping[str, MemoryBreakdown], shape: ModelShape, lora: LoraShape, shards: int,
+                 dtype: torch.dtype) -> dict[str, MemoryBreakdown]:
+    """The "role.phase" peaks of a LoRA policy that `shares_lora_base`, and of its reference (the
+    policy with adapters off), as the ranks hold them: the frozen base whole on every rank (FSDP2
+    ignores it) and once: `policy.train` params n*e + a*e/shards (the adapters sharded); the engine
+    (`policy.generate`) only the adapted linears' merged weights; and the FSDP2 units gathered in a
+    forward or backward are the adapters alone (two layers' worth), not the base's units."""
+    e, adapters = dtype_bytes(dtype), shape.lora_params(lora)
+    layer_adapters = _ceil_div(adapters, shape.layers)
+    adapted = shape.layers * sum(i * o for name, (i, o) in shape.linear_shapes().items() if name in set(lora.target_modules))
+    regather = (e * 2 * layer_adapters - _fsdp_gather_bytes(shape, e, grads=False)) if shards > 1 else 0
+    out = dict(phases)
+    for name, part in phases.items():
+        role, phase = _role_phase(name)
+        if role not in ("policy", "ref"):
+            continue
+        if phase == "generate" and role == "policy":
+            part = attrs.evolve(part, params=adapted * e)
+        elif phase in ("train", "infer"):
+            assert part.workspace + regather >= 0, (name, part)  # the base's gathered units are in its workspace
+            params = shape.n_params * e + _ceil_div(adapters * e, shards) if (role, phase) == ("policy", "train") else 0
+            part = attrs.evolve(part, params=params, workspace=part.workspace + regather)
+        out[name] = part
     return out
 
 

@@ -43,6 +43,50 @@ def test_a_weights_file_stores_tied_tensors_once_and_reads_them_under_both_names
     assert torch.equal(source.rows(HEAD, 5, 9), model.lm_head.weight[5:9])
 
 
+def test_a_safetensors_file_read_without_mmap_gives_what_safe_open_gives(tmp_path):
+    """`SafetensorsFile` reads each tensor, or rows of it, with a plain read: the same values, dtypes
+    and shapes as safetensors' own reader, clamped row ranges included."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from rlgraph.backends.fsdp.loading import SafetensorsFile
+
+    tensors = {"f32": torch.randn(7, 3), "bf16": torch.randn(5, 2).bfloat16(), "scalar": torch.tensor(3.0),
+               "empty": torch.zeros(0, 4), "int": torch.arange(6).view(3, 2), "bool": torch.tensor([True, False])}
+    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"key": "value"})
+    file = SafetensorsFile(tmp_path / "t.safetensors")
+    assert file.metadata() == {"key": "value"} and sorted(file.keys()) == sorted(tensors)
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as handle:
+        for name in tensors:
+            assert torch.equal(file.tensor(name), handle.get_tensor(name)), name
+            for start, stop in [(0, 2), (1, 100), (3, 2), (0, 0)] if tensors[name].dim() else []:
+                expected = handle.get_slice(name)[start:stop]
+                assert file.rows(name, start, stop).dtype == expected.dtype and torch.equal(file.rows(name, start, stop), expected)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!", b"\x02\x00\x00\x00\x00\x00\x00\x00[]"])
+def test_a_file_that_is_not_safetensors_is_refused_naming_it(content, tmp_path):
+    from rlgraph.backends.fsdp.loading import SafetensorsFile
+
+    (tmp_path / "bad.safetensors").write_bytes(content)
+    with pytest.raises(ConfigError, match="bad.safetensors is not a safetensors file"):
+        SafetensorsFile(tmp_path / "bad.safetensors")
+
+
+def test_a_truncated_safetensors_file_is_refused_naming_the_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    from rlgraph.backends.fsdp.loading import SafetensorsFile
+
+    save_file({"w": torch.randn(64, 4)}, str(tmp_path / "t.safetensors"))
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[:-100])
+    file = SafetensorsFile(tmp_path / "t.safetensors")
+    assert file.rows("w", 0, 8).shape == (8, 4)  # the rows still there read
+    with pytest.raises(ConfigError, match="ends before the data of tensor 'w'"):
+        file.tensor("w")
+
+
 def test_a_missing_weights_file_names_the_path_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="nowhere.safetensors.*does not exist(.|\n)*weights_dir"):
         WeightSource.of(tmp_path / "nowhere.safetensors")
@@ -172,18 +216,36 @@ def test_critic_and_lora_roles_built_empty_and_filled_equal_their_full_build(spe
     assert trainable and trainable == {name for name, p in empty.named_parameters() if p.requires_grad}
 
 
-def test_a_lora_role_given_only_its_base_lacks_the_adapters_so_a_rank_builds_it_whole(tmp_path):
-    """Its adapters are drawn on the rank (seeded), which a meta build cannot do: the FSDP2 build
-    falls back to the full module (`_empty_module` returns None)."""
+@pytest.mark.parametrize("given", ["weights_file", "model_dir"])
+def test_a_lora_role_given_only_its_base_is_built_on_meta_with_the_adapters_its_full_build_draws(given, tmp_path):
+    """A plain base (a warm start's merged base file, or a model directory): the rank builds the peft
+    model on the meta device, draws the adapters as the full build does (seeded: every runtime alike)
+    and fills base and adapters from the file and the draw; nothing is materialised before the fill."""
     from rlgraph.backends.fsdp.build import _empty_module
+    from rlgraph.backends.fsdp.loading import LoraStartSource
 
-    base = write_weights(_model().state_dict(), tmp_path / "base.safetensors")
-    spec = RoleSpec(lora=LORA, optimizer="adamw", weights_file=str(base))
-    with parameters_on_meta():
-        empty = spec.build_module(load_tokenizer(None), empty=True)
-    missing = missing_names(empty, spec.weight_source())  # the adapters (and the base under peft's names)
-    assert any(".lora_A." in name for name in missing) and any(".lora_B." in name for name in missing)
-    assert _empty_module(spec, load_tokenizer(None)) == (None, None)
+    tokenizer = load_tokenizer(None)
+    model = _model()
+    if given == "weights_file":
+        spec = RoleSpec(lora=LORA, optimizer="adamw", seed=5, weights_file=str(write_weights(model.state_dict(), tmp_path / "b.st")))
+    else:
+        model.save_pretrained(str(tmp_path / "dir"), safe_serialization=True)
+        spec = RoleSpec(source=str(tmp_path / "dir"), lora=LORA, optimizer="adamw", seed=5)
+    full = spec.build_module(tokenizer)  # the base read whole, the adapters drawn with seed 5
+    empty, source = _empty_module(spec, tokenizer)
+    assert isinstance(source, LoraStartSource) and not missing_names(empty, source)
+    assert all(p.device.type == "meta" for p in empty.parameters())
+    fill_shards(empty, empty, source, torch.device("cpu"))
+    assert empty.state_dict().keys() == full.state_dict().keys()
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(empty.state_dict()[name], tensor), name
+    trainable = {name for name, p in full.named_parameters() if p.requires_grad}
+    assert trainable == {name for name, p in empty.named_parameters() if p.requires_grad} and len(trainable) == 8
+    a = next(name for name in trainable if ".lora_A." in name)
+    assert not torch.equal(source.tensor(a), _empty_module(  # another seed, other adapters
+        attrs.evolve(spec, seed=6), tokenizer)[1].tensor(a))
+    with pytest.raises(KeyError, match="no tensor 'nope'"):
+        source.rows("nope", 0, 1)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from rlgraph.plan import memory as M
 from rlgraph.plan.memory import MemoryBreakdown, TrainMemoryConfig
-from rlgraph.plan.model_size import ModelShape
+from rlgraph.plan.model_size import LoraShape, ModelShape
 from rlgraph.plan.presets import get_preset
 
 # 1272 parameters: embedding 10*8 (tied head) + 2 layers x 592 (q 64, k 32, v 32, o 64, MLP 384, norms 16) + norm 8.
@@ -341,6 +341,55 @@ def test_a_cpu_rank_holds_every_phase_placed_on_it_and_the_controller_no_model()
     assert persistent.params + persistent.grads + persistent.optimizer == pytest.approx(4 * params + 10 * params, rel=0.01)
 
 
+LORA_QV = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ("q_proj", "v_proj")}
+
+
+def _lora_plan(placement):
+    import rlgraph as rg
+    from rlgraph.algorithms import grpo
+
+    return rg.compile(grpo, mesh="cpu:2", placement=placement, sizes={"B": 2, "P": 16, "T": 4, "n": 2},
+                      models={"policy": "qwen2.5-0.5b"}, kl=0.01, lora={"policy": LORA_QV})
+
+
+def test_a_colocated_lora_rank_holds_the_base_once_and_its_engine_only_the_adapted_linears():
+    """With the run's options, a LoRA policy that trains and generates on the same cpu ranks is counted
+    as the FSDP2 executor holds it (`shares_base`): the fp32 base whole, once (4n), the adapters
+    sharded with their gradients and AdamW moments, the engine's merged q and v weights; the units
+    gathered in forward and backward are adapters, not the base's (the embedding's 0.5 GiB)."""
+    import rlgraph as rg
+
+    compiled = _lora_plan(rg.colocated(offload=False))
+    shape = ModelShape.from_hf_config(get_preset("qwen2.5-0.5b"))
+    n, a = shape.n_params, shape.lora_params(LoraShape(8, ("q_proj", "v_proj")))
+    adapted = 24 * (896 * 896 + 896 * 128)  # q [896, 896] and v [128, 896] of each of the 24 layers
+    plain, held = M.process_memory(compiled.plan), M.process_memory(compiled.plan, compiled.options)
+    for rank in ("rank 0", "rank 1"):
+        assert held[rank].params == 4 * n + 4 * a // 2 + 4 * adapted
+        assert held[rank].grads == 4 * a // 2 and held[rank].optimizer == 2 * 4 * a // 2
+        # before: the base's shard (2n) and the engine's full copy (4n); the base's gathered units and
+        # the head's [V, H] fp32 buffer (a frozen fp32 head has none) left the transient part too
+        assert plain[rank].params == 2 * n + 4 * a // 2 + 4 * n
+        assert held[rank].workspace < 64 * 2**20 < plain[rank].workspace
+    assert held["controller"].total == 0
+
+
+def test_a_lora_policy_that_does_not_generate_on_its_ranks_keeps_its_shards():
+    """Split placement: the engine is on another rank, so the base stays sharded (nothing shares it)."""
+    import rlgraph as rg
+
+    compiled = _lora_plan(rg.split({"policy": 1, "rollout": 1, "ref": "policy"}))
+    assert M.process_memory(compiled.plan, compiled.options) == M.process_memory(compiled.plan)
+
+
+@pytest.mark.parametrize("bad", ["options", {"lora": {}}, 3])
+def test_process_memory_refuses_options_that_are_not_the_runs(bad):
+    import rlgraph as rg
+
+    with pytest.raises(TypeError, match="options must be the run's CompileOptions"):
+        M.process_memory(_lora_plan(rg.colocated(offload=False)).plan, bad)
+
+
 def test_an_accelerator_rank_holds_in_host_memory_what_the_plan_offloads():
     import rlgraph as rg
     from rlgraph.algorithms import grpo
@@ -351,31 +400,56 @@ def test_an_accelerator_rank_holds_in_host_memory_what_the_plan_offloads():
     assert processes["rank 0"].total == sum(parts["total"] for parts in plan.host_memory.values()) > 0
 
 
-@pytest.mark.slow
-def test_each_process_of_a_small_spmd_run_is_within_25_percent_of_the_memory_model(tmp_path):
-    """benchmarks/scale.py at a small size (a 43M-parameter Qwen2 shape with Qwen's 151,936-token
-    vocabulary, GRPO with KL, AdamW, 2 gloo ranks): each process's sampled peak RSS against the memory
-    model's figure for it plus a baseline measured first (a fresh interpreter that imported torch,
-    transformers and rlgraph: ~0.5 GiB, the part no model of tensors can count). 25% is the issue's
-    bound; the model's part is ~60% of a rank's estimate here, so a model off by 40% fails it."""
+SMALL_QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
+               "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 1024, "vocab_size": 151936, "tie_word_embeddings": True,
+               "max_position_embeddings": 512}
+
+
+def _small_scale_run(tmp_path, *options: str) -> dict:
+    """benchmarks/scale.py on a 43M-parameter Qwen2 shape (hidden 256, 4 layers, Qwen's 151,936-token
+    vocabulary): GRPO with KL, AdamW, 2 gloo ranks, 2 steps; its report (peaks against the model)."""
     import json
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
     spec = importlib.util.spec_from_file_location("scale", path)
     scale = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scale)
-    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6,
-              "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 1024, "vocab_size": 151936, "tie_word_embeddings": True,
-              "max_position_embeddings": 512}
     (tmp_path / "small").mkdir()
-    (tmp_path / "small" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "small" / "config.json").write_text(json.dumps(SMALL_QWEN2))
     out = tmp_path / "figures.json"
     assert scale.main(["--model", str(tmp_path / "small" / "config.json"), "--model-dir", str(tmp_path / "model"),
-                       "--out", str(tmp_path), "--steps", "2", "--interval", "0.1", "--json", str(out)]) == 0
+                       "--out", str(tmp_path), "--steps", "2", "--interval", "0.1", "--json", str(out), *options]) == 0
     report = json.loads(out.read_text())
+    assert set(report["vs_memory_model"]) == {"controller", "rank 0", "rank 1"}, report["vs_memory_model"]
+    return report
+
+
+@pytest.mark.slow
+def test_each_process_of_a_small_spmd_run_is_within_25_percent_of_the_memory_model(tmp_path):
+    """Each process's sampled peak RSS against the memory model's figure for it plus a baseline measured
+    first (a fresh interpreter that imported torch, transformers and rlgraph: ~0.5 GiB, the part no
+    model of tensors can count). 25% is the issue's bound; the model's part is ~60% of a rank's
+    estimate here, so a model off by 40% fails it."""
+    report = _small_scale_run(tmp_path)
     processes = report["vs_memory_model"]
-    assert set(processes) == {"controller", "rank 0", "rank 1"}, processes
     for name, row in processes.items():
         assert abs(row["error"]) <= 0.25, (name, row, report["baseline_rss_gib"])
     assert processes["controller"]["measured_gib"] < report["fp32_policy_gib"] + report["baseline_rss_gib"]
+
+
+@pytest.mark.slow
+def test_each_process_of_a_small_spmd_lora_run_is_within_25_percent_and_holds_the_base_once(tmp_path):
+    """The same run with LoRA r=16 on q, k, v, o (`scale.py --lora 16`): each rank builds the peft model
+    on the meta device, reads its base from the model directory and runs its engine on that base,
+    so a rank holds one fp32 base (0.17 GiB here), not the shard, the engine's copy and a start-up
+    build besides (2.5 bases before). Each process within 25% of the model; each rank's peak above
+    the baseline below 2 fp32 bases (the rank count times a full copy; one base plus the transients,
+    ~0.04 GiB in the model, is 1.3 here)."""
+    report = _small_scale_run(tmp_path, "--lora", "16")
+    processes, baseline, base = report["vs_memory_model"], report["baseline_rss_gib"], report["fp32_policy_gib"]
+    for name, row in processes.items():
+        assert abs(row["error"]) <= 0.25, (name, row, baseline)
+    for rank in ("rank 0", "rank 1"):
+        assert processes[rank]["measured_gib"] - baseline < 2 * base, (processes[rank], baseline, base)
+    assert processes["controller"]["measured_gib"] < base + baseline

@@ -54,8 +54,13 @@ def test_lora_train_memory_by_hand_fp32():
     need = M.train_memory(SMALL, attrs.evolve(FP32, lora=lora))
     # Base 1272 + adapters held in fp32; gradients and AdamW's two fp32 moments of the adapters only;
     # activations: the full model's 13480 plus 10 tokens x 2 layers x 2 adapters x r=2 x 4 bytes.
+    # No [V, H] fp32 buffer in the head's backward: it is frozen (no weight gradient) and fp32 (no copy).
     assert need == MemoryBreakdown(params=4 * (1272 + a), grads=4 * a, optimizer=2 * 4 * a,
-                                   activations=13480 + 10 * 2 * 2 * 2 * 4, logits=1200, workspace=320)
+                                   activations=13480 + 10 * 2 * 2 * 2 * 4, logits=1200, workspace=0)
+    with_head = M.train_memory(SMALL, attrs.evolve(FP32, lora=LoraShape(2, ("q_proj", "lm_head"))))
+    assert with_head.workspace == 4 * 10 * 8  # an adapted head: its fp32 weight gradient, [V, H]
+    bf16 = M.train_memory(SMALL, attrs.evolve(FP32, lora=lora, param_dtype=torch.bfloat16))
+    assert bf16.workspace == 4 * 10 * 8  # a 16-bit head: its fp32 copy
 
 
 def test_lora_state_under_mixed_precision_has_an_fp32_master_of_the_adapters_only():

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, missing_names, parameters_on_meta
+from rlgraph.backends.fsdp.loading import (LoraStartSource, WeightSource, fill_shards, holds_adapters, missing_names,
+                                          parameters_on_meta)
 from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, engine_dtype, role_module
 from rlgraph.backends.fsdp.sync import sync_ranks
 from rlgraph.backends.local.executor import LMWorker, RewardWorker
@@ -87,6 +88,7 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
     sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
     tokenizer = world.load_tokenizer()
     models, engines, role_groups, shard_groups, adapters, views = {}, {}, {}, {}, {}, []
+    shared: set[str] = set()  # LoRA roles whose engine runs on the role's own base (`shares_base`)
     for group in plan.groups:
         if rank not in group.ranks:
             continue
@@ -97,14 +99,20 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
                 views.append(group.name)  # built once the role it views is
                 continue
             mesh, shard_groups[group.name] = _role_mesh(group, rank, process_groups, device)
-            models[group.name] = _sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params)
+            keep_base = shares_base(spec, group, device)
+            models[group.name] = _sharded_role(spec, group, mesh, tokenizer, device, world.fsdp_unit_params, keep_base)
             if spec.lora is not None:
                 from rlgraph.backends.lora import adapter_deltas
 
                 adapters[group.name] = adapter_deltas(role_module(models[group.name]))
+            if keep_base:
+                shared.add(group.name)
         if group.generate is not None:
             served = GENERATOR_OF.get(group.name, group.name)
-            engines[served] = _generation_engine(world, served, group, rank, tokenizer, device, plan.groups)
+            if served in shared:
+                engines[served] = _engine_on_base(world, served, role_module(models[served]), adapters[served], tokenizer, device)
+            else:
+                engines[served] = _generation_engine(world, served, group, rank, tokenizer, device, plan.groups)
     for role in views:
         from rlgraph.backends.lora import base_view
 
@@ -113,7 +121,7 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
         shard_groups[role] = role_groups[role]
     return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
                         device=device, role_groups=role_groups, shard_groups=shard_groups, engines=engines,
-                        sync_groups=sync_groups, adapters=adapters,
+                        sync_groups=sync_groups, adapters=adapters, shared_base=shared,
                         max_new_tokens=world.max_new_tokens, seed=world.seed, envs=world.envs)
 
 
@@ -131,6 +139,52 @@ def check_views(views: Mapping[str, str], plan: Any) -> None:
             raise ValueError(f"role {role!r} is role {base!r} with its LoRA adapters off (no weights of its own), so it "
                              f"must run on the ranks of {base!r}, {held}, but the plan places it on ranks "
                              f"{sorted(groups[role].ranks)}: use a colocated placement, or give it {base!r}'s group")
+
+
+def shares_base(spec: Any, group: Any, device: torch.device) -> bool:
+    """Whether a LoRA role's generation engine runs on the role's own frozen base
+    (`rlgraph.plan.memory.shares_lora_base`: trained and generated on the same ranks by the native
+    engine, in fp32, the LM head not adapted). Then the base stays whole on each rank (FSDP2 ignores
+    it; only the adapters are sharded) and the engine owns only the adapted linears, filled merged
+    (W + B A * scale) at each sync: the base is held once per rank, not as a shard plus the engine's
+    full copy, and a sync moves the adapters alone."""
+    if spec.lora is None:
+        return False
+    from rlgraph.backends.lora import LoraSettings
+    from rlgraph.plan.memory import shares_lora_base
+
+    engine = group.generate.engine if group.generate is not None else "none"
+    return shares_lora_base(LoraSettings(**spec.lora).target_modules, trains=group.train is not None, engine=engine,
+                            param_dtype=engine_dtype(device))
+
+
+def _engine_on_base(world: Any, served: str, role_model: torch.nn.Module, adapters: Mapping[str, Any], tokenizer: Any,
+                    device: torch.device) -> torch.nn.Module:
+    """The plain model a `shares_base` role generates with: every parameter no adapter changes is
+    the role's own base tensor (the same storage); each adapted linear's weight is the engine's own,
+    allocated empty for the first sync to fill with the merged weight."""
+    from rlgraph.backends.local.models import build_causal_lm
+    from rlgraph.backends.lora import plain_name
+    from rlgraph.backends.world import _config_only
+
+    spec = _role_spec(world, served)
+    base = {plain_name(name): param for name, param in role_model.named_parameters(remove_duplicate=False)
+            if plain_name(name) is not None}
+    with parameters_on_meta():
+        engine = build_causal_lm(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
+    for prefix, module in engine.named_modules():
+        for key, param in list(module._parameters.items()):
+            name = f"{prefix}.{key}" if prefix else key
+            if param is None:
+                continue
+            if name in adapters:
+                module._parameters[key] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                             requires_grad=False)
+            else:
+                held = base[name]
+                assert held.device.type != "meta" and tuple(held.shape) == tuple(param.shape), (name, held.shape)
+                module._parameters[key] = held  # the role's whole base tensor (FSDP2 ignores it)
+    return engine.eval()
 
 
 def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device,
@@ -165,17 +219,22 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
 
 
 def _empty_module(spec: Any, tokenizer: Any) -> tuple[torch.nn.Module | None, Any]:
-    """The role's module with its parameters on the meta device, and the `WeightSource` that fills
-    every one of them (its weights file, or the safetensors of its model directory); (None, None)
-    when the role has no start-up weights, or they leave some parameters out (a LoRA role given a
-    plain base: its adapters are drawn on the rank)."""
+    """The role's module with its parameters on the meta device, and the source that fills every
+    one of them (its weights file, or the safetensors of its model directory; a LoRA role given a
+    plain base: that base under peft's names plus its adapters, drawn here as every runtime draws
+    them, `LoraStartSource`); (None, None) when the role has no start-up weights, or they leave
+    some parameters out."""
     source = spec.weight_source()
     if source is None and isinstance(spec.source, (str, os.PathLike)):
         source = WeightSource.of_model_dir(spec.source)  # the model's own files, each rank reading its rows
     if source is None:
         return None, None
-    with parameters_on_meta():
-        module = spec.build_module(tokenizer, empty=True)
+    if spec.lora is not None and not holds_adapters(source):
+        module, adapters = spec.build_lora_on_meta(tokenizer)
+        source = LoraStartSource.of(source, module, adapters)
+    else:
+        with parameters_on_meta():
+            module = spec.build_module(tokenizer, empty=True)
     if missing_names(module, source):
         return None, None
     return module, source
@@ -189,9 +248,10 @@ def _role_spec(world: Any, role: str) -> Any:
 
 
 def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, device: torch.device,
-                  unit_params: int) -> LMWorker:
+                  unit_params: int, keep_base: bool = False) -> LMWorker:
     """The role's model `fully_shard`ed on `mesh` (its large decoder layers as units, `RoleForward`
-    as the root), with a `LocalShardOptimizer` when it trains."""
+    as the root), with a `LocalShardOptimizer` when it trains. `keep_base` (`shares_base`): FSDP2
+    ignores the frozen parameters, which stay whole on the rank; only the adapters are sharded."""
     layout = group.train
     module, source = _empty_module(spec, tokenizer)
     if source is None:  # no weights to read (built from `source`), or not all of them: the whole model here
@@ -205,10 +265,11 @@ def _sharded_role(spec: Any, group: Any, mesh: DeviceMesh, tokenizer: Any, devic
     # needs an accelerator), and on a CPU device FSDP2's copies to "the device" move nothing.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if layout is not None and layout.cpu_offload else OffloadPolicy()
     root = RoleForward(module, spec.kind)
+    ignored = {param for param in module.parameters() if not param.requires_grad} if keep_base else None
     for layer in decoder_layers(module):
         if sum(p.numel() for p in layer.parameters()) >= unit_params:
-            fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
-    fully_shard(root, mesh=mesh, mp_policy=precision, offload_policy=offload)
+            fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload, ignored_params=ignored)
+    fully_shard(root, mesh=mesh, mp_policy=precision, offload_policy=offload, ignored_params=ignored)
     if source is not None:
         fill_shards(root, module, source, device)  # allocate the shards and read only their rows
     for unit in root.modules():

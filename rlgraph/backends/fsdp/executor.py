@@ -49,6 +49,7 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
                  rank: int, device: torch.device, role_groups: dict[str, Any], shard_groups: dict[str, Any],
                  engines: dict[str, torch.nn.Module],
                  sync_groups: dict[tuple[int, ...], Any], adapters: dict[str, Any] | None = None,
+                 shared_base: set[str] | None = None,
                  max_new_tokens: int = 16, seed: int = 0, envs: dict[str, Any] | None = None):
         super().__init__(models, rewards, tokenizer, max_new_tokens=max_new_tokens, seed=seed, envs=envs)
         self.rank = rank
@@ -60,6 +61,7 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
         self.sync_groups = sync_groups    # {trainer leader} | generating ranks -> process group
         self.offloaded: dict[str, bool] = {}
         self.adapters = adapters or {}    # LoRA role -> its adapters to merge for the engine (`adapter_deltas`)
+        self.shared_base = shared_base or set()  # LoRA roles whose engine runs on their whole base (`shares_base`)
         self.host_buffers: HostBuffers | None = None  # CUDA: pinned host copies of parked optimizer state, reused
 
     # -- generation --------------------------------------------------------------------------

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
 
@@ -52,6 +53,61 @@ def write_weights(weights: Mapping[str, torch.Tensor], path: str | os.PathLike) 
     save_file(stored, str(partial), metadata={ALIASES: json.dumps(aliases)})
     os.replace(partial, path)
     return path
+
+
+class SafetensorsFile:
+    """One safetensors file, each read a plain `pread` of the bytes asked for. Not `safe_open`'s mmap:
+    a mapped file's pages count in the process's resident memory for as long as the file is open, so
+    a rank filling its shards from a bf16 checkpoint would peak at its shards plus every page it read
+    (3.1 GiB for Qwen2.5-1.5B); a read leaves only the tensor it returns (the page cache is the
+    kernel's, reclaimable, and in no process's RSS)."""
+
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        with open(self.path, "rb") as file:
+            try:
+                (length,) = struct.unpack("<Q", file.read(8))
+                header = json.loads(file.read(min(length, 100 << 20)))  # safetensors caps its header at 100 MB
+                assert isinstance(header, dict)
+            except (struct.error, ValueError, AssertionError):
+                raise ConfigError(f"{self.path} is not a safetensors file (its header does not read as one)",
+                                  fix="write start-up weights with write_weights or save_pretrained(safe_serialization=True)") from None
+        self._metadata = header.pop("__metadata__", None) or {}
+        self._entries, self._data = header, 8 + length
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def metadata(self) -> dict[str, str]:
+        return self._metadata
+
+    def tensor(self, name: str) -> torch.Tensor:
+        shape = self._entries[name]["shape"]
+        return self.rows(name, 0, shape[0]) if shape else self._read(name, 0, 1).reshape(())
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 (clamped as a slice is), read from the file alone."""
+        shape = self._entries[name]["shape"]
+        start, stop, _ = slice(start, stop).indices(shape[0])
+        return self._read(name, start, stop, math.prod(shape[1:])).reshape(max(stop - start, 0), *shape[1:])
+
+    def _read(self, name: str, start: int, stop: int, row: int = 1) -> torch.Tensor:
+        entry = self._entries[name]
+        dtype = self.DTYPES[entry["dtype"]]
+        count = max(stop - start, 0) * row
+        buffer = bytearray(count * dtype.itemsize)
+        if count:
+            with open(self.path, "rb") as file:
+                file.seek(self._data + entry["data_offsets"][0] + start * row * dtype.itemsize)
+                if file.readinto(buffer) != len(buffer):
+                    raise ConfigError(f"{self.path} ends before the data of tensor {name!r}: a truncated safetensors file",
+                                      fix="write the file again (an interrupted copy or download?)")
+            return torch.frombuffer(buffer, dtype=dtype)
+        return torch.empty(0, dtype=dtype)
 
 
 class WeightSource:
@@ -81,7 +137,7 @@ class WeightSource:
             return None
         handles = {}
         for file in files:
-            handle = safe_open(str(file), framework="pt")
+            handle = SafetensorsFile(file)
             handles.update({name: handle for name in handle.keys()})
         config_file = directory / "config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
@@ -98,7 +154,7 @@ class WeightSource:
             raise ConfigError(f"the start-up weights file {str(path)!r} (RoleSpec.weights_file) does not exist",
                               fix="write it with WorldSpec.of_executor(..., weights_dir=<run directory>), on a "
                                   "filesystem every worker reads (several nodes: a shared one)")
-        handle = safe_open(str(path), framework="pt")
+        handle = SafetensorsFile(path)
         return cls(None, handle, json.loads((handle.metadata() or {}).get(ALIASES, "{}")), str(path))
 
     def _stored(self, name: str) -> str:
@@ -108,17 +164,55 @@ class WeightSource:
 
     def tensor(self, name: str) -> torch.Tensor:
         stored = self._stored(name)
-        return self._tensors[stored] if self._tensors is not None else self._handles[stored].get_tensor(stored)
+        return self._tensors[stored] if self._tensors is not None else self._handles[stored].tensor(stored)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         stored = self._stored(name)
         if self._tensors is not None:
             return self._tensors[stored][start:stop]
-        return self._handles[stored].get_slice(stored)[start:stop]
+        return self._handles[stored].rows(stored, start, stop)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every name (aliases included) as a full tensor: what `load_state_dict(strict=True)` takes."""
         return {name: self.tensor(name) for name in sorted(self.names)}
+
+
+class LoraStartSource:
+    """A LoRA role's start-up weights when its source is the plain model (a model directory, a warm
+    start's merged base): the frozen base read from `base` under the peft model's names
+    (`...q_proj.base_layer.weight` is `...q_proj.weight` there; `names` maps one to the other) and
+    the adapters drawn on the rank (`RoleSpec.build_lora_on_meta`), as full tensors. The same
+    reading interface as `WeightSource`, so `fill_shards` takes only each shard's rows of both."""
+
+    def __init__(self, base: WeightSource, names: Mapping[str, str], adapters: Mapping[str, torch.Tensor]):
+        self.base, self.adapters, self.where = base, dict(adapters), f"{base.where} and the drawn adapters"
+        self._plain = {name: plain for name, plain in names.items() if plain in base.names}
+        self.names = frozenset(self._plain) | frozenset(self.adapters)
+
+    @classmethod
+    def of(cls, base: WeightSource, module: torch.nn.Module, adapters: Mapping[str, torch.Tensor]) -> LoraStartSource:
+        from rlgraph.backends.lora import plain_name
+
+        names = {name: plain_name(name) for name in module.state_dict(keep_vars=True) if plain_name(name) is not None}
+        return cls(base, names, adapters)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.adapters[name] if name in self.adapters else self.base.tensor(self._plain_of(name))
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self.adapters:
+            return self.adapters[name][start:stop]
+        return self.base.rows(self._plain_of(name), start, stop)
+
+    def _plain_of(self, name: str) -> str:
+        if name not in self._plain:
+            raise KeyError(f"{self.where} has no tensor {name!r}")
+        return self._plain[name]
+
+
+def holds_adapters(source: WeightSource) -> bool:
+    """Whether `source` is a LoRA model's (peft names, adapters included) rather than a plain base."""
+    return any(".lora_" in name for name in source.names)
 
 
 @contextlib.contextmanager

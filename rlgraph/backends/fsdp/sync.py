@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlgraph.backends.fsdp.shards import engine_dtype, gather_full, role_module
+from rlgraph.backends.fsdp.shards import engine_dtype, gather_full, local_shard, role_module
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.engine import VLLMEngine
 
@@ -75,6 +75,9 @@ class WeightSync:
         bucket, size = [], 0
         element = engine_dtype(self.device).itemsize
         for layer in _merge_units(role_module(self.models[role]).named_parameters()):
+            if role in self.shared_base and not any(".lora_" in name for name, _ in layer):
+                continue  # the engine holds this very tensor (`shares_base`): nothing to send
+
             nbytes = sum(param.numel() for _, param in layer) * element
             if bucket and size + nbytes > route.bucket_bytes:
                 yield bucket
@@ -90,7 +93,13 @@ class WeightSync:
             return [(name, tuple(param.shape)) for name, param in bucket]
         from rlgraph.backends.lora import plain_name
 
-        return [(plain_name(name), tuple(param.shape)) for name, param in bucket if plain_name(name) is not None]
+        return [(plain_name(name), tuple(param.shape)) for name, param in bucket
+                if plain_name(name) is not None and self._served(role, plain_name(name))]
+
+    def _served(self, role: str, name: str) -> bool:
+        """Whether the engine takes `name` from a sync: all of a role's weights, or, where the engine
+        runs on the role's own base (`shares_base`), the adapted ones (merged) only."""
+        return role not in self.shared_base or name in self.adapters[role]
 
     def _served_bucket(self, role: str, bucket: list[tuple[str, Any]]) -> list[torch.Tensor]:
         """`bucket`'s full tensors (one all-gather) as the engine takes them, in its dtype: a LoRA
@@ -102,8 +111,8 @@ class WeightSync:
 
         fulls = gather_full([param for _, param in bucket])
         with torch.no_grad():
-            merged = merge_adapters(dict(zip([name for name, _ in bucket], fulls)), self.adapters[role]).values()
-            return [full.to(dtype) for full in merged]
+            merged = merge_adapters(dict(zip([name for name, _ in bucket], fulls)), self.adapters[role])
+            return [full.to(dtype) for name, full in merged.items() if self._served(role, name)]
 
     def _broadcast_bucket(self, names_shapes, fulls, route, group) -> list[torch.Tensor] | None:
         """The trainer's first rank sends one flat bucket, in the engine's dtype, to the generating ranks."""
@@ -129,6 +138,10 @@ class WeightSync:
             report["local_numel"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for _, p in params)
             report["global_numel"] = sum(p.numel() for _, p in params)
             if role in self.engines and not isinstance(self.engines[role], VLLMEngine):
+                held = {local_shard(p).untyped_storage().data_ptr() for _, p in params}
+                report["engine_numel"] = sum(p.numel() for p in self.engines[role].parameters())
+                report["engine_shared_numel"] = sum(p.numel() for p in self.engines[role].parameters()
+                                                    if p.untyped_storage().data_ptr() in held)
                 engine = dict(self.engines[role].named_parameters())
                 served = zip([name for name, _ in self._served_layout(role, params)], self._served_bucket(role, params))
                 report["engine_diff"] = max(float((engine[name].float() - full.float()).abs().max()) for name, full in served)
