@@ -202,6 +202,8 @@ class WorldSpec:
     # env role -> a picklable recipe (a class, a functools.partial): each rank that runs rg.rollout
     # builds its environments from it, in its own process, beside the generation engine
     envs: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict)
+    # `generation.compile` for the ranks that generate with the native engine (a `DecodeCompile` or a mode)
+    decode_compile: Any = "off"
 
     @classmethod
     def of_executor(cls, executor: Any, rewards: Mapping[str, Callable[..., Any]], *, source: Any = None,
@@ -260,7 +262,8 @@ class WorldSpec:
                 models[role] = LMWorker(reference_of(models[self.viewed(role)].model))
         models = {role: models[role] for role in self.roles}
         return LocalExecutor(models, {name: RewardWorker(fn) for name, fn in self.rewards.items()}, tokenizer,
-                             max_new_tokens=self.max_new_tokens, seed=self.seed, device=device, envs=self.envs)
+                             max_new_tokens=self.max_new_tokens, seed=self.seed, device=device, envs=self.envs,
+                             decode_compile=self.decode_compile)
 
     def viewed(self, role: str) -> str:
         """The role whose module `role` (a `base_of` view) runs with adapters off, checked."""

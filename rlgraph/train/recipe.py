@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlgraph.backends.world import RoleSpec, WorldSpec
-from rlgraph.train.roles import BASE_FILE, optimizer_options
+from rlgraph.train.roles import BASE_FILE, decode_policy, optimizer_options
 from rlgraph.train.setup import Setup, tokenizer_source
 
 MODEL_ROLES = ("policy", "ref", "critic")
@@ -63,4 +63,5 @@ def world_of_config(setup: Setup, *, start: str | Path | None = None, roles: Seq
             raise ValueError(f"world_of_config: no recipe for role {role!r}; the roles are {', '.join(MODEL_ROLES)}")
     envs: dict[str, Any] = {"env": setup.env} if setup.env is not None else {}
     return WorldSpec(specs, {"reward": setup.rewards}, tokenizer=tokenizer_source(config),
-                     max_new_tokens=config.rollout.max_new_tokens, seed=seed, envs=envs)
+                     max_new_tokens=config.rollout.max_new_tokens, seed=seed, envs=envs,
+                     decode_compile=decode_policy(setup))

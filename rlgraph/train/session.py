@@ -55,9 +55,9 @@ class _Session:
     def announce_decode(self) -> None:
         """Say at start whether the rollouts' decode step compiles (`generation.compile`) and why."""
         rollout, sizes = self.config.rollout, self.setup.rl.plan.sizes
-        if self.executor is None:  # spmd/ray: rollouts and evaluations run on the workers, which decode eager
+        if self.executor is None:  # spmd/ray: rollouts and evaluations run on the workers, which decide per shape
             self.console.print(f"generation.compile={self.config.generation.compile}: the {self.config.runtime.runtime} "
-                               "workers decode eager (the compiled decode step is the local runtime's)",
+                               "workers decide per shape of their rows (their compile time is in the step time)",
                                markup=False, highlight=False, soft_wrap=True)
             return
         policy = self.executor.models["policy"].model

@@ -113,15 +113,11 @@ def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
 
 
 def _check_generation(config: TrainConfig) -> None:
-    """`generation.compile: on` compiles the native engine's decode step in this process: refused where
-    the rollouts are generated elsewhere (spmd/ray workers) or by vLLM, which it would not reach."""
+    """`generation.compile: on` compiles the native engine's decode step (in this process, or in the
+    spmd/ray workers that generate): refused with vLLM, which it would not reach."""
     runtime = config.runtime
     if config.generation.compile != "on":
         return
-    if runtime.runtime != "local":
-        raise ConfigError(f"generation.compile=on with runtime.runtime={runtime.runtime!r}: the {runtime.runtime} "
-                          "workers generate the rollouts and decode eager (compiled decoding is wired into the local "
-                          "runtime only)", fix="generation.compile: auto (or off), or runtime.runtime: local")
     if runtime.engine != "native":
         raise ConfigError(f"generation.compile=on with runtime.engine={runtime.engine!r}: it compiles the native "
                           "engine's decode step", fix="runtime.engine: native, or generation.compile: off")

@@ -100,3 +100,68 @@ def test_packed_updates_compile_a_bounded_number_of_graphs(monkeypatch):
     shapes add none (with the packing compiled too: 17 and still growing)."""
     graphs = _graphs_over_changing_shapes(monkeypatch, micro_batch_tokens=16)
     assert graphs[-1] <= 9 and graphs[-2] == graphs[-1], f"graphs compiled after each update: {graphs}"
+
+
+def _counting_compile(monkeypatch):
+    """A counting `aot_eager` backend in place of Inductor (Dynamo's guards do not depend on the backend)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from rlgraph.backends.local import train_compile
+    from rlgraph.backends.local.executor import role_outputs
+
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda: torch.compile(role_outputs, backend=counter))
+    torch._dynamo.reset()
+    return counter
+
+
+def test_inference_forwards_share_one_graph_over_roles_and_shapes_and_equal_eager(monkeypatch):
+    """The reference's and the policy's log-probs (and entropy) under `no_grad` (`rg.logprobs`) go
+    through the compiled forward too: one graph for both roles (Dynamo inlines the modules, their
+    parameters are graph inputs) and three shapes of `SHAPES`, then one more for the update's
+    forward with gradients, and no recompile after. `aot_eager` runs eager's aten ops in eager's
+    order, so the log-probs are bit-identical."""
+    counter = _counting_compile(monkeypatch)
+    executors = {compiled: tiny_executor(("policy", "ref")) for compiled in (False, True)}
+    executors[True].compile_train = True
+    graphs = []
+    for k, (prompts, responses, width, steps) in enumerate(SHAPES[:3]):
+        batch = ragged_rollouts(prompts, responses, width, steps, seed=k)
+        for role in ("ref", "policy"):
+            (eager, eager_entropy), (compiled, compiled_entropy) = (
+                executors[c].logprobs(executors[c].current(role), batch, entropy=True) for c in (False, True))
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+            torch.testing.assert_close(compiled_entropy, eager_entropy, rtol=0, atol=0)
+        graphs.append(counter.frame_count)
+        for c in (False, True):
+            Interpreter(executors[c]).run(clipped_surrogate.trace(), batch)
+    torch._dynamo.reset()
+    assert graphs == [1, 2, 2], f"graphs compiled before each shape's update: {graphs}"
+
+
+def test_packed_inference_goes_through_the_compiled_forward(monkeypatch):
+    """`rg.logprobs(micro_batch_tokens=...)` (packed forwards) is compiled as well and equals eager."""
+    counter = _counting_compile(monkeypatch)
+    executors = {compiled: tiny_executor(("policy",)) for compiled in (False, True)}
+    executors[True].compile_train = True
+    batch = ragged_rollouts(*SHAPES[0], seed=0)
+    eager, compiled = (executors[c].logprobs(executors[c].current("policy"), batch, micro_batch_tokens=16)
+                       for c in (False, True))
+    torch._dynamo.reset()
+    assert counter.frame_count >= 1
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_inductor_log_probs_equal_eager_within_fp32_reordering():
+    """Inductor's no-grad forward of the reference against eager, one shape (one compile, ~20-60 s
+    loaded). The matrix products stay BLAS calls on both sides; Inductor fuses and reorders the
+    other reductions (RMSNorm's mean over H, the attention softmax). A reordered fp32 sum of k terms
+    moves by at most ~k u of their magnitude (u = 2^-24): with k <= H = 64 over 2L + 1 = 5 normalised
+    reductions on the way to logits of |log p| <= ~5, |diff| <= 64 x 5 x 6e-8 x 5 ~ 1e-4."""
+    executors = {compiled: tiny_executor(("policy", "ref")) for compiled in (False, True)}
+    executors[True].compile_train = True
+    batch = ragged_rollouts(*SHAPES[0], seed=0)
+    eager, compiled = (executors[c].logprobs(executors[c].current("ref"), batch) for c in (False, True))
+    bound = 64 * 5 * 2.0 ** -24 * max(1.0, float(eager.abs().max()))
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=bound)

@@ -229,3 +229,30 @@ def test_hsdp_two_replicas_of_two_shards_match_local():
     reports = _matches_local(compiled, world, prompts)
     assert reports[0]["local_numel"] == reports[2]["local_numel"] < 0.6 * reports[0]["global_numel"]
     assert all(report["engine_diff"] is not None for report in reports.values())
+
+
+def test_workers_decode_compiled_with_generation_compile_on_and_sample_the_eager_tokens(tmp_path, monkeypatch):
+    """`WorldSpec(decode_compile="on")` (what `world_of_config` passes for `generation.compile: on`)
+    reaches the ranks' executors: each rank compiles its decode step (its measured compile lands in
+    the Inductor cache directory's records, which the workers inherit) and samples the same
+    completions as eager ranks, at temperature 1 (the noise is counter-based, so only a logit
+    rounded across a Gumbel tie could differ; none does here)."""
+    from rlgraph.backends.local.decode_compile import read_records
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    completions: dict[str, list[str]] = {}
+
+    def recording(mode: str):
+        def reward(texts: list[str], **meta) -> list[float]:  # scored on the controller: this process
+            completions.setdefault(mode, []).extend(texts)
+            return length_parity_reward(texts, **meta)
+        return reward
+
+    compiled, prompts = _compile("grpo", n=2), tiny_prompts(4)
+    for mode in ("off", "on"):
+        world = attrs.evolve(_world(), rewards={"reward": recording(mode)}, decode_compile=mode)
+        with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+            PlanRunner(compiled, transport, controller=world.controller()).run(prompts)
+    assert completions["on"] == completions["off"] and len(completions["on"]) == 8
+    # both ranks compiled one shape: 4 rows each, a cache of 16 (the prompt width padded, `padded_width`) + 4 columns
+    assert [len(seconds) for key, seconds in read_records().items() if key.endswith("|cpu|4x20")] == [2], read_records()

@@ -102,3 +102,14 @@ def test_the_workers_evaluation_plan_loads_the_live_policy_first(tmp_path):
     assert setup.warm.plan.algorithm == "sft" and setup.warm.plan.groups[0].ranks == rl_groups["policy"].ranks
     local, _ = make_config(tmp_path, "local")
     assert prepare(local).warm is None  # the local runtime warm-starts in process
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "auto"])
+def test_generation_compile_reaches_the_workers_executors(tmp_path, mode):
+    """`generation.compile` travels in the recipe (pickled to every worker) to the executors the
+    ranks build, as `build_roles` gives it to the local run's."""
+    config, _ = make_config(tmp_path, "run", ["runtime.runtime=spmd", "runtime.nproc=2", f"generation.compile={mode}"])
+    setup = prepare(config)
+    world = pickle.loads(pickle.dumps(world_of_config(setup)))
+    assert world.decode_compile == build_roles(setup).decode_ledger.policy
+    assert world.build_local().decode_ledger.policy.mode == mode

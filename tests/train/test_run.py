@@ -360,9 +360,6 @@ def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apar
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["generation.compile=on", "runtime.runtime=spmd"],
-     r"generation.compile=on with runtime.runtime='spmd': the spmd workers generate the rollouts and decode eager"),
-    (["generation.compile=on", "runtime.runtime=ray"], r"generation.compile=on with runtime.runtime='ray'"),
     (["generation.compile=on", "runtime.engine=vllm"], r"generation.compile=on with runtime.engine='vllm'"),
 ])
 def test_compiled_decoding_where_it_would_not_reach_the_rollouts_is_refused(tmp_path, overrides, expected):

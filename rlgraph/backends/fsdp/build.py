@@ -122,7 +122,8 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
     return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
                         device=device, role_groups=role_groups, shard_groups=shard_groups, engines=engines,
                         sync_groups=sync_groups, adapters=adapters, shared_base=shared,
-                        max_new_tokens=world.max_new_tokens, seed=world.seed, envs=world.envs)
+                        max_new_tokens=world.max_new_tokens, seed=world.seed, envs=world.envs,
+                        decode_compile=world.decode_compile)
 
 
 def check_views(views: Mapping[str, str], plan: Any) -> None:

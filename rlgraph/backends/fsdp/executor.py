@@ -50,8 +50,10 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
                  engines: dict[str, torch.nn.Module],
                  sync_groups: dict[tuple[int, ...], Any], adapters: dict[str, Any] | None = None,
                  shared_base: set[str] | None = None,
-                 max_new_tokens: int = 16, seed: int = 0, envs: dict[str, Any] | None = None):
-        super().__init__(models, rewards, tokenizer, max_new_tokens=max_new_tokens, seed=seed, envs=envs)
+                 max_new_tokens: int = 16, seed: int = 0, envs: dict[str, Any] | None = None,
+                 decode_compile: Any = "off"):
+        super().__init__(models, rewards, tokenizer, max_new_tokens=max_new_tokens, seed=seed, envs=envs,
+                         decode_compile=decode_compile)
         self.rank = rank
         self.device = device
         self.role_groups = role_groups    # role -> process group of all its data-parallel ranks

@@ -287,7 +287,7 @@ class LocalExecutor:
         try:
             with torch.no_grad(), self._autocast():
                 if budget is None:
-                    outputs = self._forward(worker, batch, temperature=temperature, with_entropy=with_entropy)
+                    outputs = self._compiled_forward(worker, batch, temperature=temperature, with_entropy=with_entropy)
                 else:
                     outputs = self._packed_inference(worker, batch, temperature, with_entropy, budget, where)
         finally:
@@ -302,13 +302,14 @@ class LocalExecutor:
         micros, real = self._micro_batches(worker, batch, torch.arange(len(batch)), budget, where)
         for micro in micros[:real]:
             rows = micro.to(self.device)
-            part, part_entropy = self._forward(worker, batch.select(micro), temperature=temperature,
-                                               with_entropy=with_entropy, packed=True)
+            part, part_entropy = self._compiled_forward(worker, batch.select(micro), temperature=temperature,
+                                                        with_entropy=with_entropy, packed=True)
             output[rows] = part.float()
             if entropy is not None:
                 entropy[rows] = part_entropy.float()
         for micro in micros[real:]:  # fillers: forwards that only keep this rank's collectives in step
-            self._forward(worker, batch.select(micro), temperature=temperature, with_entropy=with_entropy, packed=True)
+            self._compiled_forward(worker, batch.select(micro), temperature=temperature, with_entropy=with_entropy,
+                                   packed=True)
         return output, entropy
 
     def _micro_batches(self, worker: LMWorker, batch: Rollouts, rows: torch.Tensor, budget: int | None,
@@ -330,9 +331,10 @@ class LocalExecutor:
             micros[widest:widest + 1] = list(torch.tensor_split(micros[widest], 2))
         return micros + [rows[:1]] * (wanted - len(micros)), len(micros)
 
-    def _train_forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                       packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_forward` of an update's micro-batch: compiled with `compile_train` (`train_compile.py`)."""
+    def _compiled_forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
+                          packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward` of an update's micro-batch, or of an inference forward (reference and old
+        log-probs, values): compiled with `compile_train` (`train_compile.py`)."""
         if not self.compile_train:
             return self._forward(worker, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
         from rlgraph.backends.local.train_compile import compiled_role_outputs, mark_dynamic_shapes
@@ -434,7 +436,7 @@ class LocalExecutor:
                 finite: list[torch.Tensor] = []  # per micro-batch, on the device: read only if the step fails
                 for position, micro in enumerate(micros):
                     with self._autocast():  # the forward only: the loss math and backward stay out of autocast
-                        output, entropy = self._train_forward(worker, batch.select(micro), temperature=config.temperature,
+                        output, entropy = self._compiled_forward(worker, batch.select(micro), temperature=config.temperature,
                                                               with_entropy=wants_entropy, packed=packed)
                     if position >= real:  # a filler: no loss; its backward keeps the ranks' collectives in step
                         self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)

@@ -8,8 +8,10 @@ on the M real tokens of a micro-batch, a data-dependent count over which its chu
 Dynamo compile one graph per M (the recompiles `rlgraph bench` measured). The rows and the prompt
 and response widths are marked dynamic up front (`mark_dynamic_shapes`), so the first micro-batch
 compiles the one graph every later shape reuses (a dimension of size 1 may add one more: Dynamo
-specialises sizes 0 and 1). Inference forwards (`rg.logprobs`, `rg.values`) stay eager: they run once
-per step, under `no_grad`, where the compiled graph would be another compile.
+specialises sizes 0 and 1). The inference forwards (`rg.logprobs`, `rg.values`: reference and old
+log-probs, critic values) go through the same compiled function: under `no_grad` and in eval mode
+Dynamo compiles one more graph, which every role of the same architecture shares (the modules are
+inlined, their parameters are graph inputs), so a run compiles two graphs in all.
 
 `auto` (the config's default) compiles where it was measured to pay. In `rlgraph bench`
 (docs/benchmarks.md, "Compiled training step in the bench") the train stage of a step (one
