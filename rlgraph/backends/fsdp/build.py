@@ -5,7 +5,9 @@ sharded with FSDP2 over the group's ranks (`_sharded_role`: a 1-D mesh, or a 2-D
 shard) mesh for HSDP); a group that generates gets a generation engine (`_generation_engine`). A
 LoRA role shards the peft model: the frozen base and the adapters share FSDP2 units (FSDP2 shards
 each parameter on its own, so a unit may mix frozen and trainable ones); only the adapters get
-gradients and optimizer state. A `RoleSpec(base_of=...)` role (the KL reference of a LoRA policy)
+gradients and optimizer state; colocated with its native engine on the CPU, the frozen base is not
+sharded but held once, whole, and the engine runs on it (`shares_base`). A `RoleSpec(base_of=...)`
+role (the KL reference of a LoRA policy)
 runs that role's FSDP2 root with the adapters off: no weights of its own, the same ranks
 (`check_views`). Every process creates every process group (torch requires it), in the same order.
 """

@@ -6,7 +6,9 @@ bucket by bucket (colocated: every rank all-gathers one bucket at a time; split:
 group's first rank broadcasts each gathered bucket to the generating ranks), and the engine then
 refuses any other version than the one it was given. A LoRA role's engine is a plain model, synced
 with merged weights (W + B A * scale, gathered bucket by bucket, a layer's base and adapters in
-the same bucket), so it needs no peft.
+the same bucket), so it needs no peft. Where that engine runs on the role's own base
+(`shared_base`, `rlgraph.backends.fsdp.build.shares_base`) a sync sends the adapted linears alone:
+every other engine weight is the role's base tensor itself.
 """
 
 from __future__ import annotations
