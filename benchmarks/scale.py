@@ -90,7 +90,7 @@ class RssSampler(threading.Thread):
                 try:
                     memory = process.memory_full_info()
                     if process.pid not in self.names:
-                        self.names[process.pid] = " ".join(process.cmdline())[-90:]
+                        self.names[process.pid] = " ".join(process.cmdline()[1:])[:200]  # without the interpreter
                 except psutil.Error:
                     continue
                 self.peaks[process.pid] = max(memory.rss, self.peaks.get(process.pid, 0))
@@ -235,7 +235,7 @@ def _labelled(sampler: RssSampler, controller: int, peaks: dict[int, int]) -> di
         elif "spawn_main" in name or "ray::" in name:
             label, ranks = f"worker {ranks}", ranks + 1
         else:
-            label = f"other ({name.split()[-1] if name.split() else '?'})"
+            label = f"other: {' '.join(name.split())[:60] or '?'}"  # e.g. a reward worker, the resource tracker
         out[label if label not in out else f"{label} #{pid}"] = rss
     return out
 
