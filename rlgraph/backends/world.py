@@ -202,8 +202,9 @@ class WorldSpec:
     # env role -> a picklable recipe (a class, a functools.partial): each rank that runs rg.rollout
     # builds its environments from it, in its own process, beside the generation engine
     envs: Mapping[str, Callable[[], Any]] = attrs.field(factory=dict)
-    # `generation.compile` for the ranks that generate with the native engine (a `DecodeCompile` or a mode)
-    decode_compile: Any = "off"
+    # `generation.compile` for the ranks that generate with the native engine: a `DecodeCompile`, or a
+    # mode ("auto", "on", "off"; True/False for on/off), checked here, before any worker starts
+    decode_compile: Any = attrs.field(default="off", converter=lambda value: _decode_policy(value))
 
     @classmethod
     def of_executor(cls, executor: Any, rewards: Mapping[str, Callable[..., Any]], *, source: Any = None,
@@ -302,6 +303,12 @@ class WorldSpec:
         from rlgraph.backends.fsdp.state import full_weights
 
         return full_weights(role, parts)
+
+
+def _decode_policy(value: Any) -> Any:
+    from rlgraph.backends.local.decode_compile import DecodeCompile
+
+    return DecodeCompile.of(value, "WorldSpec.decode_compile")
 
 
 def _config_only(source: Any) -> Any:

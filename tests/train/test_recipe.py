@@ -113,3 +113,11 @@ def test_generation_compile_reaches_the_workers_executors(tmp_path, mode):
     world = pickle.loads(pickle.dumps(world_of_config(setup)))
     assert world.decode_compile == build_roles(setup).decode_ledger.policy
     assert world.build_local().decode_ledger.policy.mode == mode
+
+
+@pytest.mark.parametrize("bad", ["yes", 2, None])
+def test_a_bad_decode_compile_is_refused_when_the_world_is_built(bad):
+    from rlgraph.backends.world import WorldSpec
+
+    with pytest.raises(ConfigError, match=f"WorldSpec.decode_compile={bad!r} is not a decode compile mode"):
+        WorldSpec({}, decode_compile=bad)
