@@ -34,17 +34,25 @@ def build_roles(setup: Setup, policy: torch.nn.Module | None = None) -> LocalExe
 
 
 def decode_policy(setup: Setup) -> DecodeCompile:
-    """`generation.compile` for this run. For auto, the generate calls it projects per number of rows:
-    one a step of B x n rows, and the evaluations of the held-out prompts (one row each: before RL,
-    every `eval.every` steps, at the end); a run bounded by `train.seconds` alone projects no steps.
+    """`generation.compile` for this run. For auto, the generate calls it projects per number of rows
+    of one generation replica (a spmd/ray rank generates its share: B x n / replicas rows): one a
+    step of the rollout's rows, and the evaluations of the held-out prompts (before RL, every
+    `eval.every` steps, at the end); a run bounded by `train.seconds` alone projects no steps.
     Prompts are padded to the run's longest (the plan's P), so each number of rows is one shape."""
     config = setup.config
     steps, rollout = config.train.steps or 0, config.rollout
-    calls = {rollout.prompts_per_step * rollout.n: steps}
+    replicas = generation_replicas(setup.rl.plan)
+    calls = {-(-rollout.prompts_per_step * rollout.n // replicas): steps}
     if setup.eval_rows:
         evaluations = 2 + (steps // config.eval.every if config.eval.every else 0)
-        calls[len(setup.eval_rows)] = calls.get(len(setup.eval_rows), 0) + evaluations
+        rows = -(-len(setup.eval_rows) // replicas)
+        calls[rows] = calls.get(rows, 0) + evaluations
     return DecodeCompile(config.generation.compile, calls=calls, width=setup.rl.plan.sizes.get("P"))
+
+
+def generation_replicas(plan: Any) -> int:
+    """How many ways the plan splits a generate call's rows (the generating group's replicas)."""
+    return max((group.generate.dp for group in plan.groups if group.generate is not None), default=1)
 
 
 def compiles_training(config: TrainConfig, device: str) -> bool:

@@ -115,6 +115,23 @@ def test_generation_compile_reaches_the_workers_executors(tmp_path, mode):
     assert world.build_local().decode_ledger.policy.mode == mode
 
 
+def test_auto_decode_projects_the_calls_of_one_ranks_share_of_the_rows(tmp_path):
+    """A spmd rank generates B x n / ranks rows (and its share of the eval prompts): `auto` projects
+    its calls at those numbers of rows, which are the shapes the rank's decode step sees."""
+    from rlgraph.train.roles import decode_policy
+
+    policies = {}
+    for runtime, nproc in (("local", 1), ("spmd", 2)):
+        config, _ = make_config(tmp_path, runtime, [f"runtime.runtime={runtime}", f"runtime.nproc={nproc}",
+                                                    "generation.compile=auto"])
+        setup = prepare(config)
+        policies[runtime] = (decode_policy(setup).calls, setup.config.rollout, len(setup.eval_rows))
+    (local, rollout, evals), (spmd, _, _) = policies["local"], policies["spmd"]
+    rows = rollout.prompts_per_step * rollout.n
+    assert sorted(local) == sorted({rows, evals}) and sorted(spmd) == sorted({rows // 2, evals // 2})
+    assert local[rows] == spmd[rows // 2] and local[evals] == spmd[evals // 2]
+
+
 @pytest.mark.parametrize("bad", ["yes", 2, None])
 def test_a_bad_decode_compile_is_refused_when_the_world_is_built(bad):
     from rlgraph.backends.world import WorldSpec
