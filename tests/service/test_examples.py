@@ -67,8 +67,8 @@ def test_the_grpo_loop_flags_refuse_bad_values_before_training(flags, message, m
 def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
     """SFT to the demo's 30% dev accuracy makes the base (train()'s warm start: 240 steps for seed 0,
     31% held-out), then 200 GRPO steps of 16 x 8 on a LoRA tenant, lr 5e-4 decayed to 0: ~55 s idle
-    (projected: 35 s with 100 steps), 28 min measured at load 10-13 on 2 cores (19 of them the
-    2-thread SFT). Measured held-out gains (docs/service.md): seed 0 +17
+    (projected: 35 s with 100 steps); measured on 2 cores: 28 min at load 10-13 (19 of them the
+    2-thread SFT), 11.6 min at load 5-6. Measured held-out gains (docs/service.md): seed 0 +17
     points (31% -> 48%); seeds 1 and 2 +26 and +29 (bases of the same warm start on one thread;
     seed 0's on one thread: +9).
     The previous recipe (100 steps at a constant 5e-4) gave this base +5: accuracy moves by 5-10
