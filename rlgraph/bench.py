@@ -154,8 +154,9 @@ class RlgraphSide:
         data = scratch / "prompts.jsonl"
         data.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in self.problems))
         steps = len(self.problems) // config.prompts
-        self.run = Run(bench_train_config(config, model_dir, data, scratch / "run", steps, decode_compile=decode_compile,
-                                          compile_train=compile_train), console=Console(quiet=True))
+        train_config = bench_train_config(config, model_dir, data, scratch / "run", steps,
+                                          decode_compile=decode_compile, compile_train=compile_train)
+        self.run = Run(train_config, console=Console(quiet=True))
         self.executor, self.tokenizer = self.run.executor, self.run.setup.tokenizer
         self.runner = self.run.session.runner
         self.seconds: list[float] = []

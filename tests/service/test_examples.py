@@ -65,12 +65,16 @@ def test_the_grpo_loop_flags_refuse_bad_values_before_training(flags, message, m
 
 @pytest.mark.slow
 def test_the_grpo_loop_learns_the_arithmetic_task(tmp_path):
-    """~35 s idle (70 s on a loaded 2-core machine): SFT to the demo's 30% dev accuracy makes the
-    base (310 steps for seed 0), then 100 GRPO steps of 16 x 8 on a LoRA tenant. Measured held-out
-    gains (docs/service.md): seed 0 +28 points, seed 1 +19, seed 2 +16; the first recipe gave seeds 1
-    and 2 -2 and -1. The bound, +10 points = 10 of the 100 greedy test problems, is the issue's: seed
-    0 clears it by 18 problems, so another CPU's rounding (another trajectory, which moves accuracy by
-    about 5 points) has room before it fails."""
+    """SFT to the demo's 30% dev accuracy makes the base (train()'s warm start: 240 steps for seed 0,
+    31% held-out), then 200 GRPO steps of 16 x 8 on a LoRA tenant, lr 5e-4 decayed to 0: ~55 s idle
+    (projected: 35 s with 100 steps); measured on 2 cores: 28 min at load 10-13 (19 of them the
+    2-thread SFT), 11.6 min at load 5-6. Measured held-out gains (docs/service.md): seed 0 +17
+    points (31% -> 48%); seeds 1 and 2 +26 and +29 (bases of the same warm start on one thread;
+    seed 0's on one thread: +9).
+    The previous recipe (100 steps at a constant 5e-4) gave this base +5: accuracy moves by 5-10
+    points between checkpoints 25 steps apart, and a constant lr ends wherever that swing is. The
+    bound, +10 points = 10 of the 100 greedy test problems, is the issue's: seed 0 clears it by 7
+    problems, room for another CPU's rounding (another trajectory)."""
     from rlgraph.service.client import LocalServiceClient
 
     rl_loop = load("rl_loop")

@@ -142,7 +142,8 @@ def test_a_run_stepped_by_hand_is_the_run_train_makes(full_run, tmp_path):
         rewards = [run.step()["reward"] for _ in range(config.train.steps)]
         assert run.steps == 4 and all(0.0 <= reward <= 1.0 for reward in rewards)
         stepped = run.finish()
-    assert (stepped.steps, stepped.eval_before, stepped.eval_after) == (result.steps, result.eval_before, result.eval_after)
+    assert (stepped.steps, stepped.eval_before, stepped.eval_after) == \
+        (result.steps, result.eval_before, result.eval_after)
     assert_same_run(run_dir, tmp_path / "stepped")
     assert sorted(p.name for p in (tmp_path / "stepped").glob("step-*")) == ["step-000003", "step-000004"]
 
