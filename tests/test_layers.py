@@ -26,6 +26,9 @@ ABOVE = {
     # environments and tools: beside data and rewards, below the backends that step them between turns
     "agents": {"passes", "plan", "runtime", "backends", "algorithms", "api", "train", "service", "testing"},
     # supervised worker processes: a mechanism under rewards and agents, which hand it their handlers
+    # a layout rule the backends build by and the plan's memory model counts by: below both
+    "lora_layout": {"ir", "functional", "passes", "plan", "runtime", "backends", "algorithms", "api", "train",
+                    "service", "testing", "agents", "rewards", "data", "supervised"},
     "supervised": {"functional", "passes", "plan", "runtime", "backends", "algorithms", "api", "train", "service",
                    "testing", "agents", "rewards", "data", "ir"},
 }

@@ -24,15 +24,10 @@ from rlgraph.passes.options import CompileOptions
 from rlgraph.plan import memory as M
 from rlgraph.plan.mesh import Colocated, Group, Mesh
 from rlgraph.plan.model_size import ModelShape
-from rlgraph.plan.presets import load_model_config
-
-_DEFAULT_MODEL = "tiny-qwen2"
-
+from rlgraph.plan.presets import role_model_shape
 
 def model_shape(options: CompileOptions, role: str) -> ModelShape:
-    source = options.models.get(role) or options.models.get("policy") or _DEFAULT_MODEL
-    config = source if isinstance(source, dict) else load_model_config(source)
-    return ModelShape.from_hf_config(config)
+    return role_model_shape(options.models, role)
 
 
 def param_dtype(mesh: Mesh) -> torch.dtype:

@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from rlgraph.lora_layout import shares_lora_base
 from rlgraph.plan.mesh import DEVICE_MEMORY_GIB
 from rlgraph.plan.model_size import LoraShape, ModelShape, dtype_bytes
 
@@ -583,20 +584,12 @@ def process_memory(plan: Any, options: Any = None) -> dict[str, MemoryBreakdown]
         if policy is not None and lora is not None and shares_lora_base(
                 lora.target_modules, trains=policy.train is not None, engine=getattr(policy.generate, "engine", "none"),
                 param_dtype=torch.float32):
-            from rlgraph.passes.memory_plan import model_shape
+            from rlgraph.plan.presets import role_model_shape
 
-            phases = on_lora_base(phases, model_shape(options, "policy"), lora, policy.train.fsdp, torch.float32)
+            phases = on_lora_base(phases, role_model_shape(options.models, "policy"), lora, policy.train.fsdp,
+                                  torch.float32)
         out[f"rank {rank}"] = colocated_peak(phases, offload=False)
     return out
-
-
-def shares_lora_base(targets: Iterable[str], *, trains: bool, engine: str | None, param_dtype: torch.dtype) -> bool:
-    """Whether a LoRA role's generation engine runs on the role's own frozen base, as the FSDP2
-    executor builds it (`rlgraph.backends.fsdp.build.shares_base`): the role trains and generates on
-    the same ranks (`engine` is its group's: None when it does not generate) with the native engine,
-    which holds weights in the role's dtype (fp32: a cpu device), and no adapter wraps the LM head
-    (tied to the embedding in Qwen2.5: a merged head would untie them)."""
-    return trains and engine not in ("vllm", "none") and param_dtype == torch.float32 and "lm_head" not in set(targets)
 
 
 def on_lora_base(phases: Mapping[str, MemoryBreakdown], shape: ModelShape, lora: LoraShape, shards: int,

@@ -11,8 +11,11 @@ downloaded. `tiny-qwen2` is the ~126k-parameter model the tests and the CPU demo
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from rlgraph.plan.model_size import ModelShape
 
 _TINY_QWEN2 = Path(__file__).resolve().parent.parent / "assets" / "tiny_qwen2.json"
 
@@ -56,6 +59,16 @@ def get_preset(name: str) -> dict[str, Any]:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}. "
                          "Or pass a config.json path or a directory holding one")
     return json.loads(json.dumps(PRESETS[name]))
+
+
+DEFAULT_MODEL = "tiny-qwen2"  # the model a compile that names none is planned for
+
+
+def role_model_shape(models: Mapping[str, Any], role: str) -> ModelShape:
+    """The shape of `role`'s model in a compile's `models` (a config dict, a preset name or a path;
+    a role not named has the policy's, and a compile naming none `DEFAULT_MODEL`)."""
+    source = models.get(role) or models.get("policy") or DEFAULT_MODEL
+    return ModelShape.from_hf_config(source if isinstance(source, dict) else load_model_config(source))
 
 
 def load_model_config(source: str | Path) -> dict[str, Any]:

@@ -146,7 +146,7 @@ def check_views(views: Mapping[str, str], plan: Any) -> None:
 
 def shares_base(spec: Any, group: Any, device: torch.device) -> bool:
     """Whether a LoRA role's generation engine runs on the role's own frozen base
-    (`rlgraph.plan.memory.shares_lora_base`: trained and generated on the same ranks by the native
+    (`rlgraph.lora_layout.shares_lora_base`, the rule the memory model counts by: trained and generated on the same ranks by the native
     engine, in fp32, the LM head not adapted). Then the base stays whole on each rank (FSDP2 ignores
     it; only the adapters are sharded) and the engine owns only the adapted linears, filled merged
     (W + B A * scale) at each sync: the base is held once per rank, not as a shard plus the engine's
@@ -154,7 +154,7 @@ def shares_base(spec: Any, group: Any, device: torch.device) -> bool:
     if spec.lora is None:
         return False
     from rlgraph.backends.lora import LoraSettings
-    from rlgraph.plan.memory import shares_lora_base
+    from rlgraph.lora_layout import shares_lora_base
 
     engine = group.generate.engine if group.generate is not None else "none"
     return shares_lora_base(LoraSettings(**spec.lora).target_modules, trains=group.train is not None, engine=engine,
