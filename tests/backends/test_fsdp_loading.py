@@ -87,6 +87,16 @@ def test_a_truncated_safetensors_file_is_refused_naming_the_tensor(tmp_path):
         file.tensor("w")
 
 
+def test_a_tensor_of_a_dtype_start_up_cannot_read_is_refused_naming_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from rlgraph.backends.fsdp.loading import SafetensorsFile
+
+    save_file({"w": torch.zeros(4, 2, dtype=torch.float8_e4m3fn)}, str(tmp_path / "t.safetensors"))
+    with pytest.raises(ConfigError, match="tensor 'w' is stored as F8_E4M3, which start-up weights cannot be read in"):
+        SafetensorsFile(tmp_path / "t.safetensors").tensor("w")
+
+
 def test_a_missing_weights_file_names_the_path_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="nowhere.safetensors.*does not exist(.|\n)*weights_dir"):
         WeightSource.of(tmp_path / "nowhere.safetensors")

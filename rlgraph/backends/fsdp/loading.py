@@ -97,7 +97,11 @@ class SafetensorsFile:
 
     def _read(self, name: str, start: int, stop: int, row: int = 1) -> torch.Tensor:
         entry = self._entries[name]
-        dtype = self.DTYPES[entry["dtype"]]
+        dtype = self.DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ConfigError(f"{self.path}: tensor {name!r} is stored as {entry['dtype']}, which start-up weights "
+                              f"cannot be read in (one of {', '.join(self.DTYPES)})",
+                              fix="save the weights in float32, bfloat16 or float16")
         count = max(stop - start, 0) * row
         buffer = bytearray(count * dtype.itemsize)
         if count:

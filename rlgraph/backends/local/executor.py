@@ -436,8 +436,9 @@ class LocalExecutor:
                 finite: list[torch.Tensor] = []  # per micro-batch, on the device: read only if the step fails
                 for position, micro in enumerate(micros):
                     with self._autocast():  # the forward only: the loss math and backward stay out of autocast
-                        output, entropy = self._compiled_forward(worker, batch.select(micro), temperature=config.temperature,
-                                                              with_entropy=wants_entropy, packed=packed)
+                        output, entropy = self._compiled_forward(worker, batch.select(micro),
+                                                                 temperature=config.temperature,
+                                                                 with_entropy=wants_entropy, packed=packed)
                     if position >= real:  # a filler: no loss; its backward keeps the ranks' collectives in step
                         self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
                         (output.sum() * 0.0).backward()
