@@ -7,9 +7,44 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # a pool costs ~1 s of start per run, which ~70 tiny runs would add to the suite.
 os.environ.setdefault("RLGRAPH_REWARD_WORKERS", "0")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from rlgraph.testing import load_profile  # noqa: E402
 
 torch.set_num_threads(1)  # two xdist workers on a 2-core machine
 load_profile()  # "fast" (CI) unless HYPOTHESIS_PROFILE=thorough (nightly): see docs/testing.md
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread_after_each_test():
+    """A run whose config asks for more threads (`runtime.threads`, the demo's 2) sets them for the whole
+    process; without this the worker's later tests run on them too and fight the other xdist worker."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+# The modules of the longest tests (the slowest first, by `make test --durations`), run before the
+# rest. `-n 2 --dist worksteal` hands each worker half the collection in order and an idle worker
+# steals the *last* pending tests of the other, so a minutes-long test left near the end runs alone
+# while the other core idles; started first, the short tests fill in around it. A module's tests
+# stay together (in their order), so its module-scoped fixtures are still built once.
+LONGEST_FIRST = (
+    "tests/test_examples.py",                  # the calculator agent and math GRPO learning tests
+    "tests/service/test_examples.py",          # the service GRPO loop learning test
+    "tests/train/test_run.py",                 # Ray and spmd runs
+    "tests/runtime/test_spmd.py",
+    "tests/runtime/test_faults.py",
+    "tests/plan/test_memory.py",
+    "tests/runtime/test_spmd_lora.py",
+    "tests/backends/test_decode_compile.py",
+    "tests/test_gpu_check.py",
+    "tests/testing/test_broken.py",
+    "tests/backends/test_train_compile.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONGEST_FIRST)))  # stable
