@@ -6,6 +6,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Runs score in the controller unless a test asks for reward workers (tests/rewards/test_reward_pool.py):
 # a pool costs ~1 s of start per run, which ~70 tiny runs would add to the suite.
 os.environ.setdefault("RLGRAPH_REWARD_WORKERS", "0")
+# Processes the tests start (`rlgraph train`/`serve` subprocesses, scripts) read it as their torch
+# thread count: one each, like the worker that started them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray starts its workers at niceness 15: beside the other xdist worker (niceness 0) a test's actors
 # then get a few percent of a core (the Ray train test: 257 s alone at load 6, 70 s with 0).
 os.environ.setdefault("RAY_worker_niceness", "0")
