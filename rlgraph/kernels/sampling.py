@@ -91,7 +91,14 @@ def gumbel_sample_reference(logits: Tensor, keys: Tensor, temperature: float) ->
     """(tokens i64[N], logprobs f32[N]) from `logits` [N, V] with the noise of `keys` i64[N] (torch)."""
     _check(logits, keys, temperature)
     scaled = logits.float() / temperature  # [N, V]
-    tokens = (scaled + gumbel_noise(keys, logits.shape[1])).argmax(dim=-1)  # [N]
+    return argmax_and_logprob(scaled, scaled + gumbel_noise(keys, logits.shape[1]))
+
+
+def argmax_and_logprob(scaled: Tensor, perturbed: Tensor) -> tuple[Tensor, Tensor]:
+    """(tokens i64[N], logprobs f32[N]): tokens = argmax_v perturbed [N, V] (the first maximal index),
+    their log-probs under softmax(scaled [N, V]). With perturbed = scaled + Gumbel noise this is the
+    draw; the eager sampler, the compiled decode chunk and this reference share it."""
+    tokens = perturbed.argmax(dim=-1)  # [N]
     logprobs = scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # [N]
     return tokens, logprobs
 

@@ -34,14 +34,15 @@ def test_on_and_off_decide_without_arithmetic(cache_dir):
 
 
 def test_auto_compiles_when_the_projected_saving_exceeds_a_cold_compile(cache_dir):
-    per_step = (dc.CPU_SAVING_PER_LAYER_S + dc.CPU_SAVING_PER_ROW_LAYER_S * 64) * 2  # 0.112 ms
+    per_step = (dc.CPU_SAVING_PER_LAYER_S + dc.CPU_SAVING_PER_ROW_LAYER_S * 64) * 2  # 2.07 ms
     assert step_saving(64, 2, "cpu") == pytest.approx(per_step) and per_step > 0
-    cold = dc.COLD_COMPILE_PER_LAYER_S * 2  # 14 s
+    cold = dc.cold_compile(2, 8)  # the prefill and a chunk of 8 steps, 2 layers
     repaying = int(cold / (64 * per_step)) + 1  # the fewest calls whose saving passes the compile
     short, long = (CompileLedger(DecodeCompile("auto", calls={64: calls})).decide(**SHAPE)
                    for calls in (repaying - 1, repaying))
     assert not short.compile and long.compile
-    assert f"{repaying} calls x 64 steps x {per_step * 1e3:.3f} ms" in long.reason and "> cold compile ~14 s" in long.reason
+    assert f"{repaying} calls x 64 steps x {per_step * 1e3:.3f} ms" in long.reason
+    assert f"> cold compile ~{cold:.0f} s" in long.reason
     assert "<= cold compile" in short.reason
     unprojected = CompileLedger(DecodeCompile("auto", calls={8: 10**6})).decide(**SHAPE)  # another number of rows
     assert not unprojected.compile and "0 calls" in unprojected.reason
@@ -50,18 +51,25 @@ def test_auto_compiles_when_the_projected_saving_exceeds_a_cold_compile(cache_di
 def test_auto_reads_the_compile_measured_before_in_this_cache_directory(cache_dir):
     """A shape that compiled before in this cache directory compiles warm (Inductor serves it from
     disk): the recorded seconds, not the cold estimate, are what the saving must repay."""
-    policy = DecodeCompile("auto", calls={64: 200})  # 200 x 64 x 0.112 ms = 1.4 s saved: short of a cold 14 s
+    policy = DecodeCompile("auto", calls={64: 200})  # 200 x 64 x 2.07 ms = 26 s saved: short of a cold 147 s
     assert not CompileLedger(policy).decide(**SHAPE).compile
     ledger = CompileLedger(DecodeCompile("on"))
-    ledger.compiled((64, 80), 0.5, signature="tiny", device="cpu")  # rows 64, cache 16 + 64 columns
-    assert json.loads((cache_dir / dc.RECORD_FILE).read_text()) == {"tiny|cpu|64x80": [0.5]}
+    ledger.compiled((64, 80, 8), 0.5, signature="tiny", device="cpu")  # rows 64, cache 16 + 64 columns, k = 8
+    assert json.loads((cache_dir / dc.RECORD_FILE).read_text()) == {"tiny|cpu|64x80x8": [0.5]}
     warm = CompileLedger(policy).decide(**SHAPE)
     assert warm.compile and "compiled before" in warm.reason and "0.5 s" in warm.reason
-    assert ledger.compiles == {(64, 80): 1} and ledger.pop_seconds() == 0.5 and ledger.pop_seconds() == 0.0
+    assert ledger.compiles == {(64, 80, 8): 1} and ledger.pop_seconds() == 0.5 and ledger.pop_seconds() == 0.0
 
 
-def test_auto_never_compiles_where_the_compiled_step_is_slower(cache_dir):
-    """From ~90 rows on (2 layers, CPU) the compiled step is measured slower: no run is long enough."""
+def test_the_saving_is_not_extrapolated_past_the_rows_measured(cache_dir):
+    """The fit grows with the rows over the 8-128 measured; past 128 rows it is the 128-row saving."""
+    assert step_saving(8, 2, "cpu") < step_saving(64, 2, "cpu") < step_saving(128, 2, "cpu")
+    assert step_saving(512, 2, "cpu") == step_saving(dc.CPU_SAVING_ROWS_MEASURED, 2, "cpu")
+
+
+def test_auto_never_compiles_where_the_compiled_decode_is_slower(cache_dir, monkeypatch):
+    """Were the compiled decode slower at some rows (a saving <= 0), no run would be long enough."""
+    monkeypatch.setattr(dc, "CPU_SAVING_PER_ROW_LAYER_S", -1e-5)
     assert step_saving(128, 2, "cpu") < 0
     decision = CompileLedger(DecodeCompile("auto", calls={128: 10**9})).decide(**{**SHAPE, "rows": 128})
     assert not decision.compile and "the compiled step is not faster" in decision.reason
@@ -70,7 +78,7 @@ def test_auto_never_compiles_where_the_compiled_step_is_slower(cache_dir):
 def test_a_decision_is_made_once_per_shape(cache_dir):
     ledger = CompileLedger(DecodeCompile("auto", calls={64: 200}))
     first = ledger.decide(**SHAPE)
-    ledger.compiled((64, 80), 0.1, signature="tiny", device="cpu")  # a record now exists: a new decision would differ
+    ledger.compiled((64, 80, 8), 0.1, signature="tiny", device="cpu")  # a record now exists: a new decision would differ
     assert ledger.decide(**SHAPE) is first and len(ledger.decisions) == 1
 
 
@@ -161,8 +169,9 @@ def test_compiled_decoding_in_the_executor_draws_the_eager_tokens_compiles_once_
     want = eager.generate(eager.current("policy"), batches[0], n=3)
     got = compiled.generate(compiled.current("policy"), batches[0], n=3)
     assert torch.equal(got.response_ids, want.response_ids) and (got.logprobs - want.logprobs).abs().max() <= 1e-5
-    assert counters["stats"]["unique_graphs"] - graphs == 1  # 6 rows x (32 + 5) columns: one graph for four calls
-    assert compiled.decode_ledger.compiles == {(6, 37): 1} and not eager.decode_ledger.compiles
+    # 2 prompts x 3 samples over 32 + 5 columns: the prefill's graph and a chunk of 5 steps for four calls
+    assert counters["stats"]["unique_graphs"] - graphs == 2
+    assert compiled.decode_ledger.compiles == {(6, 37, 5): 1} and not eager.decode_ledger.compiles
     first = compiled.decode_ledger.pop_seconds()
     assert first > 0 and compiled.decode_ledger.pop_seconds() == 0.0
     assert any(cache_dir.rglob("*.py")), "Inductor wrote its compiled kernels to the run's cache directory"
@@ -177,6 +186,136 @@ def test_compiled_decoding_in_the_executor_draws_the_eager_tokens_compiles_once_
     assert decision.compile and f"compiled before in {cache_dir}: {min(record.values())[0]:.1f} s" in decision.reason
     got = again.generate(again.current("policy"), batches[0], n=3)
     assert counters["inductor"]["fxgraph_cache_hit"] > hits  # served from the disk cache, not compiled anew
-    assert again.decode_ledger.compiles == {(6, 37): 1}
+    assert again.decode_ledger.compiles == {(6, 37, 5): 1}
     fresh = executor_of(model, tokenizer, "off")  # at the sampling stream's first call, as `again` is
     assert torch.equal(got.response_ids, fresh.generate(fresh.current("policy"), batches[0], n=3).response_ids)
+
+
+# -- the compiled decode chunk (k steps and their sampling a call) and the compiled prefill ----------------------------
+
+def test_a_chunk_is_taken_for_temperature_and_greedy_sampling_and_not_for_a_nucleus_or_a_large_noise(tokenizer,
+                                                                                                    monkeypatch):
+    """No compile here: which decode path a call takes. A nucleus needs a sort per row (the per-step sampler);
+    the chunk's noise [N, k, V] is precomputed, so a call whose noise passes the budget runs a call a step."""
+    from rlgraph.backends.local import generation
+    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+
+    model = build_causal_lm(None, tokenizer=tokenizer)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    chunked = NativeGenerator(model, **ids, compile_decode=True)
+    assert chunked._chunk(8, SamplingParams(max_new_tokens=16)) == dc.CHUNK_STEPS
+    assert chunked._chunk(8, SamplingParams(temperature=0.0, max_new_tokens=16)) == dc.CHUNK_STEPS
+    assert chunked._chunk(8, SamplingParams(max_new_tokens=3)) == 3  # a shorter call: one chunk of its steps
+    assert chunked._chunk(8, SamplingParams(top_p=0.9, max_new_tokens=16)) is None
+    vocab = model.get_input_embeddings().num_embeddings
+    monkeypatch.setattr(generation, "CHUNK_NOISE_WORDS", 8 * dc.CHUNK_STEPS * vocab)
+    assert chunked._chunk(8, SamplingParams()) == dc.CHUNK_STEPS and chunked._chunk(9, SamplingParams()) is None
+    assert NativeGenerator(model, **ids, compile_decode=True, chunked=False)._chunk(8, SamplingParams()) is None
+    assert NativeGenerator(model, **ids)._chunk(8, SamplingParams()) is None  # eager: no chunk
+
+
+@pytest.mark.parametrize("chunked", [None, 1, "yes"])
+def test_a_chunked_flag_that_is_no_bool_is_refused(tokenizer, chunked):
+    from rlgraph.backends.local.generation import NativeGenerator
+
+    with pytest.raises(ValueError, match=r"NativeGenerator\(chunked=.*\) must be True or False"):
+        NativeGenerator(build_causal_lm(None, tokenizer=tokenizer), eos_token_id=2, pad_token_id=0, compile_decode=True,
+                        chunked=chunked)
+
+
+def test_chunk_compiles_are_recorded_under_rows_length_and_k(cache_dir):
+    """A chunk's compile (with its prefill) is its own record: a step's record of the same rows and
+    cache length says nothing about it, and `auto` reads the chunk's."""
+    ledger = CompileLedger(DecodeCompile("on"))
+    ledger.compiled((64, 80), 0.5, signature="tiny", device="cpu")
+    ledger.compiled((64, 80, 8), 2.5, signature="tiny", device="cpu")
+    assert json.loads((cache_dir / dc.RECORD_FILE).read_text()) == {"tiny|cpu|64x80": [0.5], "tiny|cpu|64x80x8": [2.5]}
+    warm = CompileLedger(DecodeCompile("auto", calls={64: 10**4})).decide(**SHAPE)
+    assert warm.compile and "2.5 s" in warm.reason
+
+
+def biased_model64(tokenizer, bias: float):
+    """The tiny model in float64 with an EOS bias on its LM head (rows stop at different steps)."""
+    model = build_causal_lm(None, tokenizer=tokenizer, dtype=torch.float64).eval()
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = bias
+    model.lm_head = head
+    return model
+
+
+@pytest.mark.slow  # three Inductor compiles of the tiny model (prefill, a chunk of 4 steps, a step): ~1-3 min on 2 cores
+def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compiled_step(tokenizer, monkeypatch):
+    """6 tokens in chunks of k = 4 (the second chunk runs whole and is trimmed), rows that stop at
+    different steps inside a chunk, temperature 1 and 0.7 and greedy, two seeds: the eager loop's
+    and the per-step compiled loop's tokens and masks, log-probs within 1e-5 (float64 model:
+    tests/backends/test_generation_compiled.py derives it). One graph for the chunk and one for the
+    prefill serve every call; a call whose rows all stop in the first chunk runs no second chunk."""
+    from torch._dynamo.utils import counters
+
+    from rlgraph.backends.local import lean_decode
+    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+
+    monkeypatch.setattr(dc, "CHUNK_STEPS", 4)
+    model = biased_model64(tokenizer, 2.0)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    prompts = prompts_of(tokenizer, ["1+2=", "12+34=", "99+9=", "5+55="])
+    eager = NativeGenerator(model, **ids)
+    stepwise = NativeGenerator(model, **ids, compile_decode=True, chunked=False)
+    chunked = NativeGenerator(model, **ids, compile_decode=True)
+    graphs, lengths = None, []
+    for params in (SamplingParams(temperature=1.0, max_new_tokens=6), SamplingParams(temperature=0.7, max_new_tokens=6),
+                   SamplingParams(temperature=0.0, max_new_tokens=6)):
+        for seed in (3, 4):
+            want = eager.generate(prompts, 2, params, seed=seed)
+            got = chunked.generate(prompts, 2, params, seed=seed)
+            graphs = counters["stats"]["unique_graphs"] if graphs is None else graphs
+            step = stepwise.generate(prompts, 2, params, seed=seed)
+            for other in (want, step):
+                assert torch.equal(got.response_ids, other.response_ids) and torch.equal(got.mask, other.mask)
+                assert (got.logprobs - other.logprobs).abs().max() <= 1e-5
+            lengths.append(got.mask.sum(1))  # [N]
+    assert any(0 < int(length.min()) < int(length.max()) for length in lengths)  # rows stopped at different steps
+    assert chunked.ledger.compiles == {(8, 16 + 8, 4): 1} and chunked.compile_seconds > 0
+    calls = []
+    monkeypatch.setattr(lean_decode.LeanDecoder, "compiled_chunk",
+                        lambda self, *args, _real=lean_decode.LeanDecoder.compiled_chunk: calls.append(1) or _real(self, *args))
+    with torch.no_grad():
+        model.lm_head.bias[tokenizer.eos_token_id] = 1e4  # every row ends at its first token
+    got = chunked.generate(prompts, 2, SamplingParams(max_new_tokens=6), seed=3)
+    assert got.response_ids.shape == (8, 1) and (got.response_ids == tokenizer.eos_token_id).all() and len(calls) == 1
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # after the chunk's first call: the step's graph alone
+
+
+@pytest.mark.slow  # an Inductor compile of the tiny model's prefill: ~10-60 s on 2 cores
+def test_the_compiled_prefill_gives_the_eager_logits_and_cache(tokenizer):
+    """float32, 2 prompts x 3 samples of 16 columns (left-padded). Inductor reorders the float32 sums;
+    a reordered sum of K terms moves by at most K u sum|terms| (u = 2**-24). The longest sum is the MLP's
+    down projection, K = 256; the logits pass through 2 layers and the head, each a sum of at most
+    K products over activations that RMS norm keeps near 1, and the residual adds; bound each of the
+    5 reductions on the path by K u max|logits| and add them: 5 x 256 x 2**-24 x max|logits| (about
+    1e-3 here, where a wrong column or position moves the logits by 1e-2 and more: test_lean_static)."""
+    from rlgraph.backends.local.lean_decode import LeanDecoder
+
+    model = build_causal_lm(None, tokenizer=tokenizer).eval()
+    prompts = prompts_of(tokenizer, ["1+2=", "12+345="])
+    ids, mask = dc_pad(prompts, tokenizer)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        eager, compiled = LeanDecoder(model), LeanDecoder(model)
+        want = eager.start(ids, mask, positions, 5, 3)  # [6, V]
+        got = compiled.start(ids, mask, positions, 5, 3, compiled=True)  # [6, V]
+    bound = 5 * 256 * 2**-24 * want.abs().max()
+    assert got.shape == want.shape == (6, model.config.vocab_size) and (got - want).abs().max() <= bound
+    assert torch.equal(compiled.key_mask, eager.key_mask)
+    for (keys, values), (keys_want, values_want) in zip(compiled.cache, eager.cache):
+        assert (keys - keys_want).abs().max() <= bound and (values - values_want).abs().max() <= bound
+        assert keys[:, :, 16:].count_nonzero() == 0  # the columns not yet written are zeros
+
+
+def dc_pad(prompts, tokenizer):
+    from rlgraph.backends.local.generation import pad_prompt_columns
+
+    return pad_prompt_columns(prompts.ids, prompts.mask.bool(), padded_width(prompts.ids.shape[1]), tokenizer.pad_token_id)

@@ -254,5 +254,6 @@ def test_workers_decode_compiled_with_generation_compile_on_and_sample_the_eager
         with SpmdTransport(compiled.plan, world, device="cpu") as transport:
             PlanRunner(compiled, transport, controller=world.controller()).run(prompts)
     assert completions["on"] == completions["off"] and len(completions["on"]) == 8
-    # both ranks compiled one shape: 4 rows each, a cache of 16 (the prompt width padded, `padded_width`) + 4 columns
-    assert [len(seconds) for key, seconds in read_records().items() if key.endswith("|cpu|4x20")] == [2], read_records()
+    # both ranks compiled one shape: 4 rows each, a cache of 16 (the prompt width padded, `padded_width`) + 4 columns,
+    # decoded in one chunk of 4 steps
+    assert [len(seconds) for key, seconds in read_records().items() if key.endswith("|cpu|4x20x4")] == [2], read_records()

@@ -1,9 +1,11 @@
-"""When the native engine compiles its decode step (`generation.compile: auto|on|off`), and what a
-run's compiles cost.
+"""When the native engine compiles its prefill and decode (`generation.compile: auto|on|off`), and what
+a run's compiles cost.
 
-`torch.compile` of the static-shape decode step (`lean_decode.compiled_decode_step`) makes every
-decode step cheaper but costs seconds of compilation per (rows, cache length) shape. `on` always
-compiles, `off` never does, and `auto` compiles a shape only when the run is long enough to repay it:
+`torch.compile` of the prefill and of the static-shape decode chunk (`lean_decode.compiled_prefill`,
+`compiled_decode_chunk`: k = `CHUNK_STEPS` decode steps and their sampling a call) makes every
+decoded token cheaper but costs a compile per (rows, cache length, k) shape (minutes on a loaded
+2-core CPU). `on` always compiles, `off` never does, and `auto` compiles a shape only when the run
+is long enough to repay it:
 
     saving  = calls x decode steps per call x step_saving(rows, layers, device)
     compile = the seconds this shape took to compile before, in this Inductor cache directory
@@ -12,13 +14,14 @@ compiles, `off` never does, and `auto` compiles a shape only when the run is lon
 
 `calls` is how many generate calls of that many rows the run will make (`rlgraph train`: the RL
 steps for the rollouts, the evaluations for the held-out set); a shape the run does not project
-is not compiled. The step saving and the cold compile are measured figures (docs/benchmarks.md,
-"Decode"), on the 2-core CPU with the 2-layer tiny Qwen2: the saving is dispatch the compiled step
-removes, so it is taken per layer; on CUDA it is an estimate (CUDA graphs over the step; untested,
-docs/gpu.md). Each measured compile is written to `decode_compiles.json` beside Inductor's own
-cache, so the next run of the same shapes knows it compiles warm.
+is not compiled. The saving and the cold compile are measured figures (docs/benchmarks.md,
+"Decode"), on the 2-core CPU with the 2-layer tiny Qwen2, taken per layer; on CUDA the saving is
+an estimate (CUDA graphs over the chunk; untested, docs/gpu.md). Nucleus sampling (top-p < 1)
+compiles a decode step instead of a chunk, whose smaller compile and saving the rule does not
+model. Each measured compile is written to `decode_compiles.json` beside Inductor's own cache, so
+the next run of the same shapes knows it compiles warm.
 
->>> policy = DecodeCompile("auto", calls={16: 1000})  # 1000 x 64 x 0.328 ms = 21 s > 14 s
+>>> policy = DecodeCompile("auto", calls={16: 2000})  # 2000 x 64 x 1.368 ms = 175 s > 147 s
 >>> ledger = CompileLedger(policy)
 >>> ledger.decide(rows=16, width=48, steps=64, layers=2, device="cpu", signature="qwen2").compile
 True
@@ -40,19 +43,32 @@ from rlgraph.ir.errors import ConfigError, did_you_mean
 MODES = ("auto", "on", "off")
 WIDTH_BUCKET = 16  # compiled decode pads the prompt columns up to a multiple of this: few cache lengths, few compiles
 
-# Measured on the 2-core CPU, tiny Qwen2 (2 layers), 16 tokens a call, one thread, Inductor's C++
-# wrapper (benchmarks/decode.py --rows 8 16 64 128 --threads 1, 2026-11-28): 8, 16, 64, 128 rows save
-# 0.32, 0.37, 0.15, -0.19 ms a step. The saving is dispatch removed, and shrinks with the rows, where
-# Inductor's kernels lose to eager's BLAS calls: a least-squares fit of a + b x rows gives a = 0.405 ms
-# and b = -4.5 us a step, per 2 layers (no saving from ~90 rows on).
-CPU_SAVING_PER_LAYER_S = 0.20e-3
-CPU_SAVING_PER_ROW_LAYER_S = -2.25e-6
+# Measured on the 2-core CPU, loaded (load average 2-7), tiny Qwen2 (2 layers), 16 tokens a call, one
+# thread, 4 samples a prompt (benchmarks/decode.py --rows 8 16 64 128 --samples 4 --threads 1 --chunk 8,
+# 2026-11-28): the compiled prefill and chunks of 8 steps save 0.93, 1.52, 2.41, 2.85 ms a token against
+# the eager loop at 8, 16, 64, 128 rows. A least-squares fit of a + b x rows gives a = 1.13 ms and
+# b = 14.7 us a token, per 2 layers; not extrapolated past the 128 rows measured.
+CPU_SAVING_PER_LAYER_S = 0.566e-3
+CPU_SAVING_PER_ROW_LAYER_S = 7.36e-6
+CPU_SAVING_ROWS_MEASURED = 128
 # CUDA (estimate, untested): a CUDA graph replays the step's ~20 kernels a layer without the host
 # dispatch of each (~10 us an op in eager PyTorch), whatever the rows.
 CUDA_SAVING_PER_LAYER_S = 0.2e-3
-# A cold compile (empty Inductor cache) of the 2-layer step took 14.3 s on the 2-core CPU; per layer.
-COLD_COMPILE_PER_LAYER_S = 7.0
+# Compiles of shapes new to an Inductor cache directory that had compiled others (loaded, as above):
+# the prefill took 22 s (2 layers), the prefill and a chunk of 8 steps 98-246 s (median 146 s, 16
+# rows), hence 11 s a layer and 7.8 s a layer and step. A directory's first compile of all also
+# builds Inductor's C++ headers: the prefill alone took 116 s in an empty one.
+COLD_PREFILL_PER_LAYER_S = 11.0
+COLD_CHUNK_PER_LAYER_STEP_S = 7.8
 RECORD_FILE = "decode_compiles.json"
+# Decode steps one compiled call runs with their sampling (`lean_decode.decode_chunk`) at most.
+CHUNK_STEPS = 8
+
+
+def chunk_steps(steps: int) -> int:
+    """k, the decode steps of one compiled chunk, for calls of `steps` tokens: `CHUNK_STEPS`, or fewer
+    for a shorter call (whose last chunk would otherwise decode steps that are all trimmed)."""
+    return min(CHUNK_STEPS, steps)
 
 
 def check_mode(mode: Any, where: str = "generation.compile") -> str:
@@ -120,10 +136,15 @@ class Decision:
 
 
 def step_saving(rows: int, layers: int, device: str) -> float:
-    """Seconds one decode step of `rows` rows saves when compiled (see the module docstring)."""
+    """Seconds a decoded token of `rows` rows saves when compiled (see the module docstring)."""
     if device == "cuda":
         return CUDA_SAVING_PER_LAYER_S * layers
-    return (CPU_SAVING_PER_LAYER_S + CPU_SAVING_PER_ROW_LAYER_S * rows) * layers
+    return (CPU_SAVING_PER_LAYER_S + CPU_SAVING_PER_ROW_LAYER_S * min(rows, CPU_SAVING_ROWS_MEASURED)) * layers
+
+
+def cold_compile(layers: int, k: int) -> float:
+    """Seconds of a cold compile (empty Inductor cache) of the prefill and a decode chunk of `k` steps."""
+    return (COLD_PREFILL_PER_LAYER_S + COLD_CHUNK_PER_LAYER_STEP_S * k) * layers
 
 
 def records_path() -> Path:
@@ -167,27 +188,30 @@ class CompileLedger:
         """Whether generate calls of `rows` rows over a cache of `width` + `steps` columns compile."""
         shape = (signature, device, rows, width + steps)
         if shape not in self.decisions:
-            self.decisions[shape] = self._decide(rows, width + steps, steps, layers, device, signature)
+            self.decisions[shape] = self._decide(rows, width, steps, layers, device, signature)
         return self.decisions[shape]
 
-    def _decide(self, rows: int, length: int, steps: int, layers: int, device: str, signature: str) -> Decision:
+    def _decide(self, rows: int, width: int, steps: int, layers: int, device: str, signature: str) -> Decision:
         mode = self.policy.mode
         if mode != "auto":
             return Decision(mode == "on", f"generation.compile={mode}")
         calls = self.policy.calls.get(rows, 0)
         saving = calls * steps * step_saving(rows, layers, device)
-        measured = read_records().get(_record_key(signature, device, rows, length))
+        k = chunk_steps(steps)
+        length = width + -(-steps // k) * k  # the chunk's cache: whole chunks
+        measured = read_records().get(_record_key(signature, device, rows, length, k))
         if measured:
             cost, basis = min(measured), f"compiled before in {records_path().parent}: {min(measured):.1f} s"
         else:
-            cost = COLD_COMPILE_PER_LAYER_S * layers
-            basis = f"cold compile ~{cost:.0f} s ({layers} layers x {COLD_COMPILE_PER_LAYER_S:.0f} s)"
+            cost = cold_compile(layers, k)
+            basis = (f"cold compile ~{cost:.0f} s (prefill {COLD_PREFILL_PER_LAYER_S:.0f} s + a chunk of {k} steps "
+                     f"{COLD_CHUNK_PER_LAYER_STEP_S:.1f} s a step, x {layers} layers)")
         projected = (f"{calls} calls x {steps} steps x {step_saving(rows, layers, device) * 1e3:.3f} ms "
                      f"= {saving:.1f} s saved")
         verdict = ">" if saving > cost else "<="
         if saving <= 0:
             projected += " (at this many rows the compiled step is not faster)"
-        return Decision(saving > cost, f"auto, {rows} rows x {length} columns: {projected} {verdict} {basis}")
+        return Decision(saving > cost, f"auto, {rows} rows x {width + steps} columns: {projected} {verdict} {basis}")
 
     def first_call(self, shape: tuple) -> bool:
         return shape not in self.compiles
@@ -214,8 +238,9 @@ class CompileLedger:
         return out
 
 
-def _record_key(signature: str, device: str, rows: int, length: int) -> str:
-    return f"{signature}|{device}|{rows}x{length}"
+def _record_key(signature: str, device: str, *shape: int) -> str:
+    """"qwen2|cpu|8x48" for a decode step of 8 rows over 48 cache columns, "...|8x48x8" for its chunk of 8 steps."""
+    return f"{signature}|{device}|{'x'.join(str(size) for size in shape)}"
 
 
 def model_signature(model: Any) -> str:

@@ -3,8 +3,11 @@
 It runs wherever the model runs (the CPU demo, tests, GPUs without vLLM). One prefill over the
 left-padded prompts (each prompt once: its KV cache is repeated for its n samples), then one
 decode step per token for all rows at once; the only per-step Python work is a single "all rows
-finished?" check. With `compile_decode` the step runs under torch.compile (`decode_compile.py`
-says when a run asks for it). A decode step is the lean step of
+finished?" check. With `compile_decode` the prefill and the decode run under torch.compile
+(`decode_compile.py` says when a run asks for it): one compiled call decodes a chunk of k tokens
+with their sampling (`lean_decode.decode_chunk`; the noise of those steps precomputed), and the
+"all finished?" check runs once a chunk; nucleus sampling (top-p < 1) keeps a compiled call a step
+and the torch sampler. A decode step is the lean step of
 `lean_decode` (static KV cache, hand-written block over the model's own submodules) for the
 Llama/Qwen2 family, else one Hugging Face forward with a `DynamicCache`; both sample the same.
 
@@ -19,16 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from rlgraph.backends.local.decode_compile import CompileLedger, model_signature, padded_width
+from rlgraph.backends.local.decode_compile import CompileLedger, chunk_steps, model_signature, padded_width
 from rlgraph.backends.local.lean_decode import LeanDecoder, lean_unsupported
 from rlgraph.kernels import sampling as fused
-from rlgraph.kernels.sampling import gumbel_noise, splitmix64, uniform_from_bits  # noqa: F401 - re-exported
+from rlgraph.kernels.sampling import argmax_and_logprob, gumbel_noise, splitmix64, uniform_from_bits  # noqa: F401 - re-exported
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir.errors import RLGraphError
 
@@ -155,16 +159,12 @@ def sample_tokens(
     """
     logits = logits.float()  # [N, V]; the noise and its sums in float32 whatever the model's dtype
     if params.greedy:
-        tokens = logits.argmax(dim=-1)  # [N]
-        scaled = logits  # [N, V]
-    else:
-        assert keys is not None or noise is not None, "sampling needs one key per row"
-        noise = gumbel_noise(keys, logits.shape[-1]) if noise is None else noise  # [N, V]
-        scaled = logits / params.temperature  # [N, V]
-        filtered = nucleus_filter(scaled, params.top_p)  # [N, V], -inf outside the nucleus
-        tokens = (filtered + noise).argmax(dim=-1)  # [N]
-    logprobs = scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # [N]
-    return tokens, logprobs
+        return argmax_and_logprob(logits, logits)
+    assert keys is not None or noise is not None, "sampling needs one key per row"
+    noise = gumbel_noise(keys, logits.shape[-1]) if noise is None else noise  # [N, V]
+    scaled = logits / params.temperature  # [N, V]
+    filtered = nucleus_filter(scaled, params.top_p)  # [N, V], -inf outside the nucleus
+    return argmax_and_logprob(scaled, filtered + noise)
 
 
 class StepNoise:
@@ -180,16 +180,24 @@ class StepNoise:
 
     def at(self, step: int) -> torch.Tensor:
         if self.noise is None or not self.start <= step < self.start + self.noise.shape[1]:
-            counters = torch.arange(step, min(step + self.block, self.steps), device=self.keys.device)  # [b]
-            step_keys = splitmix64(self.keys[:, None], counters)  # [N, b]
             self.start = step
-            self.noise = gumbel_noise(step_keys.reshape(-1), self.vocab).view(len(self.keys), len(counters), -1)  # [N, b, V]
+            self.noise = steps_noise(self.keys, self.vocab, step, min(step + self.block, self.steps))  # [N, b, V]
         return self.noise[:, step - self.start]  # [N, V]
+
+
+def steps_noise(keys: torch.Tensor, vocab: int, start: int, stop: int) -> torch.Tensor:
+    """f32[N, stop - start, V]: the Gumbel noise of decode steps start..stop-1 (`StepNoise`), hashed at once."""
+    counters = torch.arange(start, stop, device=keys.device)  # [b]
+    step_keys = splitmix64(keys[:, None], counters)  # [N, b]
+    return gumbel_noise(step_keys.reshape(-1), vocab).view(len(keys), len(counters), vocab)  # [N, b, V]
 
 
 # Where temperature sampling runs the fused Triton kernel (`rlgraph.kernels.sampling`). Tests add "cpu"
 # (the Triton interpreter) to check the wiring.
 FUSED_SAMPLING_DEVICES: tuple[str, ...] = ("cuda",)
+# The most noise words [N, k, V] a compiled decode chunk takes precomputed (4 bytes each, 8 while
+# hashing): past it (a large vocabulary and many rows) the decode runs a compiled call per step.
+CHUNK_NOISE_WORDS = 2**24
 FINISHED_CHECK_EVERY = 8  # decode steps between "all rows finished?" host syncs on a GPU
 
 
@@ -281,13 +289,19 @@ class NativeGenerator:
     hand-written step over the model's own submodules: 0.77 instead of 1.18 ms a token for 8
     rows of the tiny Qwen2 on one CPU thread), False one Hugging Face forward per token (any causal LM), None (the default) the lean
     step when it supports the model (or what an enclosing `lean_decoding` says). Both draw the same
-    tokens for the same (seed, call, index).
+    tokens for the same (seed, call, index). `compile_decode` compiles the lean prefill and decode;
+    `chunked` (the default) runs k = `decode_compile.CHUNK_STEPS` tokens and their sampling a compiled
+    call, False a compiled call a token (what the chunk is measured against).
     """
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int, lean: bool | None = None,
-                 compile_decode: bool = False, ledger: CompileLedger | None = None) -> None:
+                 compile_decode: bool = False, ledger: CompileLedger | None = None, chunked: bool = True) -> None:
         self.model = model
         self.compile_decode = bool(compile_decode)
+        if not isinstance(chunked, bool):
+            raise ValueError(f"NativeGenerator(chunked={chunked!r}) must be True or False: whether a compiled decode runs "
+                             "k steps and their sampling a call (True) or a call a step (False)")
+        self.chunked = chunked
         # the run's compiles (an executor shares one across its calls); the first call of a shape is its compile
         self.ledger = ledger if ledger is not None else CompileLedger()
         self.eos_token_id = int(eos_token_id)
@@ -328,20 +342,41 @@ class NativeGenerator:
         device = self.model.device
         keys = sampling_keys(seed, call, prompts.index.to(device), n)  # [N]
         ids, mask = prompts.ids.to(device), prompts.mask.to(device).bool()  # [B, P] each
-        steps = params.max_new_tokens
         if self.compile_decode:  # a few cache lengths, so a few compiles, whatever the batches' prompt widths
             ids, mask = pad_prompt_columns(ids, mask, padded_width(ids.shape[1], self.ledger.policy.width),
                                            self.pad_token_id)  # [B, P'] each
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P']
+        chunk = self._chunk(len(keys), params)
+        decode = self._decode_chunked if chunk else self._decode_stepwise
+        tokens, logprobs, alive = decode(ids, mask, positions, keys, n, params, chunk)  # [N, S'] each, S' >= 1
+        length = int(alive.any(0).nonzero().max()) + 1  # T: the longest response produced
+        group = torch.arange(len(prompts), device=device).repeat_interleave(n)  # [N]
+        meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
+        prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
+        prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]
+        return Rollouts(prompt_ids, prompt_mask, tokens[:, :length], alive[:, :length], logprobs[:, :length], group, meta)
+
+    def _chunk(self, rows: int, params: SamplingParams) -> int | None:
+        """k, the decode steps one compiled call runs with their sampling (`decode_chunk`), or None for
+        a call per step: a nucleus (top-p < 1) needs a sort of every row, which stays in the per-step
+        sampler, and the chunk's noise [N, k, V] is precomputed, so it must fit `CHUNK_NOISE_WORDS`."""
+        if not (self.compile_decode and self.chunked) or params.top_p < 1.0:
+            return None
+        k = chunk_steps(params.max_new_tokens)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        return k if rows * k * vocab <= CHUNK_NOISE_WORDS else None
+
+    def _decode_stepwise(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                         n: int, params: SamplingParams, chunk: None) -> tuple[torch.Tensor, ...]:
+        """(tokens, logprobs, alive) [N, S'] of one model call and one sampling per token."""
+        steps = params.max_new_tokens
         start = self._lean_start if self.lean else self._hf_start
         # each prompt is prefilled once; its cache is shared by its n samples
         logits, advance = start(ids, mask, positions, steps, n)  # [N, V], tokens [N] -> [N, V]
         sample = self._sampler(keys, logits.shape[-1], steps, params)
         tokens, logprobs, alive = [], [], []
-        prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
-        prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]
-        running = torch.ones(len(prompt_ids), dtype=torch.bool, device=device)  # [N]
-        check_every = finished_check_every(device)
+        running = torch.ones(len(keys), dtype=torch.bool, device=keys.device)  # [N]
+        check_every = finished_check_every(keys.device)
         for step in range(steps):
             token, logprob = sample(logits, step)  # [N], [N]
             alive.append(running)
@@ -351,12 +386,41 @@ class NativeGenerator:
             if step + 1 == steps or ((step + 1) % check_every == 0 and not bool(running.any())):
                 break
             logits = advance(tokens[-1])  # [N, V]
-        alive_steps = torch.stack(alive, 1)  # [N, S]
-        length = int(alive_steps.any(0).nonzero().max()) + 1  # T: the longest response produced
-        group = torch.arange(len(prompts), device=device).repeat_interleave(n)  # [N]
-        meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
-        return Rollouts(prompt_ids, prompt_mask, torch.stack(tokens, 1)[:, :length], alive_steps[:, :length],
-                        torch.stack(logprobs, 1)[:, :length], group, meta)
+        return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(alive, 1)
+
+    def _decode_chunked(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                        n: int, params: SamplingParams, chunk: int) -> tuple[torch.Tensor, ...]:
+        """(tokens, logprobs, alive) [N, S'] of the compiled prefill and compiled chunks of `chunk` steps
+        (`decode_chunk`), one "all rows finished?" check a chunk. S = max_new_tokens that is no multiple
+        of k runs the last chunk whole and trims it: one graph per shape, and the k - 1 steps at most it
+        wastes cost less than a second graph's compile and call (the steps past S are masked anyway)."""
+        steps, device = params.max_new_tokens, keys.device
+        chunks = -(-steps // chunk)
+        shape = (len(keys), ids.shape[1] + chunks * chunk, chunk)  # one graph per (rows, cache length, k)
+        signature, first = model_signature(self.model), self.ledger.first_call(shape)
+        started = time.perf_counter()
+        decoder = LeanDecoder(self.model)
+        logits = decoder.start(ids, mask, positions, chunks * chunk, n, compiled=True)  # [N, V]
+        vocab = logits.shape[-1]
+        temperature = torch.tensor(1.0 if params.greedy else params.temperature, device=device)  # []
+        running = torch.ones(len(keys), dtype=torch.bool, device=device)  # [N]
+        if params.greedy:  # argmax(logits / 1 + 0) is argmax(logits): greedy is the same graph
+            noise = torch.zeros(chunks, len(keys), chunk, vocab, device=device)  # [C, N, k, V]
+        else:  # every chunk's noise hashed at once, each chunk's block contiguous (the graph's input layout)
+            noise = steps_noise(keys, vocab, 0, chunks * chunk).view(len(keys), chunks, chunk, vocab)
+            noise = noise.transpose(0, 1).contiguous()  # [C, N, k, V]
+        outs = []
+        for index in range(chunks):
+            tokens, logprobs, alive, running, logits = decoder.compiled_chunk(
+                logits, noise[index], temperature, running, self.eos_token_id, self.pad_token_id)  # [N, k] x 3, [N], [N, V]
+            if device.type == "cuda":  # a CUDA graph's outputs are overwritten by its next replay
+                tokens, logprobs, alive, running, logits = (t.clone() for t in (tokens, logprobs, alive, running, logits))
+            outs.append((tokens, logprobs, alive))
+            if first and index == 0:  # the first call of a shape compiles (prefill and chunk): reported apart
+                self.ledger.compiled(shape, time.perf_counter() - started, signature=signature, device=device.type)
+            if not bool(running.any()):
+                break
+        return tuple(torch.cat(parts, 1)[:, :steps] for parts in zip(*outs))
 
     @staticmethod
     def _sampler(keys: torch.Tensor, vocab: int, steps: int, params: SamplingParams
