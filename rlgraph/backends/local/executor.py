@@ -33,7 +33,7 @@ from rlgraph.backends.local.decode_compile import (CompileLedger, Decision, Deco
                                                   padded_width)
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream, cut_at_stop
 from rlgraph.backends.local.lean_decode import lean_unsupported
-from rlgraph.backends.local.logprobs import sequence_logprobs
+from rlgraph.backends.local.logprobs import head_fits_one_block, sequence_logprobs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
 from rlgraph.backends.local.packing import pack_rows, row_tokens
 from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
@@ -339,8 +339,11 @@ class LocalExecutor:
             return self._forward(worker, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
         from rlgraph.backends.local.train_compile import compiled_role_outputs, mark_dynamic_shapes
 
+        # The LM head inside the compiled graph where its logits fit one block (`head_fits_one_block`)
+        dense = not packed and worker.kind == "lm" and head_fits_one_block(worker.model, *rollouts.mask.shape)
         return compiled_role_outputs()(worker.model, worker.kind, mark_dynamic_shapes(rollouts),
-                                       temperature=temperature, with_entropy=with_entropy, packed=packed)
+                                       temperature=temperature, with_entropy=with_entropy, packed=packed,
+                                       dense_head=dense)
 
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
                  packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -632,12 +635,14 @@ def describe_weights(weights: Mapping[str, torch.Tensor]) -> str:
 
 
 def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                 packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 packed: bool = False, dense_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A role's per-token outputs: the critic's values, or an LM's log-probs (and entropy);
-    `packed`: from one forward over the rows' real tokens, without padding."""
+    `packed`: from one forward over the rows' real tokens, without padding; `dense_head`: an LM's
+    head over every position at once (`logprobs.all_positions_head`)."""
     if kind == "critic":
         return module.values(rollouts, packed=packed), None
-    output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
+    output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed,
+                               dense_head=dense_head)
     return output if with_entropy else (output, None)
 
 
