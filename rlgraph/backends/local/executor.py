@@ -282,7 +282,7 @@ class LocalExecutor:
         run on the executor's device; the outputs come back on the rollouts' device. `budget`:
         packed forwards of at most that many tokens each (`packing.pack_rows`); None: one padded forward."""
         was_training = worker.model.training
-        worker.model.eval()
+        set_mode(worker.model, training=False)
         batch = to_device(rollouts, self.device)
         try:
             with torch.no_grad(), self._autocast():
@@ -291,7 +291,7 @@ class LocalExecutor:
                 else:
                     outputs = self._packed_inference(worker, batch, temperature, with_entropy, budget, where)
         finally:
-            worker.model.train(was_training)
+            set_mode(worker.model, training=was_training)
         return to_device(outputs, rollouts.response_ids.device)
 
     def _packed_inference(self, worker: LMWorker, batch: Rollouts, temperature: float, with_entropy: bool,
@@ -408,8 +408,21 @@ class LocalExecutor:
         (every micro-batch, or only the last under `grad_sync_last`); one process has nothing to reduce."""
 
     def _clip_grads(self, worker: LMWorker, clip: float) -> float:
-        """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping."""
-        return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
+        """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping.
+
+        `clip_grad_norm_`'s arithmetic, op for op (the same norm and gradients, bit for bit), without
+        its per-call grouping by device and dtype where the gradients share one (~0.2 ms a step on
+        the small bench); and with `clip` = inf and a finite norm, without its multiply by 1.0."""
+        grads = [p.grad for p in worker.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        if len({(g.device, g.dtype) for g in grads}) > 1 or grads[0].device.type not in ("cpu", "cuda"):
+            return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        norm = float(total)  # the step's one host sync
+        if math.isfinite(clip) or not math.isfinite(norm):  # a non-finite norm scales by NaN/0, as torch does
+            torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
+        return norm
 
     def _train_epochs(self, worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig,
                       kept: torch.Tensor | None = None) -> dict[str, float]:
@@ -421,7 +434,7 @@ class LocalExecutor:
         (no zero_grad, no step); `kept` [N, T] receives each row's per-token output.
         """
         role, optimizer = self._role_of(worker), worker.optimizer
-        worker.model.train()
+        set_mode(worker.model, training=True)
         wants_entropy = getattr(loss_fn, "wants_entropy", False)
         packed = config.micro_batch_tokens is not None
         totals: dict[str, float] = {}
@@ -644,6 +657,14 @@ def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temp
     output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed,
                                dense_head=dense_head)
     return output if with_entropy else (output, None)
+
+
+def set_mode(module: torch.nn.Module, *, training: bool) -> None:
+    """`module.train(training)`, unless every submodule is in that mode already: the walk sets the
+    flag on each module through `nn.Module.__setattr__` (0.1-0.3 ms on the bench's 2-layer model, a
+    few times a step); reading the flags costs a tenth of that."""
+    if any(sub.training != training for sub in module.modules()):
+        module.train(training)
 
 
 def decode_responses(tokenizer: Any, rollouts: Rollouts) -> list[str]:
