@@ -191,7 +191,7 @@ def test_a_nan_gradient_under_the_compiled_forward_changes_no_weight(monkeypatch
     from rlgraph.backends.local.executor import NonFiniteUpdate, role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda: torch.compile(role_outputs, backend=counter))
+    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))
     torch._dynamo.reset()
     try:
         executor = tiny_executor()

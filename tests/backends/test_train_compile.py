@@ -65,7 +65,7 @@ def _graphs_over_changing_shapes(monkeypatch, **hparams) -> list[int]:
     from rlgraph.backends.local.executor import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda: torch.compile(role_outputs, backend=counter))
+    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))
     torch._dynamo.reset()
     executors = {compiled: tiny_executor(lr=0.1) for compiled in (False, True)}
     executors[True].compile_train = True
@@ -110,7 +110,7 @@ def _counting_compile(monkeypatch):
     from rlgraph.backends.local.executor import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda: torch.compile(role_outputs, backend=counter))
+    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))
     torch._dynamo.reset()
     return counter
 

@@ -341,7 +341,7 @@ class LocalExecutor:
 
         # The LM head inside the compiled graph where its logits fit one block (`head_fits_one_block`)
         dense = not packed and worker.kind == "lm" and head_fits_one_block(worker.model, *rollouts.mask.shape)
-        return compiled_role_outputs()(worker.model, worker.kind, mark_dynamic_shapes(rollouts),
+        return compiled_role_outputs(self.device.type)(worker.model, worker.kind, mark_dynamic_shapes(rollouts),
                                        temperature=temperature, with_entropy=with_entropy, packed=packed,
                                        dense_head=dense)
 
