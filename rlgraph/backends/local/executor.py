@@ -437,6 +437,8 @@ class LocalExecutor:
         set_mode(worker.model, training=True)
         wants_entropy = getattr(loss_fn, "wants_entropy", False)
         packed = config.micro_batch_tokens is not None
+        # rows in order and split in order: a (mini/micro-)batch of every row is `batch` itself, not a copy
+        in_order = not config.shuffle and not packed
         totals: dict[str, float] = {}
         steps = 0
         skipped = 0
@@ -445,14 +447,17 @@ class LocalExecutor:
             for index, minibatch in enumerate(split_rows(order, parts=config.minibatches)):
                 if config.step:
                     optimizer.zero_grad(set_to_none=True)
-                counts = self._all_reduce_sum(role, torch.stack(global_counts(batch.mask[minibatch.to(batch.mask.device)])))
+                whole = in_order and len(minibatch) == len(batch)
+                mask = batch.mask if whole else batch.mask[minibatch.to(batch.mask.device)]
+                counts = self._all_reduce_sum(role, torch.stack(global_counts(mask)))
                 step: dict[str, torch.Tensor] = {}
                 micros, real = self._micro_batches(worker, batch, minibatch, config.micro_batch_tokens,
                                                    f"rg.update({role})", size=config.micro_batch_size)
                 finite: list[torch.Tensor] = []  # per micro-batch, on the device: read only if the step fails
                 for position, micro in enumerate(micros):
                     with self._autocast():  # the forward only: the loss math and backward stay out of autocast
-                        output, entropy = self._compiled_forward(worker, batch.select(micro),
+                        rows = batch if in_order and len(micro) == len(batch) else batch.select(micro)
+                        output, entropy = self._compiled_forward(worker, rows,
                                                                  temperature=config.temperature,
                                                                  with_entropy=wants_entropy, packed=packed)
                     if position >= real:  # a filler: no loss; its backward keeps the ranks' collectives in step
