@@ -65,7 +65,7 @@ def _graphs_over_changing_shapes(monkeypatch, **hparams) -> list[int]:
     from rlgraph.backends.local.executor import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda: torch.compile(role_outputs, backend=counter))
+    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))
     torch._dynamo.reset()
     executors = {compiled: tiny_executor(lr=0.1) for compiled in (False, True)}
     executors[True].compile_train = True
@@ -110,17 +110,26 @@ def _counting_compile(monkeypatch):
     from rlgraph.backends.local.executor import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda: torch.compile(role_outputs, backend=counter))
+    monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))
     torch._dynamo.reset()
     return counter
+
+
+def head_bound(logprobs: torch.Tensor, hidden: int = 64) -> float:
+    """How far the compiled forward's LM head (`all_positions_head`, over every position) may move
+    a log-prob or entropy from eager's chunked head (over the real tokens only) under `aot_eager`,
+    which runs the same aten ops: only the GEMM's summation order over H may differ (MKL picks its
+    kernel by row count), so a logit moves by at most ~H u of its O(1) magnitude (u = 2^-24), and
+    the log-softmax (a max, a log-sum-exp) passes at most twice that on, scaled by |log p|."""
+    return 2 * hidden * 2.0 ** -24 * max(1.0, float(logprobs.abs().max()))
 
 
 def test_inference_forwards_share_one_graph_over_roles_and_shapes_and_equal_eager(monkeypatch):
     """The reference's and the policy's log-probs (and entropy) under `no_grad` (`rg.logprobs`) go
     through the compiled forward too: one graph for both roles (Dynamo inlines the modules, their
     parameters are graph inputs) and three shapes of `SHAPES`, then one more for the update's
-    forward with gradients, and no recompile after. `aot_eager` runs eager's aten ops in eager's
-    order, so the log-probs are bit-identical."""
+    forward with gradients, and no recompile after. The LM head runs in the graph over every
+    position (`all_positions_head`), so the values equal eager's within `head_bound`."""
     counter = _counting_compile(monkeypatch)
     executors = {compiled: tiny_executor(("policy", "ref")) for compiled in (False, True)}
     executors[True].compile_train = True
@@ -130,8 +139,10 @@ def test_inference_forwards_share_one_graph_over_roles_and_shapes_and_equal_eage
         for role in ("ref", "policy"):
             (eager, eager_entropy), (compiled, compiled_entropy) = (
                 executors[c].logprobs(executors[c].current(role), batch, entropy=True) for c in (False, True))
-            torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-            torch.testing.assert_close(compiled_entropy, eager_entropy, rtol=0, atol=0)
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=head_bound(eager))
+            # entropy = -sum p log p: a log-prob error d moves it by at most d (1 + entropy)
+            torch.testing.assert_close(compiled_entropy, eager_entropy, rtol=0,
+                                       atol=head_bound(eager) * (1 + float(eager_entropy.max())))
         graphs.append(counter.frame_count)
         for c in (False, True):
             Interpreter(executors[c]).run(clipped_surrogate.trace(), batch)
@@ -165,3 +176,47 @@ def test_inductor_log_probs_equal_eager_within_fp32_reordering():
     eager, compiled = (executors[c].logprobs(executors[c].current("ref"), batch) for c in (False, True))
     bound = 64 * 5 * 2.0 ** -24 * max(1.0, float(eager.abs().max()))
     torch.testing.assert_close(compiled, eager, rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_all_positions_head_equals_the_chunked_head_values_and_gradients(seed):
+    """`all_positions_head` (the compiled forward's head) against `masked_head` (eager's chunked
+    head) on random states, ragged masks and temperatures, eager, so any difference is the GEMM's
+    row-count-dependent summation order (`head_bound`) and, for the gradients, autograd's backward
+    against the chunked head's hand-written one: the same terms g (onehot - p) - g_ent p (log p + H)
+    summed in another order over V = 47 and over the N T positions, each within k u of the sum of
+    |terms|, bounded here by 8 u (V + N T) x max(1, |grad|)."""
+    from rlgraph.backends.local.logprobs import all_positions_head, masked_head
+
+    generator = torch.Generator().manual_seed(seed)
+    rows, steps, hidden, vocab = 1 + seed, 3 + 2 * seed, 64, 47
+    states = torch.randn(rows, steps, hidden, generator=generator, requires_grad=True)
+    weight = (0.3 * torch.randn(vocab, hidden, generator=generator)).requires_grad_()
+    targets = torch.randint(0, vocab, (rows, steps), generator=generator)
+    mask = torch.rand(rows, steps, generator=generator) < 0.7
+    temperature = (1.0, 0.7, 1.3)[seed % 3]
+    runs = []
+    for head in (masked_head, all_positions_head):
+        lp, entropy = head(states, weight, targets, mask, temperature=temperature, with_entropy=True)  # [N, T]
+        (lp.sum() + 0.1 * entropy.sum()).backward()
+        runs.append((lp.detach(), entropy.detach(), states.grad.clone(), weight.grad.clone()))
+        states.grad, weight.grad = None, None
+    (lp, entropy, grad_h, grad_w), (lp2, entropy2, grad_h2, grad_w2) = runs
+    assert torch.equal(lp2[~mask], torch.zeros_like(lp2[~mask])) and torch.equal(entropy2[~mask], entropy[~mask])
+    torch.testing.assert_close(lp2, lp, rtol=0, atol=head_bound(lp))
+    torch.testing.assert_close(entropy2, entropy, rtol=0, atol=head_bound(lp) * (1 + float(entropy.max())))
+    for mine, theirs in ((grad_h2, grad_h), (grad_w2, grad_w)):
+        bound = 8 * 2.0 ** -24 * (vocab + rows * steps) * max(1.0, float(theirs.abs().max()))
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=bound)
+
+
+def test_the_head_runs_in_the_graph_only_where_its_logits_fit_one_block():
+    """`head_fits_one_block`: N T V <= 2^22 f32 logits (the chunked head's block floor)."""
+    from rlgraph.backends.local.logprobs import head_fits_one_block
+    from rlgraph.kernels.logprob_head import BLOCK_FLOOR_ELEMENTS
+
+    model = tiny_executor(("policy",)).models["policy"].model
+    vocab = model.get_output_embeddings().weight.shape[0]
+    fitting = BLOCK_FLOOR_ELEMENTS // vocab  # positions
+    assert head_fits_one_block(model, 1, fitting) and head_fits_one_block(model, fitting, 1)
+    assert not head_fits_one_block(model, 1, fitting + 1) and not head_fits_one_block(model, fitting + 1, 1)

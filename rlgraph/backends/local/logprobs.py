@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from rlgraph.backends.local.packing import packed_hidden_states
 from rlgraph.batches import Rollouts
-from rlgraph.kernels.logprob_head import token_logprobs
+from rlgraph.kernels.logprob_head import BLOCK_FLOOR_ELEMENTS, token_logprobs
 
 
 def _decoder(model: PreTrainedModel) -> torch.nn.Module:
@@ -62,26 +62,55 @@ def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts, *, packed
 
 def sequence_logprobs(
     model: PreTrainedModel, rollouts: Rollouts, *, temperature: float = 1.0, with_entropy: bool = False,
-    packed: bool = False,
+    packed: bool = False, dense_head: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(response_ids[r, t] | prompt, response[:t]) under softmax(logits / temperature).
 
     Returns f32[N, T] (and, with `with_entropy`, the entropy f32[N, T] of the same distribution),
     zero where `rollouts.mask` is False, differentiable with respect to the model's parameters.
     The model's current mode (train/eval) is used as is. `packed`: the forward runs on the rows
-    packed without padding (`response_hidden_states`).
+    packed without padding (`response_hidden_states`). `dense_head`: the LM head over all N x T
+    positions at once (`all_positions_head`: the compiled forward's choice where `head_fits_one_block`).
     """
     if not temperature > 0.0:
         raise ValueError(f"sequence_logprobs: temperature must be > 0, got {temperature}; "
                          "for greedy rollouts recompute at temperature 1")
     hidden = response_hidden_states(model, rollouts, packed=packed)  # [N, T, H]
-    full, entropy = masked_head(hidden, _head_weight(model), rollouts.response_ids, rollouts.mask.bool(),
-                                temperature=temperature, with_entropy=with_entropy)  # [N, T], [N, T] | None
+    head = all_positions_head if dense_head else masked_head
+    full, entropy = head(hidden, _head_weight(model), rollouts.response_ids, rollouts.mask.bool(),
+                         temperature=temperature, with_entropy=with_entropy)  # [N, T], [N, T] | None
     return (full, entropy) if with_entropy else full
 
 
-# Under torch.compile (`train.compile`) the head stays eager: its M (the real tokens of a
-# micro-batch) is data-dependent, and the chunk loop would make Dynamo compile a graph per M.
+def head_fits_one_block(model: PreTrainedModel, rows: int, steps: int) -> bool:
+    """Whether the f32 logits of all `rows` x `steps` positions fit the chunked head's one-block
+    floor (`BLOCK_FLOOR_ELEMENTS`, 16 MiB), so `all_positions_head` holds no larger [., V] block
+    than the chunked head would (a tiny vocabulary; a 150k-token one only up to 27 positions)."""
+    return rows * steps * _head_weight(model).shape[0] <= BLOCK_FLOOR_ELEMENTS
+
+
+def all_positions_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *,
+                       temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`masked_head`'s result from every position of `hidden` [N, T, H] at once, in plain
+    differentiable ops that `torch.compile` traces into the forward's graph: no data-dependent
+    token count, no graph break, one compiled backward. The forward is the chunked head's
+    arithmetic op for op (`logprob_head._chunk_logp`); padding positions are computed and dropped."""
+    rows, steps, width = hidden.shape
+    h_scaled = hidden.reshape(rows * steps, width).float() / temperature  # [N*T, H]
+    logits = h_scaled @ weight.float().t()  # [N*T, V]
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # [N*T, V]
+    logp = shifted - torch.exp(shifted).sum(-1, keepdim=True).log()  # [N*T, V]
+    lp = logp.gather(1, targets.reshape(rows * steps, 1)).reshape(rows, steps)  # [N, T]
+    full = torch.where(mask, lp, 0.0)  # [N, T]
+    if not with_entropy:
+        return full, None
+    entropy = -(torch.exp(logp) * logp).sum(-1).reshape(rows, steps)  # [N, T]
+    return full, torch.where(mask, entropy, 0.0)  # [N, T], [N, T]
+
+
+# Under torch.compile (`train.compile`) this head stays eager (where `all_positions_head` does not
+# serve): its M (the real tokens of a micro-batch) is data-dependent, and the chunk loop would make
+# Dynamo compile a graph per M.
 @torch.compiler.disable
 def masked_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *,
                 temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,9 +3,12 @@
 With `LocalExecutor(compile_train=True)` each micro-batch's forward in `update` (the decoder body,
 or the critic's values: `role_outputs`) runs compiled by Inductor, and
 so does its backward (AOTAutograd compiles the backward of a compiled forward); the loss math stays
-eager (it is a few elementwise ops), and so does the LM head (`logprobs.masked_head`): it runs
-on the M real tokens of a micro-batch, a data-dependent count over which its chunk loop would make
-Dynamo compile one graph per M (the recompiles `rlgraph bench` measured). The rows and the prompt
+eager (the plan's loss closure). The LM head is in the graph where the f32 logits of every
+position fit the chunked head's one-block floor (`logprobs.head_fits_one_block`: small
+vocabularies): `logprobs.all_positions_head` runs it over all N x T positions and drops the
+padding, so the graph has no graph break and one backward. Elsewhere it runs eager
+(`logprobs.masked_head`): on the M real tokens of a micro-batch, a data-dependent count over which
+its chunk loop would make Dynamo compile one graph per M (the recompiles `rlgraph bench` measured). The rows and the prompt
 and response widths are marked dynamic up front (`mark_dynamic_shapes`), so the first micro-batch
 compiles the one graph every later shape reuses (a dimension of size 1 may add one more: Dynamo
 specialises sizes 0 and 1). The inference forwards (`rg.logprobs`, `rg.values`: reference and old
@@ -38,11 +41,15 @@ AUTO_MIN_FORWARDS = 50_000  # micro-batch forwards a cold CPU compile needs to r
 
 
 @functools.cache
-def compiled_role_outputs() -> Any:
-    """`role_outputs` compiled once per process; Dynamo guards on the module, so each role gets its graphs."""
+def compiled_role_outputs(device_type: str = "cpu") -> Any:
+    """`role_outputs` compiled once per process and device type; Dynamo guards on the module, so
+    each role gets its graphs. On the CPU with Inductor's C++ wrapper (as the decode step,
+    `lean_decode.compiled_decode_step`): the same kernels, called without Python in between
+    (forward + loss + backward of the small bench's micro-batch 5.93 against 6.34 ms thread CPU;
+    docs/benchmarks.md, "The update and reference stages")."""
     from rlgraph.backends.local.executor import role_outputs
 
-    return torch.compile(role_outputs)
+    return torch.compile(role_outputs, options={"cpp_wrapper": True} if device_type == "cpu" else None)
 
 
 def mark_dynamic_shapes(rollouts: Rollouts) -> Rollouts:
