@@ -117,6 +117,7 @@ class LocalExecutor:
         self.compute_dtype: torch.dtype | None = torch.bfloat16 if self.device.type == "cuda" else None
         # `update`'s forwards (and their backwards) under torch.compile (`train_compile.py`; `train.compile`)
         self.compile_train = compile_train
+        self._inference_only_roles: dict[str, bool] = {}  # `_inference_only`, per role
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """The forwards' precision: autocast to `compute_dtype`, or nothing (fp32 on the CPU, as before)."""
@@ -281,7 +282,7 @@ class LocalExecutor:
         """`_forward` in eval mode without gradients (reference and old log-probs, critic values),
         run on the executor's device; the outputs come back on the rollouts' device. `budget`:
         packed forwards of at most that many tokens each (`packing.pack_rows`); None: one padded forward."""
-        was_training = worker.model.training
+        was_training = worker.model.training and not self._inference_only(worker)
         set_mode(worker.model, training=False)
         batch = to_device(rollouts, self.device)
         try:
@@ -293,6 +294,18 @@ class LocalExecutor:
         finally:
             set_mode(worker.model, training=was_training)
         return to_device(outputs, rollouts.response_ids.device)
+
+    def _inference_only(self, worker: LMWorker) -> bool:
+        """Whether `worker` is a frozen role that shares no module with a trainable one (a reference
+        model, not a LoRA policy's reference view): only inference runs it, so `_inference` leaves
+        it in eval mode instead of walking its modules back to train mode every call."""
+        key = self._role_of(worker)
+        if key not in self._inference_only_roles:
+            trained = {id(module) for held in self.models.values() if held.optimizer is not None
+                       for module in held.model.modules()}
+            self._inference_only_roles[key] = worker.optimizer is None and not any(
+                id(module) in trained for module in worker.model.modules())
+        return self._inference_only_roles[key]
 
     def _packed_inference(self, worker: LMWorker, batch: Rollouts, temperature: float, with_entropy: bool,
                           budget: int, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
