@@ -354,9 +354,9 @@ class LocalExecutor:
 
         # The LM head inside the compiled graph where its logits fit one block (`head_fits_one_block`)
         dense = not packed and worker.kind == "lm" and head_fits_one_block(worker.model, *rollouts.mask.shape)
-        return compiled_role_outputs(self.device.type)(worker.model, worker.kind, mark_dynamic_shapes(rollouts),
-                                       temperature=temperature, with_entropy=with_entropy, packed=packed,
-                                       dense_head=dense)
+        compiled = compiled_role_outputs(self.device.type)
+        return compiled(worker.model, worker.kind, mark_dynamic_shapes(rollouts), temperature=temperature,
+                        with_entropy=with_entropy, packed=packed, dense_head=dense)
 
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
                  packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -429,7 +429,8 @@ class LocalExecutor:
         grads = [p.grad for p in worker.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        if len({(g.device, g.dtype) for g in grads}) > 1 or grads[0].device.type not in ("cpu", "cuda"):
+        foreach = grads[0].device.type in ("cpu", "cuda") and all(type(g) is torch.Tensor for g in grads)
+        if not foreach or len({(g.device, g.dtype) for g in grads}) > 1:  # torch's grouped or per-tensor path
             return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
         total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
         norm = float(total)  # the step's one host sync
