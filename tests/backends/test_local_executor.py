@@ -222,3 +222,23 @@ def test_set_mode_walks_the_modules_only_when_one_is_in_the_other_mode(monkeypat
     set_mode(model, training=False)
     set_mode(model, training=False)
     assert walks == [True, False] and not any(m.training for m in model.modules())
+
+
+def test_a_frozen_reference_stays_in_eval_mode_and_a_trainable_role_gets_its_mode_back():
+    """`_inference` leaves a frozen role that shares no module with a trainable one in eval mode
+    (no walk back each call); the policy returns to the mode it had, and its update trains."""
+    executor = tiny_executor(("policy", "ref"))
+    policy, ref = executor.models["policy"].model.train(), executor.models["ref"].model.train()
+    rollouts = executor.generate(POLICY, tiny_prompts(2), n=2)
+    first = executor.logprobs(executor.current("ref"), rollouts)
+    assert not any(m.training for m in ref.modules())
+    torch.testing.assert_close(executor.logprobs(executor.current("ref"), rollouts), first, rtol=0, atol=0)
+    executor.logprobs(POLICY, rollouts)
+    assert all(m.training for m in policy.modules())
+    seen = []
+    handle = policy.model.register_forward_pre_hook(lambda module, args: seen.append(module.training))  # the decoder
+    try:
+        executor.update(POLICY, rollouts, _mean_logprob_loss(rollouts), UpdateConfig())
+    finally:
+        handle.remove()
+    assert seen == [True] and not ref.training

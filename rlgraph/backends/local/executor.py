@@ -117,6 +117,7 @@ class LocalExecutor:
         self.compute_dtype: torch.dtype | None = torch.bfloat16 if self.device.type == "cuda" else None
         # `update`'s forwards (and their backwards) under torch.compile (`train_compile.py`; `train.compile`)
         self.compile_train = compile_train
+        self._inference_only_roles: dict[str, bool] = {}  # `_inference_only`, per role
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """The forwards' precision: autocast to `compute_dtype`, or nothing (fp32 on the CPU, as before)."""
@@ -281,7 +282,7 @@ class LocalExecutor:
         """`_forward` in eval mode without gradients (reference and old log-probs, critic values),
         run on the executor's device; the outputs come back on the rollouts' device. `budget`:
         packed forwards of at most that many tokens each (`packing.pack_rows`); None: one padded forward."""
-        was_training = worker.model.training
+        was_training = worker.model.training and not self._inference_only(worker)
         set_mode(worker.model, training=False)
         batch = to_device(rollouts, self.device)
         try:
@@ -293,6 +294,18 @@ class LocalExecutor:
         finally:
             set_mode(worker.model, training=was_training)
         return to_device(outputs, rollouts.response_ids.device)
+
+    def _inference_only(self, worker: LMWorker) -> bool:
+        """Whether `worker` is a frozen role that shares no module with a trainable one (a reference
+        model, not a LoRA policy's reference view): only inference runs it, so `_inference` leaves
+        it in eval mode instead of walking its modules back to train mode every call."""
+        key = self._role_of(worker)
+        if key not in self._inference_only_roles:
+            trained = {id(module) for held in self.models.values() if held.optimizer is not None
+                       for module in held.model.modules()}
+            self._inference_only_roles[key] = worker.optimizer is None and not any(
+                id(module) in trained for module in worker.model.modules())
+        return self._inference_only_roles[key]
 
     def _packed_inference(self, worker: LMWorker, batch: Rollouts, temperature: float, with_entropy: bool,
                           budget: int, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -341,9 +354,9 @@ class LocalExecutor:
 
         # The LM head inside the compiled graph where its logits fit one block (`head_fits_one_block`)
         dense = not packed and worker.kind == "lm" and head_fits_one_block(worker.model, *rollouts.mask.shape)
-        return compiled_role_outputs(self.device.type)(worker.model, worker.kind, mark_dynamic_shapes(rollouts),
-                                       temperature=temperature, with_entropy=with_entropy, packed=packed,
-                                       dense_head=dense)
+        compiled = compiled_role_outputs(self.device.type)
+        return compiled(worker.model, worker.kind, mark_dynamic_shapes(rollouts), temperature=temperature,
+                        with_entropy=with_entropy, packed=packed, dense_head=dense)
 
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
                  packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -416,7 +429,8 @@ class LocalExecutor:
         grads = [p.grad for p in worker.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        if len({(g.device, g.dtype) for g in grads}) > 1 or grads[0].device.type not in ("cpu", "cuda"):
+        foreach = grads[0].device.type in ("cpu", "cuda") and all(type(g) is torch.Tensor for g in grads)
+        if not foreach or len({(g.device, g.dtype) for g in grads}) > 1:  # torch's grouped or per-tensor path
             return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
         total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
         norm = float(total)  # the step's one host sync
