@@ -292,6 +292,30 @@ def test_pipeline_zero_policy_scores_failures_zero_and_counts_them(fn, expected,
     assert metrics["reward/errors"] == errors and metrics["reward/bad/errors"] == errors
 
 
+def test_in_process_terms_under_a_timeout_share_one_thread_and_a_hung_term_costs_only_its_own_calls():
+    """With `reward_workers: 0` and a timeout the terms run in one kept thread (no thread started a call);
+    a term past its timeout keeps that thread, and the next call answers from a new one."""
+    import threading
+
+    seen: list[int] = []
+
+    def where(completions, **_):
+        seen.append(threading.get_ident())
+        if completions[0] == "hang":
+            time.sleep(1.0)
+        return [2.0] * len(completions)
+
+    pipeline = RewardPipeline([RewardTerm("w", where)], on_error="zero", timeout_s=0.5)
+    before = threading.active_count()
+    assert [pipeline(["a", "b"]) for _ in range(5)] == [[2.0, 2.0]] * 5
+    assert len(set(seen)) == 1 and seen[0] != threading.get_ident() and threading.active_count() == before + 1
+    assert pipeline(["hang"]) == [0.0] and pipeline.pop_metrics()["reward/w/errors"] == 1
+    assert pipeline(["c"]) == [2.0] and seen[-1] != seen[0]  # a new thread answered
+    pipeline.close()
+    time.sleep(1.0)  # the hung term ends, and so do both threads
+    assert threading.active_count() == before
+
+
 def test_pipeline_takes_tensors_and_arrays():
     import numpy as np
     import torch
