@@ -290,6 +290,31 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
     assert counters["stats"]["unique_graphs"] - graphs == 1  # after the chunk's first call: the step's graph alone
 
 
+@pytest.mark.slow  # the graphs of the test above (the same shapes), compiled again when this test runs alone
+def test_the_compiled_chunk_draws_the_eager_tokens_for_any_prompts_seed_and_temperature(tokenizer, monkeypatch):
+    """Hypothesis over prompt texts (4 prompts of 1-9 characters: one 16-column bucket, so one graph),
+    seeds, calls and temperatures, on the EOS-biased float64 model: the eager loop's rollouts."""
+    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+
+    monkeypatch.setattr(dc, "CHUNK_STEPS", 4)
+    model = biased_model64(tokenizer, 2.0)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    eager, chunked = NativeGenerator(model, **ids), NativeGenerator(model, **ids, compile_decode=True)
+
+    @settings(max_examples=12, deadline=None)
+    @given(texts=st.lists(st.text(alphabet="0123456789+=", min_size=1, max_size=9), min_size=4, max_size=4),
+           seed=st.integers(0, 2**40), call=st.integers(0, 99), temperature=st.sampled_from([1.0, 0.7, 0.0]))
+    def draws_the_eager_rollouts(texts, seed, call, temperature):
+        prompts, params = prompts_of(tokenizer, texts), SamplingParams(temperature=temperature, max_new_tokens=6)
+        want = eager.generate(prompts, 2, params, seed=seed, call=call)
+        got = chunked.generate(prompts, 2, params, seed=seed, call=call)
+        assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.mask, want.mask)
+        assert (got.logprobs - want.logprobs).abs().max() <= 1e-5
+
+    draws_the_eager_rollouts()
+    assert len(chunked.ledger.compiles) == 1  # every example one (rows, cache length, k) shape
+
+
 @pytest.mark.slow  # an Inductor compile of the tiny model's prefill: ~10-60 s on 2 cores
 def test_the_compiled_prefill_gives_the_eager_logits_and_cache(tokenizer):
     """float32, 2 prompts x 3 samples of 16 columns (left-padded). Inductor reorders the float32 sums;
