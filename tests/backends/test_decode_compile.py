@@ -250,7 +250,8 @@ def biased_model64(tokenizer, bias: float):
 @pytest.mark.slow  # three Inductor compiles of the tiny model (prefill, a chunk of 4 steps, a step): 1-3 min
 def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compiled_step(tokenizer, monkeypatch):
     """6 tokens in chunks of k = 4 (the second chunk runs whole and is trimmed), rows that stop at
-    different steps inside a chunk, temperature 1 and 0.7 and greedy, two seeds: the eager loop's
+    different steps inside a chunk, temperature 1 and 0.7 and greedy, two seeds (and top-p 0.9, which
+    takes the compiled step instead of a chunk): the eager loop's
     and the per-step compiled loop's tokens and masks, log-probs within 1e-5 (float64 model:
     tests/backends/test_generation_compiled.py derives it). One graph for the chunk and one for the
     prefill serve every call; a call whose rows all stop in the first chunk runs no second chunk."""
@@ -268,7 +269,8 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
     chunked = NativeGenerator(model, **ids, compile_decode=True)
     graphs, lengths = None, []
     for params in (SamplingParams(temperature=1.0, max_new_tokens=6), SamplingParams(temperature=0.7, max_new_tokens=6),
-                   SamplingParams(temperature=0.0, max_new_tokens=6)):
+                   SamplingParams(temperature=0.0, max_new_tokens=6),
+                   SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6)):  # a nucleus: the compiled step
         for seed in (3, 4):
             want = eager.generate(prompts, 2, params, seed=seed)
             got = chunked.generate(prompts, 2, params, seed=seed)
@@ -279,7 +281,8 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
                 assert (got.logprobs - other.logprobs).abs().max() <= 1e-5
             lengths.append(got.mask.sum(1))  # [N]
     assert any(0 < int(length.min()) < int(length.max()) for length in lengths)  # rows stopped at different steps
-    assert chunked.ledger.compiles == {(8, 16 + 8, 4): 1} and chunked.compile_seconds > 0
+    # the chunk's shape (16 + 2 x 4 columns, k = 4) and the nucleus call's step (16 + 6 columns)
+    assert chunked.ledger.compiles == {(8, 16 + 8, 4): 1, (8, 16 + 6): 1} and chunked.compile_seconds > 0
     calls = []
     real = lean_decode.LeanDecoder.compiled_chunk
     monkeypatch.setattr(lean_decode.LeanDecoder, "compiled_chunk", lambda self, *args: calls.append(1) or real(self, *args))
