@@ -146,13 +146,14 @@ def executor_of(model, tokenizer, mode, width=None):
 
 @pytest.mark.slow  # two Inductor compiles of the tiny model's decode step (cold, then from the disk cache): ~30 s
 def test_compiled_decoding_in_the_executor_draws_the_eager_tokens_compiles_once_per_shape_and_reuses_the_disk_cache(
-        tokenizer, cache_dir):
+        tokenizer, cache_dir, monkeypatch):
     """Batches of other prompt widths (padded to the run's width), other seeds and updated weights reuse one graph;
     a second run (dynamo's in-memory graphs dropped) compiles the shape from Inductor's disk cache,
     and its auto rule reads the first run's measured compile. Float64 model: see
     tests/backends/test_generation_compiled.py for the 1e-5 on the log-probs."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(dc, "CHUNK_STEPS", 2)  # 5 tokens in 3 chunks (the last trimmed); a smaller graph to compile
     model = build_causal_lm(None, tokenizer=tokenizer, dtype=torch.float64).eval()
     batches = [prompts_of(tokenizer, texts) for texts in (["1+2=", "12+34="], ["99+9=", "5+55="], ["7+0=", "3+3="])]
     eager, compiled = executor_of(model, tokenizer, "off"), executor_of(model, tokenizer, "on", width=20)
@@ -169,9 +170,9 @@ def test_compiled_decoding_in_the_executor_draws_the_eager_tokens_compiles_once_
     want = eager.generate(eager.current("policy"), batches[0], n=3)
     got = compiled.generate(compiled.current("policy"), batches[0], n=3)
     assert torch.equal(got.response_ids, want.response_ids) and (got.logprobs - want.logprobs).abs().max() <= 1e-5
-    # 2 prompts x 3 samples over 32 + 5 columns: the prefill's graph and a chunk of 5 steps for four calls
+    # 2 prompts x 3 samples over 32 + 3 x 2 columns: the prefill's graph and a chunk of 2 steps for four calls
     assert counters["stats"]["unique_graphs"] - graphs == 2
-    assert compiled.decode_ledger.compiles == {(6, 37, 5): 1} and not eager.decode_ledger.compiles
+    assert compiled.decode_ledger.compiles == {(6, 38, 2): 1} and not eager.decode_ledger.compiles
     first = compiled.decode_ledger.pop_seconds()
     assert first > 0 and compiled.decode_ledger.pop_seconds() == 0.0
     assert any(cache_dir.rglob("*.py")), "Inductor wrote its compiled kernels to the run's cache directory"
@@ -186,7 +187,7 @@ def test_compiled_decoding_in_the_executor_draws_the_eager_tokens_compiles_once_
     assert decision.compile and f"compiled before in {cache_dir}: {min(record.values())[0]:.1f} s" in decision.reason
     got = again.generate(again.current("policy"), batches[0], n=3)
     assert counters["inductor"]["fxgraph_cache_hit"] > hits  # served from the disk cache, not compiled anew
-    assert again.decode_ledger.compiles == {(6, 37, 5): 1}
+    assert again.decode_ledger.compiles == {(6, 38, 2): 1}
     fresh = executor_of(model, tokenizer, "off")  # at the sampling stream's first call, as `again` is
     assert torch.equal(got.response_ids, fresh.generate(fresh.current("policy"), batches[0], n=3).response_ids)
 
@@ -246,10 +247,11 @@ def biased_model64(tokenizer, bias: float):
     return model
 
 
-@pytest.mark.slow  # three Inductor compiles of the tiny model (prefill, a chunk of 4 steps, a step): ~1-3 min on 2 cores
+@pytest.mark.slow  # three Inductor compiles of the tiny model (prefill, a chunk of 4 steps, a step): 1-3 min
 def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compiled_step(tokenizer, monkeypatch):
     """6 tokens in chunks of k = 4 (the second chunk runs whole and is trimmed), rows that stop at
-    different steps inside a chunk, temperature 1 and 0.7 and greedy, two seeds: the eager loop's
+    different steps inside a chunk, temperature 1 and 0.7 and greedy, two seeds (and top-p 0.9, which
+    takes the compiled step instead of a chunk): the eager loop's
     and the per-step compiled loop's tokens and masks, log-probs within 1e-5 (float64 model:
     tests/backends/test_generation_compiled.py derives it). One graph for the chunk and one for the
     prefill serve every call; a call whose rows all stop in the first chunk runs no second chunk."""
@@ -267,7 +269,8 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
     chunked = NativeGenerator(model, **ids, compile_decode=True)
     graphs, lengths = None, []
     for params in (SamplingParams(temperature=1.0, max_new_tokens=6), SamplingParams(temperature=0.7, max_new_tokens=6),
-                   SamplingParams(temperature=0.0, max_new_tokens=6)):
+                   SamplingParams(temperature=0.0, max_new_tokens=6),
+                   SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6)):  # a nucleus: the compiled step
         for seed in (3, 4):
             want = eager.generate(prompts, 2, params, seed=seed)
             got = chunked.generate(prompts, 2, params, seed=seed)
@@ -278,15 +281,41 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
                 assert (got.logprobs - other.logprobs).abs().max() <= 1e-5
             lengths.append(got.mask.sum(1))  # [N]
     assert any(0 < int(length.min()) < int(length.max()) for length in lengths)  # rows stopped at different steps
-    assert chunked.ledger.compiles == {(8, 16 + 8, 4): 1} and chunked.compile_seconds > 0
+    # the chunk's shape (16 + 2 x 4 columns, k = 4) and the nucleus call's step (16 + 6 columns)
+    assert chunked.ledger.compiles == {(8, 16 + 8, 4): 1, (8, 16 + 6): 1} and chunked.compile_seconds > 0
     calls = []
-    monkeypatch.setattr(lean_decode.LeanDecoder, "compiled_chunk",
-                        lambda self, *args, _real=lean_decode.LeanDecoder.compiled_chunk: calls.append(1) or _real(self, *args))
+    real = lean_decode.LeanDecoder.compiled_chunk
+    monkeypatch.setattr(lean_decode.LeanDecoder, "compiled_chunk", lambda self, *args: calls.append(1) or real(self, *args))
     with torch.no_grad():
         model.lm_head.bias[tokenizer.eos_token_id] = 1e4  # every row ends at its first token
     got = chunked.generate(prompts, 2, SamplingParams(max_new_tokens=6), seed=3)
     assert got.response_ids.shape == (8, 1) and (got.response_ids == tokenizer.eos_token_id).all() and len(calls) == 1
     assert counters["stats"]["unique_graphs"] - graphs == 1  # after the chunk's first call: the step's graph alone
+
+
+@pytest.mark.slow  # the graphs of the test above (the same shapes), compiled again when this test runs alone
+def test_the_compiled_chunk_draws_the_eager_tokens_for_any_prompts_seed_and_temperature(tokenizer, monkeypatch):
+    """Hypothesis over prompt texts (4 prompts of 1-9 characters: one 16-column bucket, so one graph),
+    seeds, calls and temperatures, on the EOS-biased float64 model: the eager loop's rollouts."""
+    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+
+    monkeypatch.setattr(dc, "CHUNK_STEPS", 4)
+    model = biased_model64(tokenizer, 2.0)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    eager, chunked = NativeGenerator(model, **ids), NativeGenerator(model, **ids, compile_decode=True)
+
+    @settings(max_examples=12, deadline=None)
+    @given(texts=st.lists(st.text(alphabet="0123456789+=", min_size=1, max_size=9), min_size=4, max_size=4),
+           seed=st.integers(0, 2**40), call=st.integers(0, 99), temperature=st.sampled_from([1.0, 0.7, 0.0]))
+    def draws_the_eager_rollouts(texts, seed, call, temperature):
+        prompts, params = prompts_of(tokenizer, texts), SamplingParams(temperature=temperature, max_new_tokens=6)
+        want = eager.generate(prompts, 2, params, seed=seed, call=call)
+        got = chunked.generate(prompts, 2, params, seed=seed, call=call)
+        assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.mask, want.mask)
+        assert (got.logprobs - want.logprobs).abs().max() <= 1e-5
+
+    draws_the_eager_rollouts()
+    assert len(chunked.ledger.compiles) == 1  # every example one (rows, cache length, k) shape
 
 
 @pytest.mark.slow  # an Inductor compile of the tiny model's prefill: ~10-60 s on 2 cores
@@ -318,4 +347,5 @@ def test_the_compiled_prefill_gives_the_eager_logits_and_cache(tokenizer):
 def dc_pad(prompts, tokenizer):
     from rlgraph.backends.local.generation import pad_prompt_columns
 
-    return pad_prompt_columns(prompts.ids, prompts.mask.bool(), padded_width(prompts.ids.shape[1]), tokenizer.pad_token_id)
+    return pad_prompt_columns(prompts.ids, prompts.mask.bool(), padded_width(prompts.ids.shape[1]),
+                              tokenizer.pad_token_id)

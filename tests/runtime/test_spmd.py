@@ -251,7 +251,8 @@ def test_workers_decode_compiled_with_generation_compile_on_and_sample_the_eager
     compiled, prompts = _compile("grpo", n=2), tiny_prompts(4)
     for mode in ("off", "on"):
         world = attrs.evolve(_world(), rewards={"reward": recording(mode)}, decode_compile=mode)
-        with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        # each rank compiles the prefill and a decode chunk cold: minutes on a loaded 2-core CPU, past the 60 s default
+        with SpmdTransport(compiled.plan, world, device="cpu", timeout_s=600) as transport:
             PlanRunner(compiled, transport, controller=world.controller()).run(prompts)
     assert completions["on"] == completions["off"] and len(completions["on"]) == 8
     # both ranks compiled one shape: 4 rows each, a cache of 16 (the prompt width padded, `padded_width`) + 4 columns,

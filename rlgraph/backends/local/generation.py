@@ -32,7 +32,9 @@ from transformers import DynamicCache, PreTrainedModel
 from rlgraph.backends.local.decode_compile import CompileLedger, chunk_steps, model_signature, padded_width
 from rlgraph.backends.local.lean_decode import LeanDecoder, lean_unsupported
 from rlgraph.kernels import sampling as fused
-from rlgraph.kernels.sampling import argmax_and_logprob, gumbel_noise, splitmix64, uniform_from_bits  # noqa: F401 - re-exported
+from rlgraph.kernels.sampling import (  # noqa: F401 - re-exported
+    argmax_and_logprob, gumbel_noise, splitmix64, uniform_from_bits,
+)
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir.errors import RLGraphError
 
@@ -299,8 +301,8 @@ class NativeGenerator:
         self.model = model
         self.compile_decode = bool(compile_decode)
         if not isinstance(chunked, bool):
-            raise ValueError(f"NativeGenerator(chunked={chunked!r}) must be True or False: whether a compiled decode runs "
-                             "k steps and their sampling a call (True) or a call a step (False)")
+            raise ValueError(f"NativeGenerator(chunked={chunked!r}) must be True or False: whether a compiled "
+                             "decode runs k steps and their sampling a call (True) or a call a step (False)")
         self.chunked = chunked
         # the run's compiles (an executor shares one across its calls); the first call of a shape is its compile
         self.ledger = ledger if ledger is not None else CompileLedger()
@@ -354,7 +356,8 @@ class NativeGenerator:
         meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
         prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
         prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]
-        return Rollouts(prompt_ids, prompt_mask, tokens[:, :length], alive[:, :length], logprobs[:, :length], group, meta)
+        return Rollouts(prompt_ids, prompt_mask, tokens[:, :length], alive[:, :length], logprobs[:, :length], group,
+                        meta)
 
     def _chunk(self, rows: int, params: SamplingParams) -> int | None:
         """k, the decode steps one compiled call runs with their sampling (`decode_chunk`), or None for
@@ -411,10 +414,10 @@ class NativeGenerator:
             noise = noise.transpose(0, 1).contiguous()  # [C, N, k, V]
         outs = []
         for index in range(chunks):
-            tokens, logprobs, alive, running, logits = decoder.compiled_chunk(
-                logits, noise[index], temperature, running, self.eos_token_id, self.pad_token_id)  # [N, k] x 3, [N], [N, V]
+            out = decoder.compiled_chunk(logits, noise[index], temperature, running, self.eos_token_id, self.pad_token_id)
             if device.type == "cuda":  # a CUDA graph's outputs are overwritten by its next replay
-                tokens, logprobs, alive, running, logits = (t.clone() for t in (tokens, logprobs, alive, running, logits))
+                out = tuple(tensor.clone() for tensor in out)
+            tokens, logprobs, alive, running, logits = out  # [N, k] x 3, [N], [N, V]
             outs.append((tokens, logprobs, alive))
             if first and index == 0:  # the first call of a shape compiles (prefill and chunk): reported apart
                 self.ledger.compiled(shape, time.perf_counter() - started, signature=signature, device=device.type)

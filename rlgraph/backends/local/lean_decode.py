@@ -19,6 +19,10 @@ activations. Tokens and log-probs equal the Hugging Face path (bit for bit on th
 the kernels are the same; another attention kernel choice could move the last bit), which
 tests/backends/test_generation_lean.py checks.
 
+For `torch.compile` the prefill (`prefill`), the step with static shapes (`static_decode_step`) and
+a chunk of k such steps with their Gumbel-max sampling (`decode_chunk`) are free functions of
+tensors and modules: one compiled call then decodes k tokens (generation.py's compiled path).
+
 Models this step does not know (another block structure, sliding-window attention, a norm on q
 and k, attention biases it cannot see) are left to the Hugging Face path: `lean_unsupported`
 says why.
@@ -317,5 +321,5 @@ def compiled_decode_chunk(device_type: str):
 
 
 def compiled_prefill(device_type: str):
-    """`prefill` under `torch.compile` (`_compiled`, no CUDA graphs): one graph per (prompts, prompt width, steps, n)."""
+    """`prefill` under `torch.compile` (`_compiled`, no CUDA graphs): a graph per (prompts, width, steps, n)."""
     return _compiled(prefill, device_type, cuda_graphs=False)
