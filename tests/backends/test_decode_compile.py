@@ -249,7 +249,7 @@ def biased_model64(tokenizer, bias: float):
 
 @pytest.mark.slow  # three Inductor compiles of the tiny model (prefill, a chunk of 4 steps, a step): 1-3 min
 def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compiled_step(tokenizer, monkeypatch):
-    """6 tokens in chunks of k = 4 (the second chunk runs whole and is trimmed), rows that stop at
+    """5 tokens in chunks of k = 2 (the third chunk runs whole and is trimmed), rows that stop at
     different steps inside a chunk, temperature 1 and 0.7 and greedy, two seeds (and top-p 0.9, which
     takes the compiled step instead of a chunk): the eager loop's
     and the per-step compiled loop's tokens and masks, log-probs within 1e-5 (float64 model:
@@ -260,7 +260,7 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
     from rlgraph.backends.local import lean_decode
     from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
 
-    monkeypatch.setattr(dc, "CHUNK_STEPS", 4)
+    monkeypatch.setattr(dc, "CHUNK_STEPS", 2)  # k = 8 compiles 4x longer and tests nothing more
     model = biased_model64(tokenizer, 2.0)
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     prompts = prompts_of(tokenizer, ["1+2=", "12+34=", "99+9=", "5+55="])
@@ -268,9 +268,9 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
     stepwise = NativeGenerator(model, **ids, compile_decode=True, chunked=False)
     chunked = NativeGenerator(model, **ids, compile_decode=True)
     graphs, lengths = None, []
-    for params in (SamplingParams(temperature=1.0, max_new_tokens=6), SamplingParams(temperature=0.7, max_new_tokens=6),
-                   SamplingParams(temperature=0.0, max_new_tokens=6),
-                   SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6)):  # a nucleus: the compiled step
+    for params in (SamplingParams(temperature=1.0, max_new_tokens=5), SamplingParams(temperature=0.7, max_new_tokens=5),
+                   SamplingParams(temperature=0.0, max_new_tokens=5),
+                   SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5)):  # a nucleus: the compiled step
         for seed in (3, 4):
             want = eager.generate(prompts, 2, params, seed=seed)
             got = chunked.generate(prompts, 2, params, seed=seed)
@@ -281,14 +281,14 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
                 assert (got.logprobs - other.logprobs).abs().max() <= 1e-5
             lengths.append(got.mask.sum(1))  # [N]
     assert any(0 < int(length.min()) < int(length.max()) for length in lengths)  # rows stopped at different steps
-    # the chunk's shape (16 + 2 x 4 columns, k = 4) and the nucleus call's step (16 + 6 columns)
-    assert chunked.ledger.compiles == {(8, 16 + 8, 4): 1, (8, 16 + 6): 1} and chunked.compile_seconds > 0
+    # the chunk's shape (16 + 3 x 2 columns, k = 2) and the nucleus call's step (16 + 5 columns)
+    assert chunked.ledger.compiles == {(8, 16 + 6, 2): 1, (8, 16 + 5): 1} and chunked.compile_seconds > 0
     calls = []
     real = lean_decode.LeanDecoder.compiled_chunk
     monkeypatch.setattr(lean_decode.LeanDecoder, "compiled_chunk", lambda self, *args: calls.append(1) or real(self, *args))
     with torch.no_grad():
         model.lm_head.bias[tokenizer.eos_token_id] = 1e4  # every row ends at its first token
-    got = chunked.generate(prompts, 2, SamplingParams(max_new_tokens=6), seed=3)
+    got = chunked.generate(prompts, 2, SamplingParams(max_new_tokens=5), seed=3)
     assert got.response_ids.shape == (8, 1) and (got.response_ids == tokenizer.eos_token_id).all() and len(calls) == 1
     assert counters["stats"]["unique_graphs"] - graphs == 1  # after the chunk's first call: the step's graph alone
 
@@ -299,7 +299,7 @@ def test_the_compiled_chunk_draws_the_eager_tokens_for_any_prompts_seed_and_temp
     seeds, calls and temperatures, on the EOS-biased float64 model: the eager loop's rollouts."""
     from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
 
-    monkeypatch.setattr(dc, "CHUNK_STEPS", 4)
+    monkeypatch.setattr(dc, "CHUNK_STEPS", 2)
     model = biased_model64(tokenizer, 2.0)
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     eager, chunked = NativeGenerator(model, **ids), NativeGenerator(model, **ids, compile_decode=True)
@@ -308,7 +308,7 @@ def test_the_compiled_chunk_draws_the_eager_tokens_for_any_prompts_seed_and_temp
     @given(texts=st.lists(st.text(alphabet="0123456789+=", min_size=1, max_size=9), min_size=4, max_size=4),
            seed=st.integers(0, 2**40), call=st.integers(0, 99), temperature=st.sampled_from([1.0, 0.7, 0.0]))
     def draws_the_eager_rollouts(texts, seed, call, temperature):
-        prompts, params = prompts_of(tokenizer, texts), SamplingParams(temperature=temperature, max_new_tokens=6)
+        prompts, params = prompts_of(tokenizer, texts), SamplingParams(temperature=temperature, max_new_tokens=5)
         want = eager.generate(prompts, 2, params, seed=seed, call=call)
         got = chunked.generate(prompts, 2, params, seed=seed, call=call)
         assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.mask, want.mask)

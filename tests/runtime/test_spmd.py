@@ -248,13 +248,16 @@ def test_workers_decode_compiled_with_generation_compile_on_and_sample_the_eager
             return length_parity_reward(texts, **meta)
         return reward
 
-    compiled, prompts = _compile("grpo", n=2), tiny_prompts(4)
+    tokens = 2  # k = 2 decode steps a compiled chunk: the smallest graphs that still chunk, so the least compile time
+    compiled = rg.compile(ALGORITHMS["grpo"], mesh="cpu:2", placement=COLOCATED, sizes={"B": 4, "P": 8, "T": tokens},
+                          max_new_tokens=tokens, n=2)
+    prompts = tiny_prompts(4)
     for mode in ("off", "on"):
-        world = attrs.evolve(_world(), rewards={"reward": recording(mode)}, decode_compile=mode)
+        world = attrs.evolve(_world(), rewards={"reward": recording(mode)}, decode_compile=mode, max_new_tokens=tokens)
         # each rank compiles the prefill and a decode chunk cold: minutes on a loaded 2-core CPU, past the 60 s default
         with SpmdTransport(compiled.plan, world, device="cpu", timeout_s=600) as transport:
             PlanRunner(compiled, transport, controller=world.controller()).run(prompts)
     assert completions["on"] == completions["off"] and len(completions["on"]) == 8
-    # both ranks compiled one shape: 4 rows each, a cache of 16 (the prompt width padded, `padded_width`) + 4 columns,
-    # decoded in one chunk of 4 steps
-    assert [len(seconds) for key, seconds in read_records().items() if key.endswith("|cpu|4x20x4")] == [2], read_records()
+    # both ranks compiled one shape: 4 rows each, a cache of 16 (the prompt width padded, `padded_width`) + 2 columns,
+    # decoded in one chunk of 2 steps
+    assert [len(seconds) for key, seconds in read_records().items() if key.endswith("|cpu|4x18x2")] == [2], read_records()

@@ -340,7 +340,7 @@ def test_spmd_run_resumes_on_the_local_runtime(tmp_path):
     assert [row["step"] for row in metrics_of(tmp_path / "spmd") if "reward" in row] == [1, 2, 3]
 
 
-@pytest.mark.slow  # one Inductor compile of the tiny model's decode step (~15-30 s cold)
+@pytest.mark.slow  # Inductor compiles of the tiny model's prefill and decode chunk (~1 min cold)
 def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apart(tmp_path, monkeypatch):
     import io
 
@@ -348,7 +348,8 @@ def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apar
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     config, _ = make_config(tmp_path, "compiled", ["generation.compile=on", "data.eval_fraction=0",
-                                                   "warm_start.steps=0"])
+                                                   "warm_start.steps=0",
+                                                   "rollout.max_new_tokens=2"])  # a chunk of 2: the least to compile
     out = Console(file=io.StringIO(), width=300)
     train(config, console=out)
     assert "generation.compile=on: decode compiled: generation.compile=on" in out.file.getvalue()
