@@ -251,7 +251,9 @@ def test_workers_decode_compiled_with_generation_compile_on_and_sample_the_eager
     compiled, prompts = _compile("grpo", n=2), tiny_prompts(4)
     for mode in ("off", "on"):
         world = attrs.evolve(_world(), rewards={"reward": recording(mode)}, decode_compile=mode)
-        with SpmdTransport(compiled.plan, world, device="cpu") as transport:
+        # The ranks compile during the step (~14 s idle by the compile estimate, 2 layers x 7 s); in a
+        # full `make test` at load 6 that went past the CPU step timeout (60 s), so this test allows more.
+        with SpmdTransport(compiled.plan, world, device="cpu", timeout_s=300) as transport:
             PlanRunner(compiled, transport, controller=world.controller()).run(prompts)
     assert completions["on"] == completions["off"] and len(completions["on"]) == 8
     # both ranks compiled one shape: 4 rows each, a cache of 16 (the prompt width padded, `padded_width`) + 4 columns
