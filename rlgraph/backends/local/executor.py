@@ -421,22 +421,8 @@ class LocalExecutor:
         (every micro-batch, or only the last under `grad_sync_last`); one process has nothing to reduce."""
 
     def _clip_grads(self, worker: LMWorker, clip: float) -> float:
-        """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping.
-
-        `clip_grad_norm_`'s arithmetic, op for op (the same norm and gradients, bit for bit), without
-        its per-call grouping by device and dtype where the gradients share one (~0.2 ms a step on
-        the small bench); and with `clip` = inf and a finite norm, without its multiply by 1.0."""
-        grads = [p.grad for p in worker.model.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        foreach = grads[0].device.type in ("cpu", "cuda") and all(type(g) is torch.Tensor for g in grads)
-        if not foreach or len({(g.device, g.dtype) for g in grads}) > 1:  # torch's grouped or per-tensor path
-            return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        norm = float(total)  # the step's one host sync
-        if math.isfinite(clip) or not math.isfinite(norm):  # a non-finite norm scales by NaN/0, as torch does
-            torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
-        return norm
+        """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
 
     def _train_epochs(self, worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig,
                       kept: torch.Tensor | None = None) -> dict[str, float]:
