@@ -75,6 +75,13 @@ def test_auto_never_compiles_where_the_compiled_decode_is_slower(cache_dir, monk
     assert not decision.compile and "the compiled step is not faster" in decision.reason
 
 
+def test_auto_says_when_the_run_projects_no_calls_rather_than_blaming_the_rows(cache_dir):
+    """A run bounded by seconds (the demo) projects no calls: the decision says that, not that the rows are too many."""
+    decision = CompileLedger(DecodeCompile("auto")).decide(**SHAPE)
+    assert not decision.compile and "projects no generate calls" in decision.reason
+    assert "not faster" not in decision.reason
+
+
 def test_a_decision_is_made_once_per_shape(cache_dir):
     ledger = CompileLedger(DecodeCompile("auto", calls={64: 200}))
     first = ledger.decide(**SHAPE)

@@ -209,8 +209,10 @@ class CompileLedger:
         projected = (f"{calls} calls x {steps} steps x {step_saving(rows, layers, device) * 1e3:.3f} ms "
                      f"= {saving:.1f} s saved")
         verdict = ">" if saving > cost else "<="
-        if saving <= 0:
+        if step_saving(rows, layers, device) <= 0:
             projected += " (at this many rows the compiled step is not faster)"
+        elif calls == 0:
+            projected += " (the run projects no generate calls of this many rows: a run bounded by seconds, say)"
         return Decision(saving > cost, f"auto, {rows} rows x {width + steps} columns: {projected} {verdict} {basis}")
 
     def first_call(self, shape: tuple) -> bool:
