@@ -134,9 +134,7 @@ class PlanRunner(Interpreter):
             raise PlanInputError(f"staleness={k}: the first iteration generates {k} batch(es) ahead of the one it trains, "
                                  "but this run was given no prompt source\n  fix: pass one, e.g. runner.run(batch, "
                                  "more_prompts=lambda: next_prompts()) (the Trainer passes its next_batch)")
-        keep = tuple(slot_name(node.name, item.slot) for item in self.in_flight for node in lowered.graph.nodes
-                     if node.op != "placeholder")
-        self._bind(lowered, batch, tuple(range(k + 1)), keep)  # every slot reads the live versions
+        self._bind(lowered, batch, tuple(range(k + 1)))  # every slot reads the live versions
         if not self.in_flight:  # the run's first call: batches 0..k-1 have no training to overlap with
             for _ in range(k):
                 self.in_flight.append(self._issue(batch, overlap.rollout, more_prompts))
@@ -153,6 +151,7 @@ class PlanRunner(Interpreter):
         self._run_lane(trained, overlap.train, more_prompts, "train")
         self._run_lane(issued, overlap.rollout[split:], more_prompts, "rollout")
         self.in_flight.append(issued)
+        self._hold_in_flight()
         self._rollout_done(issued)
         self._slot = trained.slot
         with self._context(plan.steps[-1]):
@@ -174,6 +173,12 @@ class PlanRunner(Interpreter):
         self.batches += 1
         self._run_lane(item, steps, more_prompts, "rollout")
         return item
+
+    def _hold_in_flight(self) -> None:
+        """The workers keep the batches in flight across iterations, also those another runner on the
+        same transport begins (an evaluation between steps)."""
+        self.transport.hold(self._key, tuple(slot_name(node.name, item.slot) for item in self.in_flight
+                                             for node in self.compiled.program.graph.nodes if node.op != "placeholder"))
 
     def _rollout_done(self, item: InFlight) -> None:
         if self.on_rollout is not None:
@@ -214,6 +219,7 @@ class PlanRunner(Interpreter):
         self.transport.restore_state(state, where)
         self.versions.clear()  # asked again of the ranks
         self.in_flight, self.batches = [], 0  # batches generated before the restore belong to another trajectory
+        self.transport.hold(self._key, ())
 
     def export_in_flight(self) -> dict[str, Any] | None:
         """The batches in flight (staleness >= 1) as plain data: each one's controller values and the
@@ -223,9 +229,16 @@ class PlanRunner(Interpreter):
         pieces = self._handed_off()
         batches = [{"slot": item.slot, "version": item.version, "batch": item.batch,
                     "controller": [[node.name, encode(value)] for node, value in item.env.items()],
-                    "workers": [[name, rank, encode(self.transport.fetch(slot_name(name, item.slot), rank))]
-                                for name, ranks in pieces.items() for rank in ranks]} for item in self.in_flight]
+                    "workers": [[name, rank, encode(self._fetch_in_flight(item, name, rank, index))]
+                                for name, (ranks, index) in pieces.items() for rank in ranks]} for item in self.in_flight]
         return {"batches_issued": self.batches, "in_flight": batches}
+
+    def _fetch_in_flight(self, item: InFlight, name: str, rank: int, index: int) -> Any:
+        """One rank's piece of a batch in flight, for a checkpoint; a failure names the plan step that made it."""
+        step = self.compiled.plan.steps[index]
+        self._lanes[index] = f"checkpoint of batch {item.batch} in flight, value {name}"
+        with self._context(step):
+            return self.transport.fetch(slot_name(name, item.slot), rank)
 
     def import_in_flight(self, data: Mapping[str, Any] | None, where: str = "the checkpoint") -> None:
         """Put back what `export_in_flight` saved: the next call trains those batches."""
@@ -245,18 +258,19 @@ class PlanRunner(Interpreter):
             for name, rank, value in item["workers"]:
                 self.transport.scatter(slot_name(name, item["slot"]), decode(value), ((rank,), 1))  # the piece, as it was
             self.in_flight.append(InFlight(item["slot"], env, item["version"], item["batch"]))
+        self._hold_in_flight()
 
-    def _handed_off(self) -> dict[str, tuple[int, ...]]:
-        """The worker-side values of the rollout lane that the train lane or the output reads, and the
-        ranks holding a piece of each."""
+    def _handed_off(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """The worker-side values of the rollout lane that the train lane or the output reads: the
+        ranks holding a piece of each, and the plan step that made it."""
         plan, overlap = self.compiled.plan, self.compiled.plan.overlap
-        holders: dict[str, tuple[int, ...]] = {}
+        holders: dict[str, tuple[tuple[int, ...], int]] = {}
         for index in overlap.rollout:
             step = plan.steps[index]
             if isinstance(step, Stage) and step.group != CONTROLLER:
-                holders.update({name: self.groups[step.group].ranks for name in step.nodes})
+                holders.update({name: (self.groups[step.group].ranks, index) for name in step.nodes})
             elif isinstance(step, Transfer) and step.dst in self.groups:
-                holders[self._step_node(step).name] = self.groups[step.dst].ranks
+                holders[self._step_node(step).name] = (self.groups[step.dst].ranks, index)
         readers = [self.compiled.program.output]
         for index in overlap.train:
             step = plan.steps[index]
@@ -265,7 +279,7 @@ class PlanRunner(Interpreter):
             elif not isinstance(step, Offload):  # a transfer or a weight sync: its one node
                 readers.append(self._step_node(step))
         read = {arg.name for node in readers for arg in node.all_input_nodes}
-        return {name: ranks for name, ranks in holders.items() if name in read}
+        return {name: held for name, held in holders.items() if name in read}
 
     def write_state(self, directory: str) -> dict[str, Any] | None:
         """Each rank writes its own rows of a checkpoint into `directory` (None: one process, write it whole)."""
@@ -276,10 +290,9 @@ class PlanRunner(Interpreter):
         self.versions.clear()
 
     # -- inputs and outputs --------------------------------------------------------------------
-    def _bind(self, lowered: Any, batch: Any, slots: tuple[int | None, ...] = (None,), keep: tuple[str, ...] = ()
-              ) -> dict[fx.Node, Any]:
+    def _bind(self, lowered: Any, batch: Any, slots: tuple[int | None, ...] = (None,)) -> dict[fx.Node, Any]:
         """The controller's inputs, and each rank's model versions sent to the workers (under each
-        of `slots`' names; the values named in `keep` stay on the workers)."""
+        of `slots`' names; the values some runner holds stay on the workers)."""
         env: dict[fx.Node, Any] = {}
         bindings: dict[int, dict[str, Any]] = {}
         for node, value in zip(lowered.inputs, self.bind_inputs(lowered, batch)):
@@ -290,7 +303,7 @@ class PlanRunner(Interpreter):
                 for rank in {rank for group in self.groups.values() for rank in group.ranks}:
                     bindings.setdefault(rank, {}).update({slot_name(node.name, slot): value for slot in slots})
             env[node] = value
-        self.transport.begin(bindings, keep)
+        self.transport.begin(bindings)
         return env
 
     def model_ref(self, role: str) -> ModelRef:

@@ -221,8 +221,9 @@ class WorkerPool(Transport):
     def load(self, key: str, program: Program) -> None:
         self._all(range(self.world), "load", key, program)
 
-    def begin(self, bindings: Mapping[int, Mapping[str, Any]], keep: tuple[str, ...] = ()) -> None:
-        self._call({rank: ("begin", (dict(bindings.get(rank, {})), tuple(keep))) for rank in range(self.world)}, "begin",
+    def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None:
+        keep = self._kept()
+        self._call({rank: ("begin", (dict(bindings.get(rank, {})), keep)) for rank in range(self.world)}, "begin",
                    wait=False)
 
     def run(self, key: str, ranks: tuple[int, ...], names: tuple[str, ...]) -> None:

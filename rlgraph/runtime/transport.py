@@ -8,7 +8,8 @@ of them (tests/runtime/test_transport.py checks the signatures):
 | call | meaning |
 | --- | --- |
 | `load(key, program)` | every worker keeps the lowered program's nodes |
-| `begin(bindings, keep)` | a new iteration; `bindings[rank]` are that rank's inputs (model versions); values named in `keep` (batches in flight) stay |
+| `begin(bindings)` | a new iteration; `bindings[rank]` are that rank's inputs (model versions); the values of earlier iterations are dropped, but those some runner holds |
+| `hold(owner, names)` | runner `owner` needs the values `names` across iterations (its batches in flight): every later `begin`, whichever runner sends it (an evaluation between steps), keeps them |
 | `at_step(step)` | the plan step the next commands belong to (a later failure names it) |
 | `run(key, ranks, names)` | the ranks of a group evaluate nodes `names` on the pieces they hold |
 | `scatter(name, value, layout)` | controller -> ranks: each rank gets its piece of `value` under `layout` |
@@ -37,6 +38,7 @@ processes, `RayTransport`: Ray actors); `rlgraph.runtime.collectives` is the ref
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,7 +80,20 @@ class Transport(abc.ABC):
     def load(self, key: str, program: Program) -> None: ...
 
     @abc.abstractmethod
-    def begin(self, bindings: Mapping[int, Mapping[str, Any]], keep: tuple[str, ...] = ()) -> None: ...
+    def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None: ...
+
+    def hold(self, owner: str, names: tuple[str, ...]) -> None:
+        """Every later `begin` keeps `names` on the workers, until `owner` holds others."""
+        self._held[owner] = tuple(names)
+
+    def _kept(self) -> tuple[str, ...]:
+        """The names every runner sharing this transport holds: an iteration of one must not drop the
+        batches another has in flight (the RL runner's, while an evaluation runs between steps)."""
+        return tuple(dict.fromkeys(name for names in self._held.values() for name in names))
+
+    @functools.cached_property
+    def _held(self) -> dict[str, tuple[str, ...]]:
+        return {}  # runner key -> the names it holds
 
     @abc.abstractmethod
     def at_step(self, step: Any) -> None: ...
@@ -152,11 +167,11 @@ class LocalTransport(Transport):
     def load(self, key: str, program: Program) -> None:
         self.worker.load(key, program)
 
-    def begin(self, bindings: Mapping[int, Mapping[str, Any]], keep: tuple[str, ...] = ()) -> None:
+    def begin(self, bindings: Mapping[int, Mapping[str, Any]]) -> None:
         merged: dict[str, Any] = {}
         for values in bindings.values():
             merged.update(values)
-        self.worker.begin(merged, keep)
+        self.worker.begin(merged, self._kept())
 
     def at_step(self, step: Any) -> None:
         pass  # every command runs as it is sent: a failure is raised within its own step
