@@ -29,6 +29,9 @@ ABOVE = {
     # a layout rule the backends build by and the plan's memory model counts by: below both
     "lora_layout": {"ir", "functional", "passes", "plan", "runtime", "backends", "algorithms", "api", "train",
                     "service", "testing", "agents", "rewards", "data", "supervised"},
+    # the user's files given by path, loaded in every process: below every layer that unpickles a recipe
+    "user_files": {"ir", "functional", "passes", "plan", "runtime", "backends", "algorithms", "api", "train",
+                   "service", "testing", "agents", "rewards", "data", "supervised"},
     "supervised": {"functional", "passes", "plan", "runtime", "backends", "algorithms", "api", "train", "service",
                    "testing", "agents", "rewards", "data", "ir"},
 }

@@ -21,6 +21,7 @@ checkpoints resumes from the latest one after such a failure (docs/distributed.m
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 from rlgraph.plan.plan import Plan
 from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, WorkerPool, resolve_device, start_worker
+from rlgraph.user_files import loaded_files
 
 PING_S = 3.0  # a live actor's health thread answers in milliseconds; 3 s covers a loaded node
 
@@ -58,10 +60,14 @@ class RankActor:
             port = sock.getsockname()[1]
         return _ray().util.get_node_ip_address(), port, os.getpid()
 
-    def start(self, world: int, master: tuple[str, int], plan: Plan, spec: Any, device: str, timeout_s: float):
+    def start(self, world: int, master: tuple[str, int], recipe: bytes, files: dict[str, str], device: str,
+              timeout_s: float):
         from rlgraph.runtime.worker import describe_error
+        from rlgraph.user_files import unpickle
 
-        try:  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 here
+        try:  # the recipe is rebuilt here, after the user's files loaded: a failure names the rank
+            plan, spec = unpickle(recipe, files, f"rank {self.rank}")
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so it is device 0 here
             self.worker = start_worker(self.rank, world, master, plan, spec, device, timeout_s, local_device=0)
         except BaseException as error:  # noqa: BLE001 - a failure to start is reported like any other
             return "error", describe_error(error)
@@ -109,8 +115,9 @@ class RayTransport(WorkerPool):
                 self.actors.append(remote.options(scheduling_strategy=strategy, name=None).remote(rank, cpus_per_rank))
             addresses = ray.get([actor.rendezvous.remote() for actor in self.actors], timeout=start_timeout)
             self.nodes, self.pids = [host for host, _, _ in addresses], [pid for _, _, pid in addresses]
+            recipe = pickle.dumps((plan, spec), protocol=pickle.HIGHEST_PROTOCOL)
             for rank, actor in enumerate(self.actors):
-                ref = actor.start.remote(self.world, addresses[0][:2], plan, spec, self.device, self.timeout_s)
+                ref = actor.start.remote(self.world, addresses[0][:2], recipe, loaded_files(), self.device, self.timeout_s)
                 self.outstanding[rank].append(("start", None, ref))
             self._wait_started()
         except BaseException:

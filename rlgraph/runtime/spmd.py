@@ -44,6 +44,7 @@ import torch
 from rlgraph.plan.plan import Plan
 from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, WorkerPool, resolve_device, start_worker
+from rlgraph.user_files import UserFileError, loaded_files, unpickle
 
 __all__ = ["SpmdTransport", "resolve_device", "free_port"]
 
@@ -76,6 +77,9 @@ class SpmdTransport(WorkerPool):
         world = attrs.evolve(world, rewards={})  # reward functions run on the controller, and need not pickle
         context = mp.get_context("spawn")
         master = ("127.0.0.1", free_port())
+        # Sent as bytes and rebuilt inside the worker's own error handling, after the user's files loaded
+        # there: a module it cannot import is a failure naming the rank, not a raw spawn traceback.
+        recipe, files = pickle.dumps((plan, world), protocol=pickle.HIGHEST_PROTOCOL), loaded_files()
         self.connections: list[Connection] = []
         self.processes: list[mp.Process] = []
         tracker_ran = _tracker_pid() is not None  # else starting the first worker starts one, the pool's own
@@ -86,7 +90,7 @@ class SpmdTransport(WorkerPool):
             ours, theirs = context.Pipe()
             _send_timeout(ours, self.timeout_s)
             process = context.Process(target=_worker_main, name=f"rlgraph-rank{rank}", daemon=True,
-                                      args=(rank, self.world, master, plan, world, self.device, self.timeout_s, threads, theirs))
+                                      args=(rank, self.world, master, recipe, files, self.device, self.timeout_s, threads, theirs))
             process.start()
             theirs.close()
             self.connections.append(ours)
@@ -169,8 +173,8 @@ class SpmdTransport(WorkerPool):
 # -- the worker process ------------------------------------------------------------------------------
 
 
-def _worker_main(rank: int, world: int, master: tuple[str, int], plan: Plan, spec: Any, device: str, timeout_s: float,
-                 threads: int, connection: Connection) -> None:
+def _worker_main(rank: int, world: int, master: tuple[str, int], recipe: bytes, files: dict[str, str], device: str,
+                 timeout_s: float, threads: int, connection: Connection) -> None:
     import torch.distributed as dist
 
     from rlgraph.runtime.worker import describe_error, serve
@@ -178,6 +182,7 @@ def _worker_main(rank: int, world: int, master: tuple[str, int], plan: Plan, spe
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the controller, which stops us
     torch.set_num_threads(threads)
     try:
+        plan, spec = unpickle(recipe, files, f"rank {rank}")
         worker = start_worker(rank, world, master, plan, spec, device, timeout_s, local_device=rank)
     except BaseException as error:  # noqa: BLE001 - a failure to start is reported like any other
         _reply(connection, "error", describe_error(error))
@@ -185,9 +190,14 @@ def _worker_main(rank: int, world: int, master: tuple[str, int], plan: Plan, spe
     _reply(connection, "ok", (None, 0.0))
     while True:
         try:
-            command, args = _receive(connection)
+            message = connection.recv_bytes()
         except (EOFError, OSError):
             break  # the controller went away
+        try:
+            command, args = unpickle(message, {}, f"rank {rank}")
+        except UserFileError as error:  # a command naming code this process cannot import: its answer
+            _reply(connection, "error", describe_error(error))
+            continue
         if command == "close":
             break
         _reply(connection, *serve(worker, command, args))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.util
 import inspect
 import os
 import pkgutil
@@ -32,6 +31,7 @@ from rlgraph.ir.errors import ConfigError, did_you_mean
 from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward, reward_fields
 from rlgraph.rewards.pool import default_workers
 from rlgraph.train.config import TrainConfig
+from rlgraph.user_files import import_file
 
 
 def import_modules(names: Sequence[str], where: str = "--import") -> None:
@@ -40,7 +40,7 @@ def import_modules(names: Sequence[str], where: str = "--import") -> None:
     for name in names:
         try:
             if name.endswith(".py"):
-                _import_file(Path(name))
+                import_file(Path(name))
             else:
                 with _working_directory_on_path():
                     importlib.import_module(name)
@@ -61,15 +61,6 @@ def _working_directory_on_path() -> Iterator[None]:
     finally:
         if added:
             sys.path.remove(cwd)
-
-
-def _import_file(path: Path) -> None:
-    if not path.is_file():
-        raise FileNotFoundError(f"no file {str(path)!r}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # registered names point at the module's functions, as for a normal import
-    spec.loader.exec_module(module)
 
 
 def load_object(spec: str, where: str) -> Any:

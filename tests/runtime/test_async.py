@@ -106,11 +106,33 @@ def test_filter_groups_refills_inside_the_rollout_lane_drawing_prompts_in_the_sy
     assert ahead_drawn > sync_drawn  # and batch 3 (with its refills) was drawn ahead of time
 
 
+def compile_evaluate():
+    """Greedy evaluation on the RL plan's ranks, from the policy it trains (as `rlgraph train` evaluates on workers)."""
+    from rlgraph.algorithms.evaluate import evaluate
+
+    return rg.compile(evaluate, mesh="cpu:2", placement=SPLIT, sizes={"B": 4, "P": 8, "T": 5, "n": 1},
+                      trained=("policy",), max_new_tokens=5)
+
+
+def steps_with_an_evaluation(compiled, transport, controller=None, steps=3) -> list[dict]:
+    """`steps` staleness-1 steps with an evaluation between steps 1 and 2, while batch 2 is in flight on
+    the workers: metrics per step, the evaluation's last."""
+    runner, (more, _) = PlanRunner(compiled, transport, controller=controller), source()
+    evaluation = PlanRunner(compile_evaluate(), transport, controller=controller)
+    metrics = []
+    for step in range(steps):
+        metrics.append(runner.run(prompts(4) if step == 0 else more(), more_prompts=more)[1])
+        if step == 1:
+            evaluation.versions.clear()  # the RL runner moved the policy on: the live version
+            evaluated = evaluation.run(prompts(4, offset=100))[1]
+    return [*metrics, evaluated]
+
+
 def async_matches_local(start_transport) -> list[dict]:
     """Three staleness-1 steps on `start_transport` (split placement: rank 0 trains batch i while rank 1
-    generates batch i+1) and on local, which plays the same schedule in order: the same numbers within
-    what two runtimes' summation orders can differ by (tests/helpers.py derives RTOL). Returns the
-    remote run's metrics."""
+    generates batch i+1), with an evaluation between steps while a batch is in flight, and on local,
+    which plays the same schedule in order: the same numbers within what two runtimes' summation
+    orders can differ by (tests/helpers.py derives RTOL). Returns the remote run's step metrics."""
     from rlgraph.backends.world import RoleSpec, WorldSpec
     from rlgraph.testing.tiny import length_parity_reward
     from tests.helpers import assert_same_metrics, assert_same_training
@@ -119,17 +141,15 @@ def async_matches_local(start_transport) -> list[dict]:
     compiled = compile_grpo(1, max_new_tokens=5)
     local_executor = world.build_local()
     before = state_of(local_executor.models["policy"])
-    local_runner, (more, _) = PlanRunner(compiled, local_executor), source()
-    local = [local_runner.run(prompts(4) if step == 0 else more(), more_prompts=more)[1] for step in range(3)]
+    local = steps_with_an_evaluation(compiled, local_executor)
     with start_transport(compiled.plan, world, device="cpu") as transport:
-        runner, (more, _) = PlanRunner(compiled, transport, controller=world.controller()), source()
-        remote = [runner.run(prompts(4) if step == 0 else more(), more_prompts=more)[1] for step in range(3)]
-        for expected, got in zip(local, remote):
+        remote = steps_with_an_evaluation(compiled, transport, world.controller())
+        for expected, got in zip(local, remote):  # the steps, and the evaluation between them
             assert_same_metrics(expected, got)
         assert_same_training(local_executor.models["policy"], transport.pull_state("policy"), before, steps=3)
         assert {report["served"] for report in transport.weights_report("policy").values()} == {None, 2}
     assert local[2]["policy/grad_norm"] > 0
-    return remote
+    return remote[:3]
 
 
 @pytest.mark.slow
@@ -174,6 +194,7 @@ def test_a_generator_dying_mid_run_is_reported_with_the_step_the_lane_the_batch_
 def test_a_spmd_checkpoint_with_a_batch_in_flight_resumes_exactly_on_fresh_workers(tmp_path):
     # The batch in flight lives on two ranks (rank 1 generated it, rank 0 holds what it sent for training):
     # each rank's piece is saved and put back, so the resumed step trains it exactly as the uninterrupted run.
+    # An evaluation on the same workers comes between the step and the checkpoint, as in `rlgraph train`.
     from rlgraph.backends.world import RoleSpec, WorldSpec
     from rlgraph.runtime.spmd import SpmdTransport
     from rlgraph.testing.tiny import length_parity_reward
@@ -185,6 +206,7 @@ def test_a_spmd_checkpoint_with_a_batch_in_flight_resumes_exactly_on_fresh_worke
     with SpmdTransport(compiled.plan, world, device="cpu") as transport:
         runner, (more, drawn) = PlanRunner(compiled, transport, controller=world.controller()), source()
         runner.run(prompts(4), more_prompts=more)
+        PlanRunner(compile_evaluate(), transport, controller=world.controller()).run(prompts(4, offset=100))
         path = save_checkpoint(tmp_path, 1, runner.export_state(), {"in_flight": runner.export_in_flight()})
         position = drawn[0]
         uninterrupted = runner.run(more(), more_prompts=more)[1]

@@ -182,6 +182,34 @@ def test_a_worker_killed_mid_step_is_reported_with_the_step_and_the_rank():
     assert "plan step [" in message
 
 
+RANK_ONLY_FAILURE = """
+import multiprocessing
+
+if multiprocessing.current_process().name.startswith("rlgraph-rank"):  # a spmd rank, not the controller
+    import a_module_only_the_controller_has  # noqa: F401
+
+
+class Echo:
+    pass
+"""
+
+
+def test_an_environment_file_that_cannot_load_on_a_rank_is_named_with_the_rank(tmp_path):
+    # issue 32: a raw unpickling traceback and "rank 1 died during start" before; the file is loaded on
+    # the rank from its path before the recipe is rebuilt, and what fails there comes back as data.
+    from rlgraph.runtime.errors import WorkerFailure
+    from rlgraph.user_files import import_file
+
+    path = tmp_path / "elsewhere" / "rank_env.py"
+    path.parent.mkdir()
+    path.write_text(RANK_ONLY_FAILURE)
+    world = attrs.evolve(_world(), envs={"env": import_file(path).Echo})
+    with pytest.raises(WorkerFailure, match=rf"rank 0 raised UserFileError during start: rank 0 cannot load {path}"
+                                            r".*No module named 'a_module_only_the_controller_has'"):
+        SpmdTransport(rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=COLOCATED, sizes={"B": 4, "P": 8, "T": TOKENS},
+                                 max_new_tokens=TOKENS).plan, world, device="cpu")  # one rank: the start is the cost
+
+
 @pytest.mark.parametrize("form", ["parts", "full"])
 def test_a_spmd_checkpoint_resumes_exactly_on_spmd_and_on_local(tmp_path, form):
     # "parts": each rank writes its own rows (what `rlgraph train` does on spmd/Ray); "full": the whole
