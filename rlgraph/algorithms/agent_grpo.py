@@ -53,7 +53,7 @@ def agent_grpo(state: rg.State, prompts: rg.Prompts, *, n=8, max_turns=4, max_to
     check_hparams("agent_grpo", group_estimator=estimator, n=n, clip=clip, kl=kl, epochs=epochs,
                   micro_batch_size=micro_batch_size)
     estimate, policy_loss = F.get_estimator(estimator), F.get_loss(loss)
-    ro, episodes, _ = rg.rollout(state.policy, state.env, prompts, n=n, temperature=temperature, top_p=top_p,
+    ro, episodes, turn_rewards = rg.rollout(state.policy, state.env, prompts, n=n, temperature=temperature, top_p=top_p,
                                  max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn,
                                  max_total_tokens=max_total_tokens, step_timeout=step_timeout)  # Rollouts[N, T], [N, E]
     r = episodes[:, _COLUMN["reward"]]                                  # [N]
@@ -68,7 +68,15 @@ def agent_grpo(state: rg.State, prompts: rg.Prompts, *, n=8, max_turns=4, max_to
         return total, {**dict(zip(policy_loss.metrics, metrics)), **loss_metrics(lp, ro, entropy, kl=kl_term)}
 
     policy = rg.update(state.policy, ro, loss, epochs=epochs, temperature=temperature, micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy), {**rollout_metrics(r, ro), **episode_metrics(episodes)}
+    return (state.replace(policy=policy), {**rollout_metrics(r, ro), **episode_metrics(episodes)},
+            transcript_outputs(ro, episodes, turn_rewards))
 
 
-__all__ = ["agent_grpo", "episode_metrics", "episode_stats"]
+def transcript_outputs(ro, episodes, turn_rewards) -> dict:
+    """What the run's samples.jsonl shows of each episode (rlgraph.agents.transcripts): the turns'
+    tokens, which of them are the policy's, each turn's reward and the episode's; gathered whole to
+    the controller by the plan (an output, like any other)."""
+    return {"rollouts": ro, "episodes": episodes, "turn_rewards": turn_rewards}
+
+
+__all__ = ["agent_grpo", "episode_metrics", "episode_stats", "transcript_outputs"]

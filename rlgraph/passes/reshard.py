@@ -78,10 +78,30 @@ def reshard(program: Program, options: CompileOptions) -> Program:
             if key not in moved:
                 moved[key] = _bring(out, arg, node, consumer_layout, groups, sizes, moved)
             node.replace_input_with(arg, moved[key])
+    _gather_outputs(out, groups, sizes, moved)
     for node in list(out.graph.nodes):  # a read whose record moved and was re-read at the destination
         if node.target is get_field and not node.users:
             out.graph.erase_node(node)
     return out.verify(after="reshard")
+
+
+def _gather_outputs(program: Program, groups: dict[str, Group], sizes, moved) -> None:
+    """The algorithm's `outputs` are handed to the caller on the controller, whole: each one that
+    lives on a worker group gets a gather the plan shows (every data-parallel rank's rows, not the
+    first rank's)."""
+    output = program.output
+    if not output.kwargs.get("outputs"):
+        return
+    output.meta.update(role=CONTROLLER, phase="controller")  # what `_bring` reads of the consumer
+    gathered = {}
+    for key, value in output.kwargs["outputs"].items():
+        if _movable(value) and layout_of(value, groups) != (CONTROLLER,):
+            key_moved = (value, (CONTROLLER,))
+            if key_moved not in moved:
+                moved[key_moved] = _bring(program, value, output, (CONTROLLER,), groups, sizes, moved)
+            value = moved[key_moved]
+        gathered[key] = value
+    output.kwargs = {**output.kwargs, "outputs": gathered}
 
 
 def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, groups, sizes, moved) -> fx.Node:

@@ -238,6 +238,17 @@ class _Session:
         report_reward_failures(self.step, kind, self.setup.rewards.last_failures, self.console)
         return terms
 
+    def log_transcripts(self, runner: Any, kind: str) -> None:
+        """Multi-turn runs: the first `logging.samples` episodes the plan handed back (its `rollouts`,
+        `episodes` and `turn_rewards` outputs, of the batch this step trained) go to samples.jsonl."""
+        outputs, limit = runner.outputs, self.config.logging.samples
+        if self.samples is None or not limit or "rollouts" not in outputs:
+            return
+        from rlgraph.agents.transcripts import transcripts
+
+        self.samples.log(self.step, kind, transcripts(outputs["rollouts"], outputs["episodes"], outputs["turn_rewards"],
+                                                      self.setup.tokenizer, limit))
+
     def scored(self, batch: int) -> None:
         """Asynchronous RL: batch `batch`'s rollout lane has run; keep its reward terms for its step."""
         self.batch_terms[batch] = self.pop_rewards("train")
@@ -273,6 +284,7 @@ class _Session:
         metrics, self.step = dict(metrics), step
         # Asynchronous RL: the terms of the batch trained (scored when it was generated), not the newest
         terms = self.batch_terms.pop(step - 1) if self.runner.on_rollout is not None else self.pop_rewards("train")
+        self.log_transcripts(self.runner, "train")
         metrics.update(terms)
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
         if accuracy is not None:
@@ -324,6 +336,7 @@ class _Session:
         prompts = to_prompts(self.setup.eval_rows if rows is None else rows, self.setup.tokenizer)
         _, metrics = runner.run(prompts)
         terms = self.pop_rewards("eval")
+        self.log_transcripts(runner, "eval")
         accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
         self.last_eval = accuracy

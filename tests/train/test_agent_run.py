@@ -27,6 +27,14 @@ def test_a_tool_env_run_logs_the_episode_metrics_and_evaluates_multi_turn(tmp_pa
         assert key in steps[0]
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]  # the held-out episodes, greedy, with the env
     assert "rollout" in (tmp_path / "agent" / "plan.txt").read_text()
+    # samples.jsonl: each episode's turns (issue 32: 0 lines before), of the training steps and the evaluations
+    samples = [json.loads(line) for line in (tmp_path / "agent" / "samples.jsonl").read_text().splitlines()]
+    assert {(row["kind"], row["step"]) for row in samples} >= {("eval", 0), ("train", 1), ("train", 2), ("eval", 2)}
+    for row in samples:
+        roles = [turn["role"] for turn in row["turns"]]
+        assert roles[0] == "policy" and all(a != b for a, b in zip(roles, roles[1:]))  # turns alternate
+        assert roles.count("policy") == row["episode"]["turns"]  # the calculator always answers something
+        assert row["reward"] == sum(turn.get("reward", 0.0) for turn in row["turns"])  # the env's, summed over turns
 
 
 def test_a_users_env_class_is_loaded_with_its_options(tmp_path):
