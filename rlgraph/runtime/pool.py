@@ -288,9 +288,11 @@ class WorkerPool(Transport):
     def write_state(self, directory: str) -> dict[str, Any] | None:
         """Every rank writes its own rows into `directory` (nothing is gathered or piped but a few
         numbers); the roles as the checkpoint's meta records them, and the random streams."""
+        from rlgraph.backends.fsdp.state import sampling_stream
+
         parts = self._all(range(self.world), "write_parts", directory)
         roles = {role: held for part in parts.values() for role, held in part["roles"].items()}
-        return {"roles": roles, "shuffle_rng": parts[0]["shuffle_rng"], "sampling": parts[0]["sampling"]}
+        return {"roles": roles, "shuffle_rng": parts[0]["shuffle_rng"], "sampling": sampling_stream(parts)}
 
     def read_state(self, directory: str, roles: Mapping[str, Any], shuffle_rng: Any, sampling: Mapping[str, Any],
                    where: str = "the checkpoint") -> None:

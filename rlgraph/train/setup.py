@@ -165,6 +165,21 @@ def _tokenizer(config: TrainConfig) -> Any:
     return load_tokenizer(tokenizer_source(config))
 
 
+def _check_takes_prompts(algorithm: Any, name: str) -> None:
+    """`rlgraph train` feeds prompts from the data: an algorithm over given rollouts (SFT's
+    demonstrations) is refused before anything is built, not at step 1's batch check."""
+    import inspect
+
+    positional = [p for p in inspect.signature(algorithm.fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    annotation = positional[1].annotation if len(positional) > 1 else None
+    if str(getattr(annotation, "__name__", annotation)).rpartition(".")[2] == "Rollouts":
+        raise ConfigError(f"algorithm.name {name!r} trains on given rollouts (its batch is rg.Rollouts), but "
+                          "rlgraph train feeds it prompts to generate from",
+                          fix="supervised fine-tuning is the run's warm_start section (warm_start.steps, "
+                              "warm_start.trace_field for multi-turn traces); name an RL algorithm here")
+
+
 def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
     """The rollout section's values for the keyword arguments `algorithm` takes, by name.
 
@@ -199,6 +214,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
 
     rollout, runtime = config.rollout, config.runtime
     algorithm = load_algorithm(config.algorithm.name, "algorithm.name")
+    _check_takes_prompts(algorithm, config.algorithm.name)
     hparams = {**config.algorithm.hparams, **rollout_hparams(config, algorithm)}
     ranks = runtime.nproc if runtime.runtime != "local" else 1
     mesh = Mesh(detect_device_kind(device), 1, ranks)  # the GPU found, not a constant
@@ -207,6 +223,10 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     except TypeError as error:  # a value colocated()/split() cannot take, e.g. split:policy=1,tp
         raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
                           fix="e.g. colocated:offload=False, colocated:fsdp=2, split:policy=1,rollout=1, or auto") from None
+    if runtime.runtime == "local" and str(runtime.placement).startswith("split"):
+        raise ConfigError(f"runtime.placement {runtime.placement!r} on runtime.runtime=local: the local runtime runs "
+                          "every role in this one process (a mesh of 1 rank), so no role can have ranks of its own",
+                          fix="--runtime spmd --nproc 2 (or ray) for a split, or runtime.placement: colocated")
     models = {"policy": config.model.path} if config.model.path else {}
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}

@@ -177,7 +177,8 @@ def _shard_optimizer_state(full: Mapping[str, Any], params: list[torch.Tensor], 
 def merge_rank_states(parts: Mapping[int, Mapping[str, Any]]) -> ExecutorState:
     """The full `ExecutorState` from every rank's `export_state()` part (rank -> part): each role's
     weights from the rank that gathered them, its optimizer shards concatenated in the shard
-    group's rank order; the random streams are the same on every rank (rank 0's)."""
+    group's rank order; the shuffle stream is the same on every rank (rank 0's), the sampling stream
+    that of the ranks that generate (`sampling_stream`)."""
     roles = {}
     for role in sorted({role for part in parts.values() for role in part["roles"]}):
         held = {rank: part["roles"][role] for rank, part in parts.items() if role in part["roles"]}
@@ -186,7 +187,14 @@ def merge_rank_states(parts: Mapping[int, Mapping[str, Any]]) -> ExecutorState:
         roles[role] = RoleState(next(h["model"] for h in held.values() if h["model"] is not None),
                                 merge_optimizer_states(shards) if shards[0] is not None else None,
                                 first["optimizer_kind"], first["version"])
-    return ExecutorState(roles, parts[0]["shuffle_rng"], parts[0]["sampling"])
+    return ExecutorState(roles, parts[0]["shuffle_rng"], sampling_stream(parts))
+
+
+def sampling_stream(parts: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The run's sampling stream among the ranks' parts: the ranks that generate advance it together
+    at each sampled generate call; a rank that never generates (the trainer of a split placement)
+    keeps it at its start, so the stream with the most calls is the run's (rank 0's is not, on a split)."""
+    return max((part["sampling"] for part in parts.values()), key=lambda stream: stream["calls"])
 
 
 def full_weights(role: str, parts: Mapping[int, Mapping[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
