@@ -80,3 +80,14 @@ def test_a_checkpoint_taken_through_the_world_loads_back_exactly(gloo):
     assert all(torch.equal(value, saved[name]) for name, value in executor.full_state("policy").items())
     assert torch.equal(executor.models["policy"].optimizer.state_dict()["state"][0]["exp_avg"],
                        state.roles["policy"].optimizer["state"][0]["exp_avg"])
+
+
+def test_the_sampling_stream_of_a_checkpoint_is_the_generating_ranks_not_rank_0s():
+    # issue 32: on a split placement rank 0 trains and never samples (calls 0), rank 1 generates; a
+    # checkpoint that kept rank 0's stream made a resumed run sample other tokens than the uninterrupted one.
+    from rlgraph.backends.fsdp.state import sampling_stream
+
+    parts = {0: {"sampling": {"seed": 7, "calls": 0}}, 1: {"sampling": {"seed": 7, "calls": 3}}}
+    assert sampling_stream(parts) == {"seed": 7, "calls": 3}
+    colocated = {0: {"sampling": {"seed": 7, "calls": 2}}, 1: {"sampling": {"seed": 7, "calls": 2}}}
+    assert sampling_stream(colocated) == {"seed": 7, "calls": 2}

@@ -6,9 +6,9 @@ resumes exactly (the same metrics, evaluations and weights as the uninterrupted 
 or Ray with a colocated placement, equals the local run; or it is refused before step 1 with the
 reason `REFUSALS` gives (the table of docs/composition.md).
 
-Cost: `make test` runs the explicit examples only (one spmd run with its resume, two local runs,
-two refusals: ~60 s on 2 loaded cores); `make test-thorough` (HYPOTHESIS_PROFILE=thorough) draws
-fresh combinations on top, Ray included.
+Cost: `make test` runs the explicit `EXAMPLES` only (one spmd run with its resume, one local run with
+its resume, two refusals); `make test-thorough` (HYPOTHESIS_PROFILE=thorough) adds `THOROUGH_EXAMPLES`
+(Ray included) and 40 fresh draws.
 """
 
 from __future__ import annotations
@@ -112,13 +112,28 @@ def run_case(**combination) -> dict:
             "packing": False, "eval": "at the end", **combination}
 
 
+# `make test`: the issue's run (async + evaluation between steps on split spmd, resumed with a batch in
+# flight), a multi-turn run with LoRA and packing whose env file loads in an env worker, two refusals.
+EXAMPLES = [run_case(runtime="spmd", placement="split", staleness=1, packing=True, eval="every step"),
+            run_case(algorithm="agent_grpo", lora=True, packing=True, eval="every step"),
+            run_case(algorithm="sft"),
+            run_case(algorithm="agent_grpo", runtime="spmd", placement="split", staleness=1)]
+# `make test-thorough` adds these to its fresh draws.
+THOROUGH_EXAMPLES = [run_case(algorithm="dapo", staleness=1, lora=True, packing=True, eval="every step"),
+                     run_case(algorithm="ppo", runtime="ray", lora=True),
+                     run_case(runtime="ray", placement="split", staleness=1, eval="every step"),
+                     run_case(algorithm="agent_grpo", runtime="spmd", placement="split")]
+
+
+def with_examples(test):
+    for combination in reversed(EXAMPLES + (THOROUGH_EXAMPLES if THOROUGH else [])):
+        test = example(combination=combination)(test)
+    return test
+
+
 @pytest.mark.slow
 @settings(max_examples=40 if THOROUGH else 1, phases=(Phase.explicit, Phase.generate) if THOROUGH else (Phase.explicit,))
-@example(combination=run_case(runtime="spmd", placement="split", staleness=1, packing=True, eval="every step"))  # the issue's run
-@example(combination=run_case(algorithm="agent_grpo", lora=True))          # a user's env file in an env worker; transcripts
-@example(combination=run_case(algorithm="dapo", staleness=1, lora=True, packing=True, eval="every step"))
-@example(combination=run_case(algorithm="sft"))
-@example(combination=run_case(algorithm="agent_grpo", runtime="spmd", placement="split", staleness=1))
+@with_examples
 @given(combination=COMBINATIONS)
 def test_every_combination_runs_and_resumes_exactly_or_is_refused_before_step_1(combination, tmp_path_factory):
     if combination["runtime"] == "ray":
