@@ -53,7 +53,10 @@ def test_the_protocol_lists_every_command_the_runner_and_the_run_send():
     sources = [PACKAGE / "runtime" / "plan_runner.py", *sorted((PACKAGE / "train").glob("*.py"))]
     called = _calls_on_transports(sources)
     assert "scatter" in called and "close" in called  # the scan sees the runner's and the run's calls
-    assert called <= Transport.__abstractmethods__, called - Transport.__abstractmethods__
+    # every command is declared on `Transport`: abstract, or (`hold`) kept there for every transport alike
+    declared = {name for name in vars(Transport) if not name.startswith("_") and callable(getattr(Transport, name))}
+    assert called <= declared, called - declared
+    assert declared - Transport.__abstractmethods__ == {"hold"}
     assert {"set_learning_rate", "pull_state", "checkpoint_state", "restore_state"} <= Transport.__abstractmethods__
 
 
@@ -131,3 +134,17 @@ def test_save_weights_writes_the_roles_weights_and_a_lora_roles_merged(tmp_path)
     assert all(torch.equal(merged[name], want[name]) for name in merged)
     with pytest.raises(rlgraph.RLGraphError, match="no role 'critic'; it holds policy, lora"):
         transport.save_weights("critic", str(tmp_path / "critic.safetensors"))
+
+
+def test_an_iteration_of_one_runner_keeps_what_another_runner_holds():
+    # issue 32: an evaluation between async steps began its iteration on the RL runner's transport and
+    # dropped the batch in flight there (KeyError 'send_recv_generate@0' at the next train step)
+    transport = LocalTransport(make_executor())
+    transport.scatter("generate@0", torch.ones(2), ((0,), 1))
+    transport.scatter("scratch", torch.zeros(1), ((0,), 1))
+    transport.hold("rl", ("generate@0",))
+    transport.begin({0: {"policy": "v1"}})  # another runner's iteration (the evaluation's)
+    assert set(transport.worker.store) == {"generate@0", "policy"}
+    transport.hold("rl", ())  # trained: the RL runner holds nothing more
+    transport.begin({})
+    assert transport.worker.store == {}
