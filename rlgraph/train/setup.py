@@ -240,8 +240,11 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
                                   "split:policy=1,rollout=1,ref=policy") from None
     # The local runtime evaluates in this process on one device; spmd/ray on the workers (`_worker_plans`).
     chosen, eval_hparams, eval_tokens = _eval_algorithm(config)
+    # On vLLM the evaluation generates from the engine's copy: its plan opens with the sync_weights step
+    # that loads the live policy (`trained`), as the workers' evaluation plans do.
+    vllm = {"trained": ("policy",)} if runtime.engine == "vllm" else {}
     evaluation = compile_algorithm(chosen, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
-                                   engine="native", models=models, reward_pool=reward_pool,
+                                   engine=runtime.engine, models=models, reward_pool=reward_pool, **vllm,
                                    sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
                                    **{key: extra[key] for key in ("env_workers", "env_memory_mb") if key in extra},
                                    **eval_hparams)
