@@ -122,6 +122,9 @@ class VLLMEngine:
         can_sleep = bool(current_platform.is_sleep_mode_available())
         if cpu:
             engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+            # vLLM binds its OpenMP threads to fixed cores; on a machine other processes share, that made
+            # generation 3-5x slower (measured at load average 18 on 2 cores). Set it to bind on a machine of your own.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         where = f"rank {rank}'s vLLM engine for {role!r} ({model})"
         try:
             llm = vllm.LLM(model=str(model), dtype=dtype or ("float32" if cpu else "bfloat16"), seed=seed,
