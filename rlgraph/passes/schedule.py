@@ -369,9 +369,9 @@ def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: s
             # Under cpu_offload nothing of the trainer is on the device; the step stays, as the generator's turn.
             what = "optimizer+grads" if parked else "nothing (cpu_offload: optimizer+grads stay in host memory)"
             direction = "onload" if role in offloaded else "offload"
-            if engine == "vllm":  # what the step does to the engine (`check_sleep_mode`: only where it can sleep)
-                what += "; vllm engine " + ("sleeps (weights+kv_cache)" if direction == "onload" else "wakes kv_cache")
-            points.append(Offload(index + len(points), role, what, direction, parked))
+            # what the step does to a vLLM engine (`check_sleep_mode`: only where it can sleep)
+            action = "" if engine != "vllm" else "vllm sleeps (weights+kv_cache)" if direction == "onload" else "vllm wakes kv_cache"
+            points.append(Offload(index + len(points), role, what, direction, parked, action))
             (offloaded.add if direction == "offload" else offloaded.discard)(role)  # the caller's set, across stages
     return points
 
