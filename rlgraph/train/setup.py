@@ -114,8 +114,13 @@ def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
 
 def _check_generation(config: TrainConfig) -> None:
     """`generation.compile: on` compiles the native engine's decode step (in this process, or in the
-    spmd/ray workers that generate): refused with vLLM, which it would not reach."""
+    spmd/ray workers that generate): refused with vLLM, which it would not reach. vLLM on CPU runs
+    on the local runtime only."""
     runtime = config.runtime
+    if runtime.engine == "vllm" and runtime.runtime != "local" and _device(config) == "cpu":
+        raise ConfigError(f"runtime.engine=vllm with runtime.runtime={runtime.runtime} on CPU: the spmd/ray workers "
+                          "build vLLM engines on CUDA only (docs/vllm.md)",
+                          fix="runtime.runtime: local (vLLM generates in this process), or runtime.engine: native")
     if config.generation.compile != "on":
         return
     if runtime.engine != "native":

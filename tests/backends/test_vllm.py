@@ -398,3 +398,16 @@ def test_heads_too_small_for_vllms_cpu_attention_are_refused_before_it_starts(co
     with pytest.raises(VLLMError, match="is below 32, which vLLM's CPU attention needs"):
         check_head_dim(config, "model.path")
     check_head_dim({"hidden_size": 64, "num_attention_heads": 2}, "model.path")
+
+
+def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_and_lora_before_vllm_starts():
+    from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+    from rlgraph.backends.vllm.local import build_local_engine
+
+    tokenizer = load_tokenizer()
+    model = build_causal_lm(tokenizer=tokenizer)
+    with pytest.raises(VLLMError, match=r"model.path: head_dim 16 .*\n  fix: .*tiny_qwen2_vllm.json"):
+        build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)
+    model.peft_config = {"default": None}  # what a peft-wrapped policy carries
+    with pytest.raises(VLLMError, match="with a LoRA policy on the local runtime is not written yet"):
+        build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)
