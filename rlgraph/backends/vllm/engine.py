@@ -126,6 +126,7 @@ class VLLMEngine:
             # generation 3-5x slower (measured at load average 18 on 2 cores). Set it to bind on a machine of your own.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         where = f"rank {rank}'s vLLM engine for {role!r} ({model})"
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (restored below)
         try:
             llm = vllm.LLM(model=str(model), dtype=dtype or ("float32" if cpu else "bfloat16"), seed=seed,
                            gpu_memory_utilization=gpu_memory_utilization or (0.1 if cpu else 0.5),
@@ -137,6 +138,8 @@ class VLLMEngine:
             fix = ("a smaller kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA), or free memory held by "
                    "other processes" if memory else "check the model directory and the engine arguments")
             raise VLLMError(f"{where} failed to start: {type(exc).__name__}: {exc}\n  fix: {fix}") from exc
+        finally:
+            torch.set_num_threads = set_num_threads  # the trainer in this process keeps control of its threads
         return cls(llm, role=role, eos_token_id=eos_token_id, pad_token_id=pad_token_id, rank=rank,
                    sleep_level=sleep_level, can_sleep=can_sleep)
 
