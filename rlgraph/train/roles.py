@@ -25,12 +25,22 @@ def build_roles(setup: Setup, policy: torch.nn.Module | None = None) -> LocalExe
     config = setup.config
     model = (policy if policy is not None else build_policy(config, setup.tokenizer)).to(setup.device)
     policy = LMWorker(model, role_optimizer(config, model, config.optimizer.lr))
-    executor = LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
-                             max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device,
-                             envs={"env": setup.env} if setup.env is not None else None,
-                             decode_compile=decode_policy(setup),
-                             compile_train=compiles_training(config, str(setup.device)))
-    return executor
+    common = dict(max_new_tokens=config.rollout.max_new_tokens, seed=config.train.seed, device=setup.device,
+                  envs={"env": setup.env} if setup.env is not None else None, decode_compile=decode_policy(setup),
+                  compile_train=compiles_training(config, str(setup.device)))
+    if config.runtime.engine == "vllm":  # generation on vLLM; the plan's sync_weights steps fill its copy
+        from rlgraph.backends.vllm.local import VLLMLocalExecutor, build_local_engine
+
+        engine = build_local_engine(model, role="policy", tokenizer=setup.tokenizer, seed=config.train.seed,
+                                    max_model_len=setup.rl.plan.sizes["P"] + max(setup.rl.plan.sizes["T"], eval_tokens(config)))
+        return VLLMLocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
+                                 engine=engine, **common)
+    return LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer, **common)
+
+
+def eval_tokens(config: TrainConfig) -> int:
+    """The response tokens of an evaluation (`eval.max_new_tokens`, else the rollout's)."""
+    return config.eval.max_new_tokens or config.rollout.max_new_tokens
 
 
 def decode_policy(setup: Setup) -> DecodeCompile:

@@ -114,8 +114,13 @@ def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
 
 def _check_generation(config: TrainConfig) -> None:
     """`generation.compile: on` compiles the native engine's decode step (in this process, or in the
-    spmd/ray workers that generate): refused with vLLM, which it would not reach."""
+    spmd/ray workers that generate): refused with vLLM, which it would not reach. vLLM on CPU runs
+    on the local runtime only."""
     runtime = config.runtime
+    if runtime.engine == "vllm" and runtime.runtime != "local" and _device(config) == "cpu":
+        raise ConfigError(f"runtime.engine=vllm with runtime.runtime={runtime.runtime} on CPU: the spmd/ray workers "
+                          "build vLLM engines on CUDA only (docs/vllm.md)",
+                          fix="runtime.runtime: local (vLLM generates in this process), or runtime.engine: native")
     if config.generation.compile != "on":
         return
     if runtime.engine != "native":
@@ -260,8 +265,11 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
                                   "split:policy=1,rollout=1,ref=policy") from None
     # The local runtime evaluates in this process on one device; spmd/ray on the workers (`_worker_plans`).
     chosen, eval_hparams, eval_tokens = _eval_algorithm(config)
+    # On vLLM the evaluation generates from the engine's copy: its plan opens with the sync_weights step
+    # that loads the live policy (`trained`), as the workers' evaluation plans do.
+    vllm = {"trained": ("policy",)} if runtime.engine == "vllm" else {}
     evaluation = compile_algorithm(chosen, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
-                                   engine="native", models=models, reward_pool=reward_pool,
+                                   engine=runtime.engine, models=models, reward_pool=reward_pool, **vllm,
                                    sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
                                    **{key: extra[key] for key in ("env_workers", "env_memory_mb") if key in extra},
                                    **eval_hparams)

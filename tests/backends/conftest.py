@@ -1,9 +1,14 @@
-"""Fixtures shared by the backend tests: the shipped tokenizer, a seeded tiny model, a one-rank gloo group."""
+"""Fixtures shared by the backend tests: the shipped tokenizer, a seeded tiny model, a one-rank gloo group,
+and one live vLLM engine per session (one per process: vLLM's in-process engine owns the process's
+torch.distributed world)."""
+
+import json
+import os
 
 import pytest
 import torch.distributed as dist
 
-from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.backends.local.models import TINY_VLLM_CONFIG, build_causal_lm, load_tokenizer
 from rlgraph.batches import Prompts
 
 
@@ -31,3 +36,42 @@ def prompts_of(tokenizer, texts):
     """Left-padded prompts for raw texts (the generator's input format)."""
     enc = tokenizer(texts, padding=True, return_tensors="pt")
     return Prompts(enc["input_ids"], enc["attention_mask"].bool(), {"text": list(texts)})
+
+
+# -- a live vLLM engine (in .venv-vllm: tests/backends/test_vllm_live.py, test_vllm_local.py) ----------
+
+BUCKET = 5  # parameters per bucket: the tiny model's 24 arrive in 5 buckets that split its layers
+# A larger init than the shipped 0.02 spreads the logits, so greedy argmaxes are not near-ties that
+# the two engines' different (both fp32) GEMM orders could flip.
+INIT_RANGE = 0.3
+
+
+def buckets(model, size=BUCKET):
+    named = [(name, param.detach()) for name, param in model.named_parameters()]
+    return [named[start:start + size] for start in range(0, len(named), size)]
+
+
+def sync(engine, model, version):
+    for bucket in buckets(model):
+        engine.load_weights(bucket)
+    engine.finish_sync(version)
+
+
+@pytest.fixture(scope="session")
+def vllm_live(tmp_path_factory):
+    """(engine, the HF model it was synced from at version 0, tokenizer). The engine starts with dummy
+    weights from the config alone, so every weight it serves came through a sync."""
+    from rlgraph.backends.vllm.engine import VLLMEngine, launcher_env
+
+    for key, value in launcher_env().items():
+        os.environ.setdefault(key, value)
+    tokenizer = load_tokenizer()
+    config = {**json.loads(TINY_VLLM_CONFIG.read_text()), "initializer_range": INIT_RANGE}
+    model = build_causal_lm(config, tokenizer=tokenizer, seed=0).eval()
+    directory = tmp_path_factory.mktemp("tiny_qwen2_vllm")
+    model.config.save_pretrained(directory)  # config only: load_format="dummy"
+    engine = VLLMEngine.build(directory, role="policy", eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, load_format="dummy", enforce_eager=True,
+                              max_model_len=64)
+    sync(engine, model, 0)
+    return engine, model, tokenizer

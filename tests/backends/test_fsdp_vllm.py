@@ -1,5 +1,5 @@
 """The FSDP2 executor drives a vLLM engine through its sync, offload and onload steps (a fake vLLM
-in one gloo process: what runs on a GPU with a live vLLM is untested, see rlgraph/backends/vllm)."""
+in one gloo process; tests/backends/test_vllm_live.py runs a live one on CPU, and sleep mode on a GPU is untested)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from rlgraph.backends.vllm.engine import VLLMEngine
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.runtime.spmd import free_port
 from rlgraph.runtime.transport import SyncRoute
-from tests.backends.test_vllm import EOS, PAD, FakeLLM
+from tests.backends.test_vllm import EOS, PAD, FakeLLM, fake_vllm  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
-def executor():
+def executor(fake_vllm):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         plan = rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(offload=True, checkpointing=False),
@@ -42,6 +42,7 @@ def test_sync_loads_every_trained_weight_into_vllm_bucket_by_bucket_then_serves_
     for bucket in loaded:
         for name, tensor in bucket:
             assert torch.equal(tensor, trained[name].full_tensor())
+    assert engine.llm.model.reloads == ["start", "finish"]  # one layerwise reload around all the buckets
     assert engine.version == 0 and ("reset_prefix_cache",) in engine.llm.calls
     engine.require(ModelRef("policy", 0))
 

@@ -1,9 +1,6 @@
-"""The vLLM engine: pure conversions and bookkeeping with fakes; a live vLLM only where one is installed."""
+"""The vLLM engine: pure conversions and bookkeeping with fakes (a live vLLM: test_vllm_live.py)."""
 
-import importlib.util
-import math
-import os
-import socket
+import contextlib
 import sys
 import types
 from dataclasses import dataclass, field
@@ -15,13 +12,12 @@ from rlgraph.backends.local.executor import StaleVersionError
 from rlgraph.backends.local.generation import SamplingParams, sampling_keys
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm import (
-    VLLMEngine, import_vllm, request_seeds, rollouts_from_outputs, sampling_kwargs, token_prompts,
+    VLLMEngine, VLLMError, check_head_dim, import_vllm, request_seeds, rollouts_from_outputs, sampling_kwargs, token_prompts,
 )
 from rlgraph.batches import Prompts
 from rlgraph.testing import tiny_executor, tiny_prompts
 
 EOS, PAD = 2, 0
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 # -- fakes of vLLM's output records (vllm.outputs.RequestOutput / CompletionOutput, vllm.sequence.Logprob) --------
@@ -170,9 +166,16 @@ def test_sampling_kwargs_map_the_native_params():
 @dataclass
 class FakeModel:
     loaded: list = field(default_factory=list)
+    reloads: list = field(default_factory=list)  # "start" / "finish" of vLLM's layerwise reload
 
     def load_weights(self, weights):
         self.loaded.append(list(weights))
+
+    def modules(self):
+        return [self]
+
+    def parameters(self, recurse=True):
+        return []
 
 
 class FakeLLM:
@@ -180,7 +183,8 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls, self.model = kwargs, [], FakeModel()
-        runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=self.model))
+        runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: self.model),
+                                       vllm_config=types.SimpleNamespace(model_config=None))
         worker = types.SimpleNamespace(worker=runner)  # vLLM's WorkerWrapperBase holds the Worker
         self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
 
@@ -198,13 +202,34 @@ class FakeLLM:
         self.calls.append(("reset_prefix_cache",))
 
 
-@pytest.fixture
-def fake_vllm(monkeypatch):
+def fake_vllm_modules(*, cpu=False):
+    """`vllm` and the submodules VLLMEngine imports: the platform, and the layerwise reload that records
+    its start and finish on the FakeModel."""
     module = types.ModuleType("vllm")
     module.LLM = FakeLLM
     module.SamplingParams = lambda **kwargs: kwargs
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    return module
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: cpu, is_sleep_mode_available=lambda: not cpu)
+    config = types.ModuleType("vllm.config")
+    config.set_current_vllm_config = lambda _: contextlib.nullcontext()
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda model: model.reloads.append("start")
+    reload.finalize_layerwise_reload = lambda model, _: model.reloads.append("finish")
+    layerwise = types.ModuleType("vllm.model_executor.model_loader.reload.layerwise")
+    layerwise.get_layerwise_info = lambda _: types.SimpleNamespace(can_load=lambda: False)
+    return {"vllm": module, "vllm.platforms": platforms, "vllm.config": config,
+            "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+            "vllm.model_executor.model_loader": types.ModuleType("vllm.model_executor.model_loader"),
+            "vllm.model_executor.model_loader.reload": reload,
+            "vllm.model_executor.model_loader.reload.layerwise": layerwise}
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    modules = fake_vllm_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return modules["vllm"]
 
 
 def synced_engine(version=3, **kwargs):
@@ -244,6 +269,7 @@ def test_weights_load_one_bucket_at_a_time_and_the_version_is_set_after_the_last
     engine.finish_sync(4)
     loaded = [[name for name, _ in bucket] for bucket in engine.llm.model.loaded]
     assert loaded == [["a.weight"], ["b.weight", "c.bias"]]
+    assert engine.llm.model.reloads == ["start", "finish"]  # one layerwise reload around the buckets
     assert engine.version == 4 and engine.llm.calls[-1] == ("reset_prefix_cache",)
 
 
@@ -336,71 +362,52 @@ def test_without_vllm_the_error_says_how_to_install_it(monkeypatch):
         VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD)
 
 
-# -- a live vLLM (GPU machines with vLLM installed) ------------------------------------------------
+def test_on_cpu_build_asks_for_float32_an_explicit_kv_cache_and_no_sleep_mode(monkeypatch):
+    for name, module in fake_vllm_modules(cpu=True).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    engine = VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD)
+    kwargs = engine.llm.kwargs
+    assert (kwargs["dtype"], kwargs["enable_sleep_mode"], kwargs["kv_cache_memory_bytes"]) == ("float32", False, 64 << 20)
+    assert engine.can_sleep is False
+    with pytest.raises(VLLMError, match="cannot sleep: this platform has no vLLM sleep mode"):
+        engine.sleep()
 
 
-def needs_vllm(test):
-    """A `gpu` test, skipped with the reason where vLLM or a CUDA device is missing."""
-    test = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed: CUDA-only wheel")(test)
-    test = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test)
-    return pytest.mark.gpu(test)
+def test_a_failed_start_names_the_rank_the_role_and_the_fix(fake_vllm):
+    def out_of_memory(**kwargs):
+        raise ValueError("Available memory on node 0 (1.0/23.4 GiB) on kv cache allocation is less than requested")
+    fake_vllm.LLM = out_of_memory
+    with pytest.raises(VLLMError, match=r"(?s)rank 3's vLLM engine for 'policy' .* failed to start.*fix: a smaller "
+                                        "kv_cache_memory_bytes"):
+        VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD, rank=3)
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    """A tiny Qwen2 saved to disk, a vLLM engine for it (dummy weights, then one sync) and the HF model."""
+def test_a_bucket_that_fails_closes_the_reload_and_leaves_no_version(fake_vllm):
+    engine = synced_engine()
+    engine.load_weights([("a.weight", torch.ones(1))])
+    engine.llm.model.load_weights = lambda weights: (_ for _ in ()).throw(KeyError("b.weight"))
+    with pytest.raises(VLLMError, match="rank 1's vLLM engine failed to load a weight bucket of 'policy': KeyError"):
+        engine.load_weights([("b.weight", torch.ones(1))])
+    assert engine.version is None and not engine.loading
+    assert engine.llm.model.reloads == ["start", "finish", "start", "finish"]  # the first sync, then the aborted one
+
+
+@pytest.mark.parametrize("config", [{"hidden_size": 64, "num_attention_heads": 4}, {"head_dim": 16},
+                                    {"hidden_size": 8, "num_attention_heads": 1}])
+def test_heads_too_small_for_vllms_cpu_attention_are_refused_before_it_starts(config):
+    with pytest.raises(VLLMError, match="is below 32, which vLLM's CPU attention needs"):
+        check_head_dim(config, "model.path")
+    check_head_dim({"hidden_size": 64, "num_attention_heads": 2}, "model.path")
+
+
+def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_and_lora_before_vllm_starts():
     from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+    from rlgraph.backends.vllm.local import build_local_engine
 
-    with socket.socket() as probe:  # external_launcher reads torchrun's variables: a one-process "job"
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    for key, value in launcher.items():
-        os.environ.setdefault(key, value)
     tokenizer = load_tokenizer()
-    model = build_causal_lm(tokenizer=tokenizer, seed=0)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    model.save_pretrained(path)
-    engine = VLLMEngine.build(path, role="policy", eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, load_format="dummy", gpu_memory_utilization=0.3,
-                              enforce_eager=True, max_model_len=64)
-    engine.load_weights((name, param.detach().cuda()) for name, param in model.named_parameters())
-    engine.finish_sync(0)
-    return engine, model
-
-
-@needs_vllm
-def test_live_logprobs_match_the_trainers_recompute(live):
-    from rlgraph.backends.local.logprobs import sequence_logprobs
-
-    engine, model = live
-    ro = engine.generate(tiny_prompts(4), 2, SamplingParams(max_new_tokens=6), seed=0, call=0,
-                         model=ModelRef("policy", 0))
-    assert ro.response_ids.shape == (8, 6) and bool(ro.mask[:, 0].all())
-    with torch.no_grad():
-        trainer = sequence_logprobs(model.float().eval(), ro)  # [N, T], the fp32 recompute on the CPU
-    gap = (trainer - ro.logprobs).abs()[ro.mask]  # [tokens]
-    assert math.isfinite(float(gap.max())) and float(gap.max()) < 0.1  # bf16 engine vs fp32 trainer
-
-
-@needs_vllm
-def test_live_samples_depend_on_the_row_not_the_shard(live):
-    engine, _ = live
-    prompts, params, model = tiny_prompts(4), SamplingParams(max_new_tokens=6), ModelRef("policy", 0)
-    whole = engine.generate(prompts, 2, params, seed=1, call=0, model=model)
-    halves = [engine.generate(prompts.select(rows), 2, params, seed=1, call=0, model=model)
-              for rows in ([0, 1], [2, 3])]
-    assert torch.equal(whole.response_ids, torch.cat([half.response_ids for half in halves]))
-
-
-@needs_vllm
-def test_live_sleep_wake_and_sync_keep_generating(live):
-    engine, model = live
-    engine.sleep()
-    engine.wake_up(["weights"])
-    engine.load_weights((name, param.detach().cuda()) for name, param in model.named_parameters())
-    engine.finish_sync(1)
-    engine.wake_up()
-    ro = engine.generate(tiny_prompts(4), 1, SamplingParams(temperature=0.0, max_new_tokens=4), seed=0, call=0,
-                         model=ModelRef("policy", 1))
-    assert ro.response_ids.shape == (4, 4)
+    model = build_causal_lm(tokenizer=tokenizer)
+    with pytest.raises(VLLMError, match=r"model.path: head_dim 16 .*\n  fix: .*tiny_qwen2_vllm.json"):
+        build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)
+    model.peft_config = {"default": None}  # what a peft-wrapped policy carries
+    with pytest.raises(VLLMError, match="with a LoRA policy on the local runtime is not written yet"):
+        build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)

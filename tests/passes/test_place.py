@@ -60,12 +60,25 @@ def test_native_runs_tp1_on_gpus():
     assert str(policy.generate) == "native tp=1 dp=8"
 
 
-def test_vllm_on_a_cpu_mesh_is_refused():
+def test_vllm_on_a_cpu_mesh_needs_no_offload_and_the_plan_says_the_engine_stays_resident():
     with pytest.raises(PlacementConfigError) as error:
-        compile_grpo("cpu:2", engine="vllm")
+        compile_grpo("cpu:2", engine="vllm")  # colocated() offloads: the engine would have to sleep
     assert str(error.value) == (
-        "engine='vllm' cannot run on the mesh 1x2 cpu: vLLM has no CPU build here\n"
-        "  fix: engine='native' (--engine native; 'auto' is native on a cpu mesh), or a GPU mesh such as gpu:8")
+        "engine='vllm' on the mesh 1x2 cpu with colocated offload=True: an offload step puts the vLLM engine to "
+        "sleep while the trainer runs, and vLLM has no sleep mode on CPU\n"
+        "  fix: colocated(offload=False) (--placement colocated:offload=False): the engine stays resident beside "
+        "the trainer, as host memory allows")
+    plan = compile_grpo("cpu:2", rg.colocated(offload=False), engine="vllm").plan
+    assert str(plan.groups[0].generate) == "vllm tp=1 dp=2" and not any("offload" in step.text() for step in plan.steps)
+    assert any(note.startswith("vllm on cpu: no sleep mode") for note in plan.notes)
+
+
+def test_offload_steps_say_what_they_do_to_a_vllm_engine():
+    texts = [step.text() for step in compile_grpo("gpu:8", engine="vllm").plan.steps]
+    assert any("offload" in text and text.endswith("; vllm wakes kv_cache") for text in texts)
+    assert any("onload" in text and text.endswith("; vllm sleeps (weights+kv_cache)") for text in texts)
+    native = [step.text() for step in compile_grpo("gpu:8", engine="native").plan.steps]
+    assert not any("vllm" in text for text in native)
 
 
 @pytest.mark.parametrize(("engine", "hint"), [

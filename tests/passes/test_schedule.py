@@ -63,7 +63,8 @@ def test_ppo_70b_moves_optimizer_state_once_each_way_per_iteration():
     compiled = rg.compile(ppo, mesh="4x8:h200", placement=rg.colocated(tp=8), models={"policy": "llama3-70b"},
                           sizes={"B": 32, "P": 64, "T": 256, "n": 1})
     lines = [line for line in compiled.as_text().splitlines() if "optimizer+grads" in line]
-    assert lines == ["  [2] offload    @policy    optimizer+grads 28.75 GiB", "  [17] onload     @policy    optimizer+grads 28.75 GiB"]
+    assert lines == ["  [2] offload    @policy    optimizer+grads 28.75 GiB; vllm wakes kv_cache",
+                     "  [17] onload     @policy    optimizer+grads 28.75 GiB; vllm sleeps (weights+kv_cache)"]
     assert "[3] generate   @policy    generate=generate" in compiled.as_text()
     assert "[18] train      @policy    update=update" in compiled.as_text()
 

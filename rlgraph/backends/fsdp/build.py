@@ -193,14 +193,16 @@ def _engine_on_base(world: Any, served: str, role_model: torch.nn.Module, adapte
 def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device,
                        plan_groups: Any = ()) -> Any:
     """The engine a generating rank runs: a full copy of the model for the native generator, or
-    a vLLM engine (GPU only; UNTESTED against a live vLLM, see rlgraph/backends/vllm/engine.py).
+    a vLLM engine (CUDA only here, untested without a GPU; on CPU vLLM runs on the local runtime,
+    `rlgraph.backends.vllm.local`, tested live).
     The native engine of a role the plan trains is allocated empty: the plan's sync_weights step
     before its every generate loads it (no second full read of the model at start-up); a frozen
     generator's is built with its weights."""
     spec = _role_spec(world, served)
     if group.generate.engine == "vllm":
         if device.type != "cuda":
-            raise ValueError(f"group {group.name!r} generates with vLLM, which needs CUDA; compile with engine='native'")
+            raise ValueError(f"group {group.name!r} generates with vLLM, which the spmd/ray workers build on CUDA only; "
+                             "compile with engine='native', or run vLLM on CPU on the local runtime (docs/vllm.md)")
         source = spec.source if isinstance(spec.source, (str, os.PathLike)) and os.path.isdir(spec.source) else None
         if source is None:
             raise ValueError(f"group {group.name!r} generates with vLLM, which loads a Hugging Face model directory: "

@@ -21,6 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 TOKENIZER_DIR = ASSETS / "char_tokenizer"
 TINY_CONFIG = ASSETS / "tiny_qwen2.json"
+# The same model with head_dim 32 (2 heads, 1 KV head): vLLM's CPU attention refuses head_dim 16.
+TINY_VLLM_CONFIG = ASSETS / "tiny_qwen2_vllm.json"
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 ALPHABET = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz"
@@ -223,11 +225,13 @@ def build_causal_lm(
 
 
 def write_assets(directory: str | Path = ASSETS, alphabet: str = ALPHABET) -> None:
-    """(Re)write `char_tokenizer/` and `tiny_qwen2.json` in `directory` (default: the shipped assets)."""
+    """(Re)write `char_tokenizer/`, `tiny_qwen2.json` and `tiny_qwen2_vllm.json` in `directory` (default: the shipped assets)."""
     directory = Path(directory)
     tokenizer = build_char_tokenizer(alphabet)
     tokenizer.save_pretrained(str(directory / TOKENIZER_DIR.name))
     (directory / TINY_CONFIG.name).write_text(json.dumps(tiny_config(tokenizer), indent=2) + "\n")
+    vllm_sized = {**tiny_config(tokenizer), "num_attention_heads": 2, "num_key_value_heads": 1}
+    (directory / TINY_VLLM_CONFIG.name).write_text(json.dumps(vllm_sized, indent=2) + "\n")
 
 
 def _main() -> None:

