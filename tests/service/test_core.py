@@ -121,7 +121,7 @@ def test_rlgraphs_registered_losses_are_usable_by_name_in_process(local):
 
 
 @pytest.mark.parametrize("kwargs, field", [({"rank": 0}, "lora_config.rank"), ({"rank": 1.5}, "lora_config.rank"),
-                                           ({"rank": 4, "train_attn": False, "train_mlp": False}, "lora_config"),
+                                           ({"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}, "lora_config"),
                                            ({"rank": 4, "seed": "a"}, "lora_config.seed")])
 def test_bad_lora_configs_name_the_field(kwargs, field):
     with pytest.raises(CallError) as error:
