@@ -54,7 +54,9 @@ class Limits:
     chars_per_token: int = 32  # an OpenAI text prompt longer than max_tokens * this is refused untokenised
     # ... and what one API key may hold on it:
     max_queued_calls: int = 256  # calls waiting or running (429 past it: the SDK retries later)
+    max_queued_bytes: int = 64 * 2**20  # ... and their request bodies (decoded, they are what a queue holds)
     max_kept_results: int = 1024  # finished results kept retrievable (the key's oldest go first)
+    max_kept_bytes: int = 256 * 2**20  # ... within their requests' bytes (a result is no larger than its request)
     max_sessions: int = 256  # SDK sessions (the key's oldest go first)
 
     @property

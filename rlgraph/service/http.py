@@ -55,7 +55,8 @@ class Server:
     def __init__(self, service: Service, keys: Collection[str] | None):
         self.service = service
         limits = service.limits
-        self.scheduler = Scheduler(max_queued=limits.max_queued_calls, keep_results=limits.max_kept_results)
+        self.scheduler = Scheduler(max_queued=limits.max_queued_calls, max_queued_bytes=limits.max_queued_bytes,
+                                   keep_results=limits.max_kept_results, keep_bytes=limits.max_kept_bytes)
         self.owners = None if keys is None else {owner_of(key) for key in keys}
         self.sessions: dict[str, str] = {}  # session id -> owner
         self._sessions_of: dict[str, collections.OrderedDict[str, None]] = {}  # owner -> its sessions, oldest first
@@ -89,13 +90,14 @@ class Server:
         return session_id
 
     def submit(self, owner: str, queue: str, call: Callable[[], Any], encode: Callable[[Any], Any], *,
-               key: tuple | None = None, fingerprint: str | None = None, model_id: str | None = None) -> dict[str, Any]:
+               key: tuple | None = None, fingerprint: str | None = None, model_id: str | None = None,
+               size: int = 0) -> dict[str, Any]:
         """Queue `call` under `owner`'s quota. `key` (the call's name, model or sampler, seq id; None
         without a seq id) makes a retry of the same request (`fingerprint`, its body's digest) answer
         the first call's request id; the same key with another request is refused."""
         try:
             request_id = self.scheduler.submit(queue, call, key=None if key is None else (owner, *key), owner=owner,
-                                               tag=encode, fingerprint=fingerprint)
+                                               tag=encode, fingerprint=fingerprint, size=size)
         except QuotaExceeded as error:
             raise CallError(f"{error}; wait for results before sending more", field="request", status=429,
                             fix="retrieve your pending futures (the SDK retries a 429 after a pause)") from None
@@ -448,7 +450,7 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         call = lambda: service.forward(owner, model_id, body["data"], body["loss_fn"], config,  # noqa: E731
                                        backward=not body["forward_only"])
         return server.submit(owner, model_id, call, wire.forward_backward_output, key=call_key(name, model_id, body["seq_id"]),
-                             fingerprint=body["fingerprint"], model_id=model_id)
+                             fingerprint=body["fingerprint"], model_id=model_id, size=len(raw))
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict:
@@ -560,11 +562,12 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         p = body.sampling_params
         params = SampleParams(max_tokens=p.max_tokens, seed=p.seed, stop=p.stop, temperature=p.temperature,
                               top_k=p.top_k, top_p=p.top_p)
-        check_sample(params, body.num_samples, len(check_tokens(prompt, "prompt", service.limits)), service.limits)
+        steps = check_sample(params, body.num_samples, len(check_tokens(prompt, "prompt", service.limits)), service.limits)
         call = lambda: service.sample(owner, body.sampling_session_id, prompt, body.num_samples, params,  # noqa: E731
                                       prompt_logprobs=bool(body.prompt_logprobs))
         answer = server.submit(owner, body.sampling_session_id, call, wire.sample_response,
                                key=call_key("sample", body.sampling_session_id, body.seq_id),
-                               fingerprint=fingerprint(request))
+                               fingerprint=fingerprint(request),  # its result: a token and a log-prob a step and sample
+                               size=body.num_samples * (steps + len(prompt)) * 8)
         return {**answer, "sample_sequence_ids": [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]}
 

@@ -15,10 +15,12 @@ API key's quotas.
   result and the update is applied once. The key carries a `fingerprint` of the request: the same
   key with another request is a client's mistake (`KeyReused`), never a silent drop. A call runs
   whether or not its client is still connected: the acknowledgement is the promise.
-- **Per-key quotas**: an owner (a digest of an API key) may have at most `max_queued` calls
-  waiting or running (`QuotaExceeded` past that: HTTP 429, which the SDK retries later), and keeps
-  its `keep_results` newest finished results; only its own oldest finished results are ever
-  forgotten, so one key's flood never drops another key's result, pending or finished.
+- **Per-key quotas**: an owner (a digest of an API key) may have at most `max_queued` calls, and
+  `max_queued_bytes` of request bodies, waiting or running (`QuotaExceeded` past either: HTTP 429,
+  which the SDK retries later; one call alone always fits), and keeps its `keep_results` newest
+  finished results, within `keep_bytes` of their requests' bodies (a result is no larger than its
+  request: per-token values of the request's tokens); only its own oldest finished results are
+  ever forgotten, so one key's flood never drops another key's result, pending or finished.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from typing import Any
 import attrs
 
 MAX_QUEUED = 256  # calls one key may have waiting or running
+MAX_QUEUED_BYTES = 64 * 2**20  # ... and their request bodies' bytes
 KEEP_RESULTS = 1024  # finished results one key keeps retrievable
+KEEP_BYTES = 256 * 2**20  # ... within this many bytes of their requests' bodies
 
 
 class QuotaExceeded(RuntimeError):
@@ -53,16 +57,21 @@ class Call:
     tag: Any = None  # what the caller keeps with the call (the HTTP layer: its result's encoder)
     key: Hashable | None = None
     fingerprint: Hashable | None = None
+    size: int = 0  # its request body's bytes
 
 
 class Scheduler:
-    def __init__(self, name: str = "rlgraph-service", *, max_queued: int = MAX_QUEUED, keep_results: int = KEEP_RESULTS):
-        self.max_queued, self.keep_results = max_queued, keep_results
+    def __init__(self, name: str = "rlgraph-service", *, max_queued: int = MAX_QUEUED,
+                 max_queued_bytes: int = MAX_QUEUED_BYTES, keep_results: int = KEEP_RESULTS, keep_bytes: int = KEEP_BYTES):
+        self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
+        self.keep_results, self.keep_bytes = keep_results, keep_bytes
         self._queues: dict[str, collections.deque[tuple[Call, Callable[[], Any]]]] = {}
         self._ring: collections.deque[str] = collections.deque()  # tenants with pending calls, in turn order
         self._calls: dict[str, Call] = {}
         self._owned: dict[str, collections.OrderedDict[str, Call]] = {}  # owner -> its calls, oldest first
         self._pending: collections.Counter[str] = collections.Counter()  # owner -> calls not finished
+        self._pending_bytes: collections.Counter[str] = collections.Counter()  # owner -> their bodies' bytes
+        self._kept_bytes: collections.Counter[str] = collections.Counter()  # owner -> bytes of all its calls kept
         self._keys: dict[Hashable, Call] = {}
         self._counter = itertools.count()
         self._lock = threading.Condition()
@@ -71,7 +80,7 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, queue: str, call: Callable[[], Any], *, key: Hashable | None = None, owner: str = "local",
-               tag: Any = None, fingerprint: Hashable | None = None) -> str:
+               tag: Any = None, fingerprint: Hashable | None = None, size: int = 0) -> str:
         """Queue `call` on tenant `queue` for `owner`; its request id (the first one's, for a repeated `key`)."""
         with self._lock:
             if self._closed:
@@ -84,11 +93,17 @@ class Scheduler:
             if self._pending[owner] >= self.max_queued:
                 raise QuotaExceeded(f"{self._pending[owner]} calls of this key are waiting or running, the server's "
                                     f"limit per key ({self.max_queued})")
+            if self._pending[owner] and self._pending_bytes[owner] + size > self.max_queued_bytes:
+                raise QuotaExceeded(f"the calls of this key waiting or running hold {self._pending_bytes[owner]} bytes "
+                                    f"of requests; with this one's {size}, past the server's limit per key "
+                                    f"({self.max_queued_bytes})")
             request_id = f"req-{next(self._counter)}-{uuid.uuid4().hex[:8]}"
-            record = Call(request_id, owner, Future(), tag, key, fingerprint)
+            record = Call(request_id, owner, Future(), tag, key, fingerprint, size)
             self._calls[request_id] = record
             self._owned.setdefault(owner, collections.OrderedDict())[request_id] = record
             self._pending[owner] += 1
+            self._pending_bytes[owner] += size
+            self._kept_bytes[owner] += size
             if key is not None:
                 self._keys[key] = record
             if queue not in self._queues or not self._queues[queue]:
@@ -145,23 +160,25 @@ class Scheduler:
                 record.future.set_exception(error)
             with self._lock:
                 self._pending[record.owner] -= 1
+                self._pending_bytes[record.owner] -= record.size
                 self._forget_old(record.owner)
 
     def _forget_old(self, owner: str) -> None:
-        """Drop `owner`'s oldest finished results beyond `keep_results` (their keys too); never a
-        pending one, never another owner's. Called with the lock held."""
+        """Drop `owner`'s oldest finished results past `keep_results` or `keep_bytes` (their keys
+        too); never a pending one, never another owner's. Called with the lock held."""
         owned = self._owned.get(owner)
         if owned is None:
             return
-        excess = len(owned) - self.keep_results
-        if excess <= 0:
-            if not owned and not self._pending[owner]:
-                del self._owned[owner], self._pending[owner]
-            return
-        for request_id in [rid for rid, record in owned.items() if record.future.done()][:excess]:
-            record = owned.pop(request_id)
-            del self._calls[request_id]
-            if record.key is not None and self._keys.get(record.key) is record:
-                del self._keys[record.key]
+        if len(owned) > self.keep_results or self._kept_bytes[owner] > self.keep_bytes:
+            for request_id in [rid for rid, record in owned.items() if record.future.done()]:
+                if len(owned) <= self.keep_results and self._kept_bytes[owner] <= self.keep_bytes:
+                    break
+                record = owned.pop(request_id)
+                del self._calls[request_id]
+                self._kept_bytes[owner] -= record.size
+                if record.key is not None and self._keys.get(record.key) is record:
+                    del self._keys[record.key]
         if not owned and not self._pending[owner]:
-            del self._owned[owner], self._pending[owner]
+            del self._owned[owner]
+            for counter in (self._pending, self._pending_bytes, self._kept_bytes):
+                counter.pop(owner, None)

@@ -62,3 +62,26 @@ def test_a_repeated_key_is_a_retry_only_with_the_same_request(gated):
     other = scheduler.submit("m", lambda: 4, key=("forward_backward", "m", 7), owner="o", fingerprint="body-3")
     gate.set()
     assert other != first and scheduler.future(other).result(timeout=30) == 4
+
+
+def test_the_bytes_of_queued_and_kept_calls_are_bounded_per_key():
+    scheduler = Scheduler(max_queued_bytes=100, keep_bytes=250)
+    gate = threading.Event()
+    scheduler.submit("gate", gate.wait, owner="gatekeeper")
+    try:
+        big = scheduler.submit("a", lambda: "big", owner="o", size=500)  # one call alone always fits
+        with pytest.raises(QuotaExceeded, match="hold 500 bytes"):
+            scheduler.submit("a", lambda: "more", owner="o", size=1)
+        scheduler.submit("b", lambda: "other", owner="p", size=60)  # another key's budget is its own
+    finally:
+        gate.set()
+    assert scheduler.future(big).result(timeout=30) == "big"
+    scheduler.run("a", lambda: None, owner="p")  # behind big on its queue: big is booked as finished
+    calls = []
+    for i in range(4):  # one at a time: two 90-byte calls at once would pass the 100-byte queue quota
+        calls.append(scheduler.submit("a", lambda i=i: i, owner="o", size=90))
+        scheduler.future(calls[-1]).result(timeout=30)
+        scheduler.run("a", lambda: None, owner="p")  # o's call is booked as finished before its next
+    # kept within 250 bytes: the 500-byte result went first, then the oldest 90s
+    assert [scheduler.call(rid) is not None for rid in [big, *calls]] == [False, False, False, True, True]
+    scheduler.close()
