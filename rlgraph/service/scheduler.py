@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import uuid
 from collections.abc import Callable, Hashable
@@ -35,10 +36,6 @@ from typing import Any
 
 import attrs
 
-MAX_QUEUED = 256  # calls one key may have waiting or running
-MAX_QUEUED_BYTES = 64 * 2**20  # ... and their request bodies' bytes
-KEEP_RESULTS = 1024  # finished results one key keeps retrievable
-KEEP_BYTES = 256 * 2**20  # ... within this many bytes of their requests' bodies
 
 
 class QuotaExceeded(RuntimeError):
@@ -61,8 +58,10 @@ class Call:
 
 
 class Scheduler:
-    def __init__(self, name: str = "rlgraph-service", *, max_queued: int = MAX_QUEUED,
-                 max_queued_bytes: int = MAX_QUEUED_BYTES, keep_results: int = KEEP_RESULTS, keep_bytes: int = KEEP_BYTES):
+    def __init__(self, name: str = "rlgraph-service", *, max_queued: float = math.inf, max_queued_bytes: float = math.inf,
+                 keep_results: float = 4096, keep_bytes: float = math.inf):
+        """Quotas per owner; the HTTP server passes its `Limits` (the in-process client, whose one
+        owner is the operator, queues without bounds and keeps its 4,096 newest results)."""
         self.max_queued, self.max_queued_bytes = max_queued, max_queued_bytes
         self.keep_results, self.keep_bytes = keep_results, keep_bytes
         self._queues: dict[str, collections.deque[tuple[Call, Callable[[], Any]]]] = {}
