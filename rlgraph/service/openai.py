@@ -19,10 +19,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from rlgraph.service.bodies import json_body
 from rlgraph.service.core import SampleParams
 from rlgraph.service.datums import check_tokens
 from rlgraph.service.errors import CallError, not_found
-from rlgraph.service.http import json_body
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
                  "stop", "seed", "logprobs", "top_logprobs", "stream", "user"}
