@@ -264,3 +264,20 @@ def test_train_unembed_adapts_the_lm_head_and_the_fused_head_applies_it(local):
             expected = logits.log_softmax(-1).gather(1, torch.tensor(datum.loss_fn_inputs["target_tokens"])[:, None])
             # two fp32 paths over 64-wide rows (chunked head vs. the module's matmul): ~1e-6 apart
             assert torch.allclose(out["logprobs"], expected[:, 0], atol=1e-4)
+
+
+def test_a_state_saved_before_the_unembedding_was_adapted_still_loads(local):
+    """Such a state's `lora` says train_unembed=True (the recorded default) but holds no lm_head
+    tensors: it makes a client without the head's adapter, with the saved weights."""
+    service = local.service
+    training = local.create_lora_training_client("tiny", rank=4, seed=4, train_unembed=False).result()
+    path = training.save_state("before-unembed").result().path
+    file = service.store.check(local.owner, path)
+    payload = torch.load(file, weights_only=True)
+    payload["lora"]["train_unembed"] = True  # what the server recorded for Tinker's default before
+    torch.save(payload, file)
+    restored = local.create_training_client_from_state(path).result()
+    tenant = service.tenants[restored.model_id]
+    assert not tenant.lora.train_unembed
+    saved = service.base.adapter_state(service.tenants[training.model_id].adapter)
+    assert all(torch.equal(value, service.base.adapter_state(tenant.adapter)[name]) for name, value in saved.items())
