@@ -75,12 +75,14 @@ def _sparse(csr: Any, dtype: Any, shape: list[int], count: int | None, field: st
     return dense
 
 
-def _tokens(chunk: Any, field: str, limit: int) -> list[int]:
+def _tokens(chunk: Any, field: str, before: int, context: int) -> list[int]:
+    """A chunk's int32 ids, which with the `before` tokens of the datum's earlier chunks fit `context`."""
     data = chunk.encoded_text.tokens
     if len(data) % 4:
         raise CallError(f"token bytes ({len(data)}) are not whole int32 ids (a multiple of 4 bytes)", field=field)
-    if len(data) // 4 > limit:
-        raise CallError(f"holds {len(data) // 4} tokens; the model's context is {limit}", field=field, status=413)
+    if before + len(data) // 4 > context:
+        raise CallError(f"holds {before + len(data) // 4} tokens; the model's context is {context}", field=field,
+                        status=413, fix="send shorter sequences")
     return np.frombuffer(data, dtype=np.int32).tolist()
 
 
@@ -106,7 +108,7 @@ def read_forward_backward(body: bytes, limits: Limits) -> dict[str, Any]:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise CallError(f"chunk {j} is {chunk.WhichOneof('chunk')}; this server takes text tokens only",
                                 field=f"data[{i}].model_input", fix="ModelInput.from_ints(tokens)")
-            tokens += _tokens(chunk, f"data[{i}].model_input", limits.max_tokens - len(tokens))
+            tokens += _tokens(chunk, f"data[{i}].model_input", len(tokens), limits.max_tokens)
         inputs = {}
         for name, value in datum.loss_fn_inputs.items():
             inputs[name] = torch.from_numpy(_tensor(value, f"data[{i}].loss_fn_inputs.{name}", limits.max_tokens, budget))
