@@ -135,7 +135,10 @@ def run(service, base_model: str, *, rl_steps: int = RL_STEPS, prompts: int = 16
     """GRPO on a fresh LoRA tenant of `base_model`; held-out accuracy before and after, each step's reward."""
     splits = arithmetic.make_splits(seed=seed)
     test, train = list(splits.test[:test_size]), list(splits.train)
-    training = service.create_lora_training_client(base_model=base_model, rank=16, seed=seed).result()
+    # Adapters on attention and MLP, as when this loop's gains were measured (docs/service.md); Tinker's
+    # default also adapts the unembedding, which moves this seed's trajectory.
+    training = service.create_lora_training_client(base_model=base_model, rank=16, seed=seed,
+                                                   train_unembed=False).result()
     tokenizer = training.get_tokenizer()
     shuffle = random.Random(seed)
     start = time.perf_counter()

@@ -13,6 +13,7 @@ before any optimizer step).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,10 @@ from rlgraph.service.tenants import BaseModel, LoraSpec, Sampler, Tenant
 
 PLAN_CALLS = ("forward", "forward_backward", "optim_step", "sample", "compute_logprobs")
 ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+# (low, high, high included): finite bounds past which a setting is a mistake, not a choice. An Adam
+# step moves each weight by about the learning rate, so above 1 it rewrites the adapter each step.
+ADAM_RANGES = {"learning_rate": (0.0, 1.0, True), "beta1": (0.0, 1.0, False), "beta2": (0.0, 1.0, False),
+               "eps": (0.0, 1.0, True), "weight_decay": (0.0, 1e4, True), "grad_clip_norm": (0.0, 1e9, True)}
 
 
 @attrs.frozen
@@ -140,11 +145,22 @@ class Service:
     def optim_step(self, owner: str, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
         """One AdamW step with Tinker's `AdamParams` on the accumulated gradients, which it clears."""
         tenant = self.tenant(owner, model_id)
-        compiled = self._plan("optim_step", lora=tenant.lora.plan_settings, **check_adam(adam))
+        settings = check_adam(adam)
+        compiled = self._plan("optim_step", lora=tenant.lora.plan_settings, **settings)
+        before = _snapshot(tenant)
         try:
             metrics, _ = programs.run(compiled, tenant.executor, None)
         except NonFiniteUpdate as error:  # cannot happen through forward_backward's guard; kept as the last line
             raise CallError(f"{error}", field="optim_step") from None
+        # The step's own arithmetic can still overflow (weights near the float limit); such a step is
+        # undone, so no non-finite value is ever kept, saved or sampled from.
+        bad = sum(int((~torch.isfinite(param)).sum()) for param in tenant.params)
+        if bad:
+            _restore(tenant, before)
+            raise CallError(f"this step made {bad} adapter values non-finite (NaN or inf) with learning_rate="
+                            f"{settings['learning_rate']:g}, weight_decay={settings['weight_decay']:g}; it was undone: "
+                            "the adapter, its optimizer state and its gradients are as before", field="adam_params",
+                            fix="a smaller learning_rate")
         tenant.steps += 1
         return {"grad_norm:mean": metrics["policy/grad_norm"], "step:max": float(tenant.steps)}
 
@@ -175,6 +191,8 @@ class Service:
     def create_from_state(self, owner: str, model_id: str, path: str, *, optimizer: bool) -> str:
         payload = self.store.load(owner, path, kinds=("weights",))
         lora = LoraSpec(**payload["lora"])
+        if lora.train_unembed and not any(".lm_head." in name for name in payload["adapter"]):
+            lora = attrs.evolve(lora, train_unembed=False)  # saved before the unembedding was adapted
         self.create_model(owner, model_id, self.base.name, lora)
         try:
             return self.load_state(owner, model_id, path, optimizer=optimizer) and model_id
@@ -196,6 +214,8 @@ class Service:
             path = self.store.save(owner, model_id, "sampler_weights", name,
                                    {"adapter": tensors, "lora": attrs.asdict(tenant.lora)}, overwrite=True)
         self._add_sampler(owner, sampler_id, tensors, tenant.lora, path)
+        if sampler_id in tenant.snapshots:  # a reused sampling_session_seq_id: the entry was replaced, not added
+            tenant.snapshots.remove(sampler_id)
         tenant.snapshots.append(sampler_id)
         while len(tenant.snapshots) > self.limits.kept_snapshots:  # an RL loop makes one a step
             self.drop_sampler(tenant.snapshots.pop(0))
@@ -219,11 +239,20 @@ class Service:
 
     def _add_sampler(self, owner: str, sampler_id: str, tensors: Mapping[str, torch.Tensor], lora: LoraSpec,
                      path: str | None) -> None:
-        _check_quota(self.samplers.values(), owner, self.limits.max_samplers, "samplers", "sampling_session_id",
+        """Sampler `sampler_id` on a new adapter holding `tensors`. A sampler of the same id (a reused
+        sampling_session_seq_id) is replaced, and its adapter freed, only once the new one is loaded."""
+        replaced = self.samplers.get(sampler_id)
+        others = [item for item in self.samplers.values() if item is not replaced]
+        _check_quota(others, owner, self.limits.max_samplers, "samplers", "sampling_session_id",
                      "reuse a sampling client; a training model keeps only its newest snapshots")
         adapter, _ = self._new_adapter("s", lora)
-        self.base.load_adapter_state(adapter, tensors, "model_path")
+        try:
+            self.base.load_adapter_state(adapter, tensors, "model_path")
+        except BaseException:
+            self.base.delete_adapter(adapter)
+            raise
         executor = self.base.executor([], None, seed=lora.seed, max_new_tokens=self.limits.max_new_tokens)
+        self.drop_sampler(sampler_id)
         self.samplers[sampler_id] = Sampler(sampler_id, owner, adapter, executor, path)
 
     def sampler(self, owner: str, sampler_id: object) -> Sampler:
@@ -307,6 +336,22 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
+def _snapshot(tenant: Tenant) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]:
+    """The adapter's values, gradients and optimizer state, to undo a step (an adapter is small)."""
+    params = [param.detach().clone() for param in tenant.params]
+    grads = [None if param.grad is None else param.grad.clone() for param in tenant.params]
+    return params, grads, copy.deepcopy(tenant.optimizer.state_dict())
+
+
+def _restore(tenant: Tenant, saved: tuple[list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]) -> None:
+    params, grads, optimizer = saved
+    with torch.no_grad():
+        for param, value in zip(tenant.params, params):
+            param.copy_(value)
+    _restore_grads(tenant.params, grads)
+    tenant.optimizer.load_state_dict(optimizer)
+
+
 def _restore_grads(params: list[torch.nn.Parameter], saved: list[torch.Tensor | None]) -> None:
     for param, grad in zip(params, saved):
         param.grad = grad
@@ -326,15 +371,18 @@ def check_adam(adam: Mapping[str, float]) -> dict[str, float]:
         raise CallError(f"unknown AdamParams key {sorted(unknown)[0]!r} (keys: {', '.join(ADAM_DEFAULTS)})",
                         field=f"adam_params.{sorted(unknown)[0]}")
     params = {**ADAM_DEFAULTS, **adam}
-    ranges = {"learning_rate": (0, None), "beta1": (0, 1), "beta2": (0, 1), "eps": (0, None), "weight_decay": (0, None),
-              "grad_clip_norm": (0, None)}
-    for key, (low, high) in ranges.items():
+    for key, (low, high, closed) in ADAM_RANGES.items():
         value = params[key]
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= low \
-            and (high is None or value < high) and (key != "eps" or value > 0)
+            and (value <= high if closed else value < high) and (key != "eps" or value > 0)
         if not ok:
-            bound = f"in [{low}, {high})" if high is not None else ("> 0" if key == "eps" else f">= {low}")
-            raise CallError(f"{key} must be a finite number {bound}, got {value!r}", field=f"adam_params.{key}")
+            bound = f"{'(' if key == 'eps' else '['}{low:g}, {high:g}{']' if closed else ')'}"
+            raise CallError(f"{key} must be a finite number in {bound}, got {str(value)[:40]}", field=f"adam_params.{key}",
+                            fix=f"{key}={ADAM_DEFAULTS[key]:g} (Tinker's default)")
+    if params["learning_rate"] * params["weight_decay"] > 1:
+        raise CallError(f"learning_rate x weight_decay is {params['learning_rate'] * params['weight_decay']:g}: AdamW "
+                        "scales each weight by 1 - lr x weight_decay a step, which must stay in [0, 1]",
+                        field="adam_params.weight_decay", fix="weight_decay <= 1 / learning_rate")
     return {key: float(value) for key, value in params.items()}
 
 

@@ -12,6 +12,7 @@ Every bad value is a `CallError` naming `data[i].<field>`; nothing here touches 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -35,7 +36,8 @@ class Limits:
     """What one call may hold: `max_datums` per forward/backward, `max_tokens` per sequence (the
     model's context), `max_samples` per sample call, `max_new_tokens` per sampled sequence; and what
     a key may hold: `max_models` training models, `max_samplers` samplers; a training model keeps its
-    `kept_snapshots` newest sampler snapshots (an RL loop makes one a step; older ones are dropped)."""
+    `kept_snapshots` newest sampler snapshots (an RL loop makes one a step; older ones are dropped).
+    Every limit is a field so tests can make it small."""
 
     vocab_size: int
     max_tokens: int
@@ -45,10 +47,32 @@ class Limits:
     max_models: int = 32
     max_samplers: int = 64
     kept_snapshots: int = 4
+    # What the HTTP server reads before any work is done on a request (docs/security.md):
+    max_body_bytes: int = 16 * 1024 * 1024  # a body, counted as it is read (chunked bodies too)
+    body_seconds: float = 60.0  # the whole body must arrive within this (a trickled body is cut: 408)
+    max_json_depth: int = 32  # nesting of a JSON body (the SDK's deepest request nests 6)
+    chars_per_token: int = 32  # an OpenAI text prompt longer than max_tokens * this is refused untokenised
+    # ... and what one API key may hold on it:
+    max_queued_calls: int = 256  # calls waiting or running (429 past it: the SDK retries later)
+    max_queued_bytes: int = 64 * 2**20  # ... and their request bodies (decoded, they are what a queue holds)
+    max_kept_results: int = 1024  # finished results kept retrievable (the key's oldest go first)
+    max_kept_bytes: int = 256 * 2**20  # ... within their requests' bytes (a result is no larger than its request)
+    max_sessions: int = 256  # SDK sessions (the key's oldest go first)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_tokens * self.chars_per_token
 
 
 def check_tokens(tokens: object, field: str, limits: Limits, *, room: int = 0) -> list[int]:
-    """`tokens` as a list of ids in the vocabulary, at most `max_tokens - room` long."""
+    """`tokens` as a list of ids in the vocabulary, at most `max_tokens - room` long (the length is
+    checked first: a long list is refused before anything walks it)."""
+    count = math.prod(tokens.shape) if hasattr(tokens, "shape") else len(tokens) if isinstance(tokens, (list, tuple)) \
+        else None
+    if count is not None and count > limits.max_tokens - room:
+        raise CallError(f"holds {count} tokens; the model's context is {limits.max_tokens}"
+                        + (f" and {room} more are needed" if room else ""), field=field, status=413,
+                        fix="send shorter sequences")
     if hasattr(tokens, "tolist"):  # a tensor or a numpy array (the SDK's TensorData.to_numpy())
         tokens = tokens.tolist()
     if not isinstance(tokens, (list, tuple)) or not tokens:
@@ -56,12 +80,8 @@ def check_tokens(tokens: object, field: str, limits: Limits, *, room: int = 0) -
     bad = next((i for i, t in enumerate(tokens) if isinstance(t, bool) or not isinstance(t, int)
                 or not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise CallError(f"token {bad} is {tokens[bad]!r}, outside the vocabulary 0..{limits.vocab_size - 1}",
+        raise CallError(f"token {bad} is {_short(tokens[bad])}, not an id of the vocabulary 0..{limits.vocab_size - 1}",
                         field=field, fix="tokenize with the model's tokenizer (get_tokenizer())")
-    if len(tokens) > limits.max_tokens - room:
-        raise CallError(f"holds {len(tokens)} tokens; the model's context is {limits.max_tokens}"
-                        + (f" and {room} more are needed" if room else ""), field=field, status=413,
-                        fix="send shorter sequences")
     return list(tokens)
 
 

@@ -31,15 +31,15 @@ from fastapi.responses import JSONResponse, Response
 from tinker import types
 
 from rlgraph.service import programs, wire
+from rlgraph.service.bodies import BodyLimit, fingerprint, json_body
 from rlgraph.service.core import SampleParams, Service, check_adam, check_sample
 from rlgraph.service.datums import check_datums, check_tokens
 from rlgraph.service.errors import CallError, not_found
 from rlgraph.service.losses import check_loss
-from rlgraph.service.scheduler import KEEP_RESULTS, Scheduler
+from rlgraph.service.scheduler import KeyReused, QuotaExceeded, Scheduler
 from rlgraph.service.tenants import LoraSpec, check_name
 
 PROTO = "application/x-protobuf"
-MAX_BODY = 16 * 1024 * 1024
 POLL_SECONDS = 20.0  # one retrieve_future waits this long before answering try_again (the SDK waits 45 s)
 LOCAL_OWNER = "local"
 
@@ -49,15 +49,17 @@ def owner_of(key: str) -> str:
 
 
 class Server:
-    """The state behind the routes: the service, its scheduler, sessions and the results' encoders."""
+    """The state behind the routes: the service, its scheduler (which keeps each call's owner and
+    result encoder) and the sessions."""
 
     def __init__(self, service: Service, keys: Collection[str] | None):
         self.service = service
-        self.scheduler = Scheduler()
+        limits = service.limits
+        self.scheduler = Scheduler(max_queued=limits.max_queued_calls, max_queued_bytes=limits.max_queued_bytes,
+                                   keep_results=limits.max_kept_results, keep_bytes=limits.max_kept_bytes)
         self.owners = None if keys is None else {owner_of(key) for key in keys}
         self.sessions: dict[str, str] = {}  # session id -> owner
-        # request id -> (its owner, its result's encoder); the oldest go as the scheduler forgets results
-        self.requests: collections.OrderedDict[str, tuple[str, Callable[[Any], Any]]] = collections.OrderedDict()
+        self._sessions_of: dict[str, collections.OrderedDict[str, None]] = {}  # owner -> its sessions, oldest first
 
     def owner(self, request: Request) -> str:
         key = request.headers.get("x-api-key")
@@ -71,36 +73,56 @@ class Server:
                             status=401, fix="ServiceClient(base_url=..., api_key=<a key of the server's --keys file>)")
         return owner_of(key)
 
+    def new_session(self, owner: str) -> str:
+        """A session id for `owner`; past `max_sessions` its oldest session is forgotten (its
+        heartbeat then answers 410, and the SDK stops it)."""
+        session_id = uuid.uuid4().hex
+        held = self._sessions_of.setdefault(owner, collections.OrderedDict())
+        held[session_id] = None
+        self.sessions[session_id] = owner
+        while len(held) > self.service.limits.max_sessions:
+            del self.sessions[held.popitem(last=False)[0]]
+        return session_id
+
     def session(self, owner: str, session_id: object) -> str:
         if not isinstance(session_id, str) or self.sessions.get(session_id) != owner:
             raise not_found("session", str(session_id), "session_id")
         return session_id
 
     def submit(self, owner: str, queue: str, call: Callable[[], Any], encode: Callable[[Any], Any], *,
-               key: Any = None, model_id: str | None = None) -> dict[str, Any]:
-        request_id = self.scheduler.submit(queue, call, key=key)
-        self.requests[request_id] = (owner, encode)
-        while len(self.requests) > 2 * KEEP_RESULTS:
-            self.requests.popitem(last=False)
+               key: tuple | None = None, fingerprint: str | None = None, model_id: str | None = None,
+               size: int = 0) -> dict[str, Any]:
+        """Queue `call` under `owner`'s quota. `key` (the call's name, model or sampler, seq id; None
+        without a seq id) makes a retry of the same request (`fingerprint`, its body's digest) answer
+        the first call's request id; the same key with another request is refused."""
+        try:
+            request_id = self.scheduler.submit(queue, call, key=None if key is None else (owner, *key), owner=owner,
+                                               tag=encode, fingerprint=fingerprint, size=size)
+        except QuotaExceeded as error:
+            raise CallError(f"{error}; wait for results before sending more", field="request", status=429,
+                            fix="retrieve your pending futures (the SDK retries a 429 after a pause)") from None
+        except KeyReused as error:
+            field = "model_seq_id" if key[0] == "create_model" else "seq_id"
+            raise CallError(f"{field} {key[-1]!r} of {key[1]!r} was already used by another {key[0]} request "
+                            f"({error}); a retry must resend the same request", field=field,
+                            fix=f"use a new {field} for each call (the SDK counts them per client)") from None
         return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
 
     def request(self, owner: str, request_id: object) -> tuple[Any, Callable[[Any], Any]]:
         """The future and encoder of `owner`'s call `request_id`; another key's reads as not found."""
-        held = self.requests.get(request_id) if isinstance(request_id, str) else None
-        future = self.scheduler.future(request_id) if held is not None and held[0] == owner else None
-        if future is None:
-            raise CallError(f"no call {request_id!r} for this API key (unknown, another key's, or its result was "
-                            "dropped)", field="request_id", status=404)
-        return future, held[1]
+        record = self.scheduler.call(request_id)
+        if record is None or record.owner != owner:
+            raise CallError(f"no call {str(request_id)[:80]!r} for this API key (unknown, another key's, or its result "
+                            "was dropped: a key keeps its newest results only)", field="request_id", status=404)
+        return record.future, record.tag
 
     async def run_sync(self, call: Callable[[], Any]) -> Any:
         """`call` on a thread (compiling a plan takes milliseconds; the event loop keeps serving)."""
         return await asyncio.to_thread(call)
 
-    async def run(self, queue: str, call: Callable[[], Any]) -> Any:
-        """Queue `call` and wait for it (calls whose answer the SDK expects inline)."""
-        future = self.scheduler.future(self.scheduler.submit(queue, call))
-        return await asyncio.wrap_future(future)
+    async def run(self, owner: str, queue: str, call: Callable[[], Any]) -> Any:
+        """Queue `call` (under `owner`'s quota) and wait for it (calls whose answer the SDK expects inline)."""
+        return await asyncio.wrap_future(self.scheduler.future(self.submit(owner, queue, call, None)["request_id"]))
 
 
 def parse(model: type[pydantic.BaseModel], body: Any) -> Any:
@@ -113,11 +135,14 @@ def parse(model: type[pydantic.BaseModel], body: Any) -> Any:
         raise CallError(f"{first['msg']} (got {str(first.get('input'))[:80]!r})", field=field) from None
 
 
-async def json_body(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError:
-        raise CallError("the body is not JSON", field="body") from None
+def call_key(call: str, target: object, seq_id: object) -> tuple | None:
+    """The repeat-detection key of a call: its name, its model or sampler and its seq id (None: no seq id, no
+    repeat detection)."""
+    if seq_id is None:
+        return None
+    if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        raise CallError(f"must be a whole number (the client's call counter), got {str(seq_id)[:60]!r}", field="seq_id")
+    return (call, target, seq_id)
 
 
 def tokens_of(model_input: Any, field: str) -> list[int]:
@@ -151,16 +176,7 @@ def build_app(service: Service, keys: Collection[str] | None) -> FastAPI:
         return JSONResponse({"error": f"the server failed on {request.url.path}: {type(error).__name__}: {error}",
                              "category": "server"}, status_code=500)
 
-    @app.middleware("http")
-    async def limits(request: Request, call_next: Callable) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
-            return JSONResponse({"error": f"the body is {length} bytes; this server takes at most {MAX_BODY}",
-                                 "field": "body", "category": "user"}, status_code=413)
-        if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-            return JSONResponse({"error": "compressed bodies are not accepted", "field": "Content-Encoding",
-                                 "category": "user"}, status_code=415)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limits=service.limits)
 
     _session_routes(app, server)
     _future_routes(app, server)
@@ -247,17 +263,14 @@ def _session_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> dict:
-        owner = server.owner(request)
-        session_id = uuid.uuid4().hex
-        server.sessions[session_id] = owner
-        return {"type": "create_session", "session_id": session_id}
+        return {"type": "create_session", "session_id": server.new_session(server.owner(request))}
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request) -> dict:
         owner, body = server.owner(request), await json_body(request)
         session_id = body.get("session_id") if isinstance(body, dict) else None
-        if server.sessions.get(session_id) != owner:  # 410 stops the SDK's heartbeat (a session of a restarted server)
-            raise CallError(f"no live session {session_id!r} for this API key (the server restarted?)",
+        if not isinstance(session_id, str) or server.sessions.get(session_id) != owner:  # 410 stops the SDK's heartbeat (a session of a restarted server)
+            raise CallError(f"no live session {str(session_id)[:80]!r} for this API key (the server restarted?)",
                             field="session_id", status=410, fix="create a new ServiceClient")
         return {"type": "session_heartbeat"}
 
@@ -318,7 +331,7 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
         call = lambda: service.create_model(owner, model_id, body.base_model, lora)  # noqa: E731
         return server.submit(owner, model_id, call, lambda mid: {"model_id": mid, "type": "create_model"},
-                             key=(model_id, "create"), model_id=model_id)
+                             key=("create_model", model_id, body.model_seq_id), fingerprint=fingerprint(request), model_id=model_id)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict:
@@ -332,15 +345,20 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         if PROTO not in request.headers.get("content-type", ""):
             raise CallError("forward_backward takes the SDK's protobuf body", field="Content-Type",
                             fix="use the tinker SDK's TrainingClient.forward_backward")
-        body = wire.read_forward_backward(await request.body())
-        model_id = body["model_id"]
-        service.tenant(owner, model_id)
-        config = check_loss(body["loss_fn"], body["loss_fn_config"], registered=False)
-        check_datums(body["data"], body["loss_fn"], service.limits)  # a bad batch is a 400 now, not a failed future
+        raw = await request.body()
+
+        def read() -> tuple[dict[str, Any], dict[str, float]]:  # on a thread: a big batch takes the loop no time
+            body = wire.read_forward_backward(raw, service.limits)
+            service.tenant(owner, body["model_id"])
+            config = check_loss(body["loss_fn"], body["loss_fn_config"], registered=False)
+            check_datums(body["data"], body["loss_fn"], service.limits)  # a bad batch is a 400 now, not a failed future
+            return body, config
+        body, config = await server.run_sync(read)
+        model_id, name = body["model_id"], "forward" if body["forward_only"] else "forward_backward"
         call = lambda: service.forward(owner, model_id, body["data"], body["loss_fn"], config,  # noqa: E731
                                        backward=not body["forward_only"])
-        return server.submit(owner, model_id, call, wire.forward_backward_output, key=(model_id, body["seq_id"]),
-                             model_id=model_id)
+        return server.submit(owner, model_id, call, wire.forward_backward_output, key=call_key(name, model_id, body["seq_id"]),
+                             fingerprint=body["fingerprint"], model_id=model_id, size=len(raw))
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict:
@@ -353,9 +371,11 @@ def _training_routes(app: FastAPI, server: Server) -> None:
             raise CallError(f"must be an object, got {adam!r}", field="adam_params")
         model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
         service.tenant(owner, model_id)
+        call_key("optim_step", model_id, seq_id)  # a bad seq_id is a 400 before anything else
         check_adam(adam)
         call = lambda: service.optim_step(owner, model_id, adam)  # noqa: E731
-        return server.submit(owner, model_id, call, lambda metrics: {"metrics": metrics}, key=(model_id, seq_id),
+        return server.submit(owner, model_id, call, lambda metrics: {"metrics": metrics},
+                             key=call_key("optim_step", model_id, seq_id), fingerprint=fingerprint(request),
                              model_id=model_id)
 
 
@@ -371,7 +391,8 @@ def _state_routes(app: FastAPI, server: Server) -> None:
         name = check_name(body.path or f"state-{uuid.uuid4().hex[:8]}", "path")
         call = lambda: service.save_state(owner, body.model_id, name, overwrite=body.overwrite)  # noqa: E731
         return server.submit(owner, body.model_id, call, lambda path: {"path": path, "type": "save_weights"},
-                             key=(body.model_id, body.seq_id), model_id=body.model_id)
+                             key=call_key("save_weights", body.model_id, body.seq_id),
+                             fingerprint=fingerprint(request), model_id=body.model_id)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -384,15 +405,15 @@ def _state_routes(app: FastAPI, server: Server) -> None:
             model_id = f"{body.session_id}:train:{body.model_seq_id}"
             service.store.check(owner, body.path, kinds=("weights",))
             call = lambda: service.create_from_state(owner, model_id, body.path, optimizer=body.optimizer)  # noqa: E731
-            key = (model_id, "create")
+            key = ("create_model", model_id, body.model_seq_id)
         else:
             model_id = body.model_id
             service.tenant(owner, model_id)
             service.store.check(owner, body.path, kinds=("weights",))
             call = lambda: service.load_state(owner, model_id, body.path, optimizer=body.optimizer)  # noqa: E731
-            key = (model_id, body.seq_id)
+            key = call_key("load_weights", model_id, body.seq_id)
         return server.submit(owner, model_id, call, lambda _: {"path": body.path, "model_id": model_id, "type": "load_weights"},
-                             key=key, model_id=model_id)
+                             key=key, fingerprint=fingerprint(request), model_id=model_id)
 
 
 def _sampling_routes(app: FastAPI, server: Server) -> None:
@@ -410,7 +431,9 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         call = lambda: service.save_for_sampler(owner, body.model_id, sampler_id, body.path)  # noqa: E731
         encode = lambda result: {"path": result[0], "sampling_session_id": result[1],  # noqa: E731
                                  "type": "save_weights_for_sampler"}
-        return server.submit(owner, body.model_id, call, encode, key=(body.model_id, body.seq_id), model_id=body.model_id)
+        return server.submit(owner, body.model_id, call, encode, key=call_key("save_weights_for_sampler", body.model_id,
+                                                                           body.seq_id),
+                             fingerprint=fingerprint(request), model_id=body.model_id)
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict:
@@ -421,7 +444,7 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         if body.model_path is not None:
             service.store.check(owner, body.model_path, "model_path")
         if sampler_id not in service.samplers:
-            await server.run(sampler_id, lambda: service.create_sampler(owner, sampler_id, model_path=body.model_path,
+            await server.run(owner, sampler_id, lambda: service.create_sampler(owner, sampler_id, model_path=body.model_path,
                                                                         base_model=body.base_model))
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
@@ -447,10 +470,12 @@ def _sampling_routes(app: FastAPI, server: Server) -> None:
         p = body.sampling_params
         params = SampleParams(max_tokens=p.max_tokens, seed=p.seed, stop=p.stop, temperature=p.temperature,
                               top_k=p.top_k, top_p=p.top_p)
-        check_sample(params, body.num_samples, len(check_tokens(prompt, "prompt", service.limits)), service.limits)
+        steps = check_sample(params, body.num_samples, len(check_tokens(prompt, "prompt", service.limits)), service.limits)
         call = lambda: service.sample(owner, body.sampling_session_id, prompt, body.num_samples, params,  # noqa: E731
                                       prompt_logprobs=bool(body.prompt_logprobs))
         answer = server.submit(owner, body.sampling_session_id, call, wire.sample_response,
-                               key=(body.sampling_session_id, "sample", body.seq_id) if body.seq_id is not None else None)
+                               key=call_key("sample", body.sampling_session_id, body.seq_id),
+                               fingerprint=fingerprint(request),  # its result: a token and a log-prob a step and sample
+                               size=body.num_samples * (steps + len(prompt)) * 8)
         return {**answer, "sample_sequence_ids": [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]}
 

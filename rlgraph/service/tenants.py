@@ -32,15 +32,17 @@ from rlgraph.service.errors import CallError
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
 LORA_ALPHA = 32.0  # Tinker's adapters are scaled alpha / rank with a fixed alpha
 MAX_RANK = 128
 
 
 @attrs.frozen
 class LoraSpec:
-    """Tinker's `LoraConfig`: rank, init seed and which layer families get adapters. The
-    unembedding is never adapted here (the log-prob head reads the base weight), so
-    `train_unembed` is recorded but adapts nothing (docs/service.md)."""
+    """Tinker's `LoraConfig`: rank, init seed and which layer families get LoRA adapters: attention,
+    MLP and, with `train_unembed` (Tinker's default, "add lora to the unembedding layer"), the LM
+    head `lm_head`. The log-prob head multiplies by the head's adapted weight
+    (`backends/local/logprobs.py`), so an unembedding adapter trains like the others."""
 
     rank: int
     seed: int = 0
@@ -54,13 +56,14 @@ class LoraSpec:
                             fix="rank=8 (typical ranks are 8 to 64)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise CallError(f"seed must be an integer, got {self.seed!r}", field="lora_config.seed")
-        if not (self.train_attn or self.train_mlp):
-            raise CallError("adapts no layer: train_attn and train_mlp are both false (the unembedding is not "
-                            "adapted on this server)", field="lora_config", fix="train_attn=True")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise CallError("adapts no layer: train_attn, train_mlp and train_unembed are all false",
+                            field="lora_config", fix="train_attn=True")
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return (ATTENTION if self.train_attn else ()) + (MLP if self.train_mlp else ())
+        return (ATTENTION if self.train_attn else ()) + (MLP if self.train_mlp else ()) \
+            + (UNEMBED if self.train_unembed else ())
 
     @property
     def plan_settings(self) -> dict[str, Any]:
@@ -153,6 +156,9 @@ class BaseModel:
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             torch.manual_seed(lora.seed)  # peft draws A from the global RNG
             warnings.filterwarnings("ignore", category=FutureWarning)
+            # A tied lm_head: peft warns that merging would change the embedding too; adapters are never
+            # merged here (the head's LoRA delta applies to the head's product only).
+            warnings.filterwarnings("ignore", message=".*tied.*")
             if isinstance(self.module, PeftModel):
                 self.module.add_adapter(adapter, config)
             else:
@@ -191,6 +197,10 @@ class BaseModel:
                             f"{len(tensors)} tensors, this adapter {len(own)})", field=where,
                             fix="load into a training client created with the same rank and train_* flags, or use "
                                 "create_training_client_from_state")
+        bad = next((name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor).all())), None)
+        if bad is not None:
+            raise CallError(f"the saved adapter's {bad} holds non-finite values (NaN or inf); nothing was loaded",
+                            field=where, fix="load an earlier state")
         with torch.no_grad():
             for name, param in own.items():
                 param.copy_(tensors[name])

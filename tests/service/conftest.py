@@ -23,13 +23,17 @@ KEY_B = "tml-" + "b" * 32
 class RunningServer:
     """uvicorn serving `build_app(Service(...))` until `stop()`; `url` is its base URL."""
 
-    def __init__(self, state_dir: Path, keys: set[str] | None = frozenset({KEY_A, KEY_B}), **service_kwargs):
+    def __init__(self, state_dir: Path, keys: set[str] | None = frozenset({KEY_A, KEY_B}), *,
+                 limits: dict | None = None, **service_kwargs):
+        """`limits`: fields of the service's `Limits` to change (small limits for tests of them)."""
+        import attrs
         import uvicorn
 
         from rlgraph.service.core import Service
         from rlgraph.service.http import build_app
 
         self.service = Service("tiny", state_dir=state_dir, **service_kwargs)
+        self.service.limits = attrs.evolve(self.service.limits, **(limits or {}))
         self.app = build_app(self.service, keys)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -121,7 +121,7 @@ def test_rlgraphs_registered_losses_are_usable_by_name_in_process(local):
 
 
 @pytest.mark.parametrize("kwargs, field", [({"rank": 0}, "lora_config.rank"), ({"rank": 1.5}, "lora_config.rank"),
-                                           ({"rank": 4, "train_attn": False, "train_mlp": False}, "lora_config"),
+                                           ({"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}, "lora_config"),
                                            ({"rank": 4, "seed": "a"}, "lora_config.seed")])
 def test_bad_lora_configs_name_the_field(kwargs, field):
     with pytest.raises(CallError) as error:
@@ -131,8 +131,12 @@ def test_bad_lora_configs_name_the_field(kwargs, field):
 
 def test_bad_adam_params_name_the_key(local):
     training = local.create_lora_training_client("tiny", rank=4).result()
+    # issue 34 item 6: finite but absurd settings were accepted and wrote 11,264 non-finite adapter values
     for adam, field in [({"learning_rate": float("nan")}, "adam_params.learning_rate"), ({"eps": 0.0}, "adam_params.eps"),
-                        ({"momentum": 0.9}, "adam_params.momentum")]:
+                        ({"momentum": 0.9}, "adam_params.momentum"), ({"learning_rate": 1e308}, "adam_params.learning_rate"),
+                        ({"weight_decay": 1e30}, "adam_params.weight_decay"), ({"eps": 1e300}, "adam_params.eps"),
+                        ({"learning_rate": 0.5, "weight_decay": 3.0}, "adam_params.weight_decay"),
+                        ({"grad_clip_norm": 1e300}, "adam_params.grad_clip_norm")]:
         with pytest.raises(CallError) as error:
             training.optim_step(adam).result()
         assert error.value.field == field
@@ -186,3 +190,94 @@ def test_sampling_stops_at_a_stop_token_or_string_and_says_so(local):
         with pytest.raises(CallError) as error:
             sampler.sample(prompt, 1, SampleParams(max_tokens=2, stop=bad)).result()
         assert error.value.field == "sampling_params.stop"
+
+
+def test_a_step_that_ends_non_finite_is_undone_and_reported(local, monkeypatch):
+    """Issue 34 item 6: optim_step reported success with non-finite adapter values, which save_state
+    then wrote. The step's result is checked; a non-finite one is undone (weights, AdamW state,
+    gradients) and reported, and a non-finite saved adapter is refused on load."""
+    training = local.create_lora_training_client("tiny", rank=4, seed=2).result()
+    tenant = local.service.tenants[training.model_id]
+    data = [sequence_datum(local, "12+7=19")]
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step({"learning_rate": 1e-2}).result()  # AdamW now has state to restore
+    training.forward_backward(data, "cross_entropy").result()
+    params = [param.detach().clone() for param in tenant.params]
+    grads = [param.grad.clone() for param in tenant.params]
+    moments = [state["exp_avg"].clone() for state in tenant.optimizer.state.values()]
+    step = tenant.optimizer.step
+
+    def overflowing(*args, **kwargs):  # what an update that overflows leaves behind
+        step(*args, **kwargs)
+        with torch.no_grad():
+            tenant.params[0].view(-1)[:3] = torch.tensor([float("inf"), float("nan"), float("-inf")])
+    monkeypatch.setattr(tenant.optimizer, "step", overflowing)
+    with pytest.raises(CallError, match="made 3 adapter values non-finite") as error:
+        training.optim_step({"learning_rate": 1e-2}).result()
+    assert error.value.field == "adam_params" and tenant.steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(params, tenant.params))
+    assert all(torch.equal(a, b.grad) for a, b in zip(grads, tenant.params))
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, tenant.optimizer.state.values()))
+    monkeypatch.undo()
+    assert training.optim_step({"learning_rate": 1e-2}).result()["metrics"]["step:max"] == 2.0  # the kept gradients apply
+    poisoned = {name: torch.full_like(value, float("nan")) for name, value in local.service.base.adapter_state(
+        tenant.adapter).items()}
+    with pytest.raises(CallError, match="non-finite values"):
+        local.service.base.load_adapter_state(tenant.adapter, poisoned, "path")
+    assert all(bool(torch.isfinite(param).all()) for param in tenant.params)
+
+
+def test_a_reused_sampler_id_frees_the_adapter_it_replaces(local):
+    """Issue 34 item 5: 300 saves under one sampling_session_seq_id left 153 adapters on the shared
+    model while the quota counted 2."""
+    service = local.service
+    training = local.create_lora_training_client("tiny", rank=4).result()
+    adapters, held = len(service.base.module.peft_config), len(service.samplers)
+    for _ in range(5):
+        service.save_for_sampler(local.owner, training.model_id, "reused:sample:0")
+    assert len(service.base.module.peft_config) == adapters + 1 and len(service.samplers) == held + 1
+    assert service.tenants[training.model_id].snapshots == ["reused:sample:0"]
+    assert service.samplers["reused:sample:0"].adapter in service.base.module.peft_config
+
+
+def test_train_unembed_adapts_the_lm_head_and_the_fused_head_applies_it(local):
+    """Issue 34 item 9: Tinker's default `train_unembed=True` adapted nothing here. Now the LM head
+    gets a LoRA adapter too, and the service's log-probs (the fused, chunked head) equal the peft
+    model's own forward, which applies the head's adapter, after a step has trained it."""
+    service = local.service
+    default = local.create_lora_training_client("tiny", rank=4, seed=3).result()
+    plain = local.create_lora_training_client("tiny", rank=4, seed=3, train_unembed=False).result()
+    head = {mid: [n for n in service.base.adapter_state(service.tenants[mid].adapter) if ".lm_head." in n]
+            for mid in (default.model_id, plain.model_id)}
+    assert len(head[default.model_id]) == 2 and head[plain.model_id] == []  # lora_A and lora_B of lm_head
+    data = [sequence_datum(local, "12+7=19"), sequence_datum(local, "3+4=7")]
+    for _ in range(2):
+        default.forward_backward(data, "cross_entropy").result()
+        default.optim_step({"learning_rate": 5e-2}).result()
+    tenant = service.tenants[default.model_id]
+    lora_b = service.base.adapter_state(tenant.adapter)[next(n for n in head[default.model_id] if "lora_B" in n)]
+    assert float(lora_b.abs().max()) > 1e-3  # B starts at 0: the head's adapter was trained
+    output = default.forward(data, "cross_entropy").result()
+    with torch.no_grad(), service.base.active(tenant.adapter):
+        for datum, out in zip(data, output.loss_fn_outputs):
+            logits = service.base.module(input_ids=torch.tensor([list(datum.tokens)])).logits[0]  # [L, V]
+            expected = logits.log_softmax(-1).gather(1, torch.tensor(datum.loss_fn_inputs["target_tokens"])[:, None])
+            # two fp32 paths over 64-wide rows (chunked head vs. the module's matmul): ~1e-6 apart
+            assert torch.allclose(out["logprobs"], expected[:, 0], atol=1e-4)
+
+
+def test_a_state_saved_before_the_unembedding_was_adapted_still_loads(local):
+    """Such a state's `lora` says train_unembed=True (the recorded default) but holds no lm_head
+    tensors: it makes a client without the head's adapter, with the saved weights."""
+    service = local.service
+    training = local.create_lora_training_client("tiny", rank=4, seed=4, train_unembed=False).result()
+    path = training.save_state("before-unembed").result().path
+    file = service.store.check(local.owner, path)
+    payload = torch.load(file, weights_only=True)
+    payload["lora"]["train_unembed"] = True  # what the server recorded for Tinker's default before
+    torch.save(payload, file)
+    restored = local.create_training_client_from_state(path).result()
+    tenant = service.tenants[restored.model_id]
+    assert not tenant.lora.train_unembed
+    saved = service.base.adapter_state(service.tenants[training.model_id].adapter)
+    assert all(torch.equal(value, service.base.adapter_state(tenant.adapter)[name]) for name, value in saved.items())

@@ -64,3 +64,37 @@ def test_base_model_by_name_and_bad_requests(server, sampler):
     bad_chat = openai(server, "chat/completions", {"model": "tiny", "messages": [{"role": "user"}]})
     assert (bad_chat.status_code, bad_chat.json()["field"]) == (400, "messages[0]")
     assert server.healthy()
+
+
+def test_a_long_prompt_is_refused_untokenised_and_tokenising_never_blocks_healthz(server, monkeypatch):
+    """Issue 34 item 3: a 15 MB prompt was tokenised on the request thread for 44.5 s before its
+    length was checked, and another client's healthz waited 42.7 s."""
+    import threading
+    import time
+
+    tokenizer = server.service.base.tokenizer
+    limits = server.service.limits
+    calls = []
+    encode = tokenizer.encode
+
+    def slow_encode(text, *args, **kwargs):  # a tokeniser that takes 1.5 s: where does it run?
+        calls.append(len(text))
+        time.sleep(1.5)
+        return encode(text, *args, **kwargs)
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    too_long = openai(server, "completions", {"model": "tiny", "prompt": "1" * (limits.max_prompt_chars + 1)})
+    assert (too_long.status_code, too_long.json()["field"]) == (413, "prompt") and calls == []  # never tokenised
+    chat = openai(server, "chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "1" * limits.max_prompt_chars}]})
+    assert (chat.status_code, chat.json()["field"]) == (413, "messages") and calls == []
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(openai(server, "completions", {
+        "model": "tiny", "prompt": "1+1=", "max_tokens": 2})))
+    worker.start()
+    while not calls:
+        time.sleep(0.01)
+    start = time.perf_counter()
+    assert server.healthy()  # while the tokeniser works
+    waited = time.perf_counter() - start
+    worker.join(timeout=60)
+    assert waited < 0.75 and answers[0].status_code == 200, (waited, answers)  # not 1.5 s: off the event loop

@@ -33,7 +33,23 @@ def _head_weight(model: PreTrainedModel) -> torch.Tensor:
         if getattr(model.config, field, None) not in (None, 1.0):
             raise ValueError(f"sequence_logprobs: the config sets {field}={getattr(model.config, field)}, "
                              "which the fused LM head does not apply; use a model without it")
-    return head.weight  # [V, H]
+    return _adapted_weight(head)  # [V, H]
+
+
+def _adapted_weight(head: torch.nn.Module) -> torch.Tensor:
+    """The weight [V, H] the head multiplies by: a peft LoRA head's base weight plus its active
+    adapters' deltas (B A scaled, differentiable, so the adapters train through the fused head),
+    as its own forward computes them; a plain head's weight."""
+    base = getattr(head, "base_layer", None)
+    if base is None:
+        return head.weight
+    weight = base.weight
+    if getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
+        return weight  # adapters off (the reference), or already merged into the base weight
+    for adapter in head.active_adapters:
+        if adapter in head.lora_A:
+            weight = weight + head.get_delta_weight(adapter)  # [V, H]
+    return weight
 
 
 def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts, *, packed: bool = False) -> torch.Tensor:
