@@ -56,6 +56,10 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     result = {"checkpoint": path.name, "step": step, "data": str(source), "prompts": len(setup.eval_rows),
               "accuracy_reward": config.accuracy_reward, **metrics}
     out = run_dir / "evals" / f"{path.name}-{Path(str(data)).stem if data is not None else 'eval'}.json"
+    if not out.parent.exists():
+        from rlgraph.train.manifest import claim
+
+        claim(run_dir, out.parent.name)
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1))

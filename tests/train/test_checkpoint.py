@@ -1,6 +1,7 @@
 import errno
 import json
 import os
+import warnings
 
 import pytest
 
@@ -11,6 +12,7 @@ from rlgraph.data import arithmetic
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.train.checkpoint import latest_checkpoint
 from rlgraph.train.loop import Trainer
+from rlgraph.train.manifest import read_manifest
 from tests.helpers import SPLITS, TOKENIZER, make_executor, params_of, parity_reward
 
 
@@ -43,7 +45,8 @@ def test_checkpoints_are_complete_or_absent(tmp_path):
     list(trainer.run(steps=2))
     path = latest_checkpoint(tmp_path)
     assert path.name == "step-000002"
-    assert {p.name for p in path.iterdir()} == {"policy.safetensors", "policy.optim.pt", "run_state.pt", "meta.json"}
+    assert {p.name for p in path.iterdir()} == {"policy.safetensors", "policy.optim.pt", "run_state.pt", "meta.json",
+                                                "meta.sha256"}
     assert json.loads((path / "meta.json").read_text())["versions"] == {"policy": 2}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
 
@@ -105,16 +108,46 @@ def test_a_flipped_bit_inside_tensor_data_is_refused_naming_the_file(tmp_path):
         read_checkpoint(path)
 
 
-def test_a_checkpoint_without_checksums_loads_unverified_with_a_warning(tmp_path):
-    from rlgraph.train.checkpoint import read_checkpoint
+@pytest.mark.parametrize("edit", ["sha256 key deleted", "sha256 key deleted, meta.sha256 rewritten", "step 3 -> 7",
+                                  "meta.sha256 deleted"])
+def test_meta_json_is_checksummed_an_edit_of_it_is_refused_not_warned(edit, tmp_path):
+    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.train.checkpoint import file_sha256, intact_checkpoint, read_checkpoint
 
     path = _saved(tmp_path)
     meta = json.loads((path / "meta.json").read_text())
     assert set(meta["sha256"]) == {"policy.safetensors", "policy.optim.pt", "run_state.pt"}
-    del meta["sha256"]  # as checkpoints were written before checksums
+    if edit == "meta.sha256 deleted":
+        (path / "meta.sha256").unlink()
+    else:
+        if edit.startswith("sha256"):
+            del meta["sha256"]
+        else:
+            meta["step"] = 7
+        (path / "meta.json").write_text(json.dumps(meta))
+    if edit.endswith("rewritten"):  # checksum and meta edited together: checks are still not turned off
+        (path / "meta.sha256").write_text(file_sha256(path / "meta.json"))
+    expected = {"sha256 key deleted": r"meta\.json is damaged", "step 3 -> 7": r"meta\.json is damaged",
+                "sha256 key deleted, meta.sha256 rewritten": r"has no 'sha256' checksums",
+                "meta.sha256 deleted": r"meta\.sha256 is missing"}[edit]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not a warning
+        with pytest.raises(CheckpointMismatch, match=expected):
+            read_checkpoint(path)
+    assert intact_checkpoint(path) is not None
+
+
+def test_a_step_count_that_disagrees_with_the_directory_is_refused(tmp_path):
+    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.train.checkpoint import file_sha256, read_checkpoint
+
+    path = _saved(tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["step"] = 7  # and its checksum made to match: the directory name still says 3
     (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.warns(UserWarning, match="not verified"):
-        assert read_checkpoint(path)[1] == 3
+    (path / "meta.sha256").write_text(file_sha256(path / "meta.json"))
+    with pytest.raises(CheckpointMismatch, match="says step 7, but the directory is step-000003"):
+        read_checkpoint(path)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
@@ -164,7 +197,8 @@ def test_a_failed_save_names_path_and_cause_and_keeps_the_previous_checkpoint(er
     if where == "weights":
         assert "policy.safetensors" in text
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000001"]  # no partial directory or temp file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "rlgraph-manifest.json", "step-000001"]  # no leftovers
+    assert read_manifest(tmp_path).keys() == {"latest", "step-000001"}
     assert latest_checkpoint(tmp_path) == first and read_checkpoint(first)[1] == 1
 
 

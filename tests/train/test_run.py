@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.ir.errors import ConfigError, RLGraphError
-from rlgraph.train.checkpoint import latest_checkpoint
+from rlgraph.train.checkpoint import file_sha256, latest_checkpoint
 from rlgraph.train.config import load_config
 from rlgraph.train.run import load_run_config, train
 from tests.helpers import assert_rows_close, assert_same_training, checkpoint_worker
@@ -626,8 +626,25 @@ def test_a_lora_warm_start_becomes_the_base_and_the_kl_reference(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True) is not None
     with pytest.raises(ConfigError, match="adapters apply to its warm-started base"):
         export_run(run_dir, tmp_path / "adapter", adapter=True)
-    (run_dir / "base.safetensors").unlink()
-    with pytest.raises(CheckpointMismatch, match="base.safetensors is gone"):
+    # One flipped bit in the base's tensor data (issue 34, item 12): resume, eval and export refuse it.
+    from rlgraph.train.evaluation import evaluate_run
+
+    base = run_dir / "base.safetensors"
+    intact = base.read_bytes()
+    flipped = bytearray(intact)
+    flipped[-9] ^= 0x40
+    base.write_bytes(bytes(flipped))
+    damaged = "base.safetensors is not the file checkpoint step-000003 was saved with"
+    with pytest.raises(ConfigError, match=damaged):
+        train(load_run_config(run_dir, ["train.steps=4"]), resume=True)
+    with pytest.raises(CheckpointMismatch, match=damaged):
+        export_run(run_dir, tmp_path / "hf2")
+    with pytest.raises(CheckpointMismatch, match=damaged):
+        evaluate_run(run_dir)
+    assert not (tmp_path / "hf2").exists() and not (run_dir / "evals").exists()
+    base.write_bytes(intact)
+    base.unlink()
+    with pytest.raises(ConfigError, match="base.safetensors is missing: checkpoint step-000003 was saved with it"):
         train(load_run_config(run_dir, ["train.steps=4"]), resume=True)
 
 
@@ -689,6 +706,7 @@ def test_a_damaged_latest_checkpoint_names_the_newest_intact_one(full_run, tmp_p
         meta = json.loads((weights.parent / "meta.json").read_text())
         meta["sha256"]["policy.safetensors"] = __import__("hashlib").sha256(weights.read_bytes()).hexdigest()
         (weights.parent / "meta.json").write_text(json.dumps(meta))
+        (weights.parent / "meta.sha256").write_text(file_sha256(weights.parent / "meta.json"))
     else:
         (copy / "step-000004" / "run_state.pt").write_bytes(b"")
     config = load_run_config(copy, ["train.steps=5"])
