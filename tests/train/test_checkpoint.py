@@ -210,3 +210,84 @@ class _Patched:
 
     def __getattr__(self, name):
         return getattr(self._module, name)
+
+
+def _saved_steps(run_dir, steps=(1, 2, 3)):
+    from rlgraph.testing import tiny_executor
+    from rlgraph.train.checkpoint import save_checkpoint
+
+    executor = tiny_executor(optimizer="adamw", seed=1)
+    return [save_checkpoint(run_dir, step, executor, {}) for step in steps]
+
+
+def _user_files(run_dir):
+    """What a user keeps in a run directory: a copy of a checkpoint and a notes folder (issue 34, item 10)."""
+    import shutil
+
+    shutil.copytree(run_dir / "step-000002", run_dir / "step-best")
+    (run_dir / "step-notes").mkdir()
+    (run_dir / "step-notes" / "todo.txt").write_text("compare with step-best")
+
+
+def test_pruning_and_abandoning_delete_only_checkpoints_rlgraph_wrote(tmp_path):
+    from rlgraph.train.checkpoint import abandon_later_checkpoints, prune_checkpoints
+
+    _saved_steps(tmp_path)
+    _user_files(tmp_path)
+    assert [p.name for p in prune_checkpoints(tmp_path, keep_last=2)] == ["step-000001"]  # step-best is not "newer"
+    gone = abandon_later_checkpoints(tmp_path, tmp_path / "step-000002")
+    assert [p.name for p in gone] == ["step-000003"] and latest_checkpoint(tmp_path).name == "step-000002"
+    assert (tmp_path / "step-best" / "meta.json").is_file() and (tmp_path / "step-notes" / "todo.txt").is_file()
+    assert set(read_manifest(tmp_path)) == {"latest", "step-000002"}
+
+
+@pytest.mark.parametrize("kind", ["symlink", "copy"])
+def test_a_later_checkpoint_rlgraph_did_not_write_refuses_the_resume_before_latest_changes(kind, tmp_path):
+    import shutil
+
+    from rlgraph.ir.errors import ConfigError
+    from rlgraph.train.checkpoint import abandon_later_checkpoints
+
+    _saved_steps(tmp_path, (1, 2))
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    shutil.copytree(tmp_path / "step-000002", elsewhere)
+    if kind == "symlink":
+        (tmp_path / "step-000005").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        shutil.copytree(elsewhere, tmp_path / "step-000005")
+    latest_before = (tmp_path / "latest").read_text()
+    with pytest.raises(ConfigError, match=r"step-000005 is past it and rlgraph did not write it"):
+        abandon_later_checkpoints(tmp_path, tmp_path / "step-000001")
+    assert (tmp_path / "latest").read_text() == latest_before  # nothing rewritten
+    assert (tmp_path / "step-000002").is_dir() and (tmp_path / "step-000005" / "meta.json").is_file()
+
+
+def test_a_symlinked_checkpoint_is_refused_with_a_message(tmp_path):
+    import shutil
+
+    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.ir.errors import ConfigError
+    from rlgraph.train.checkpoint import read_checkpoint, resolve_checkpoint
+
+    _saved_steps(tmp_path / "run", (1,))
+    shutil.copytree(tmp_path / "run" / "step-000001", tmp_path / "real")
+    (tmp_path / "run" / "step-000002").symlink_to(tmp_path / "real", target_is_directory=True)
+    with pytest.raises(ConfigError, match="step-000002 is a symbolic link"):
+        resolve_checkpoint(tmp_path / "run", "2")
+    (tmp_path / "run" / "latest").write_text(json.dumps({"path": "step-000002", "step": 2}))
+    with pytest.raises(ConfigError, match="names step-000002, which is a symbolic link"):
+        latest_checkpoint(tmp_path / "run")
+    with pytest.raises(CheckpointMismatch, match="is a symbolic link"):
+        read_checkpoint(tmp_path / "run" / "step-000002")
+
+
+def test_a_save_never_replaces_a_checkpoint_directory_rlgraph_did_not_write(tmp_path):
+    from rlgraph.testing import tiny_executor
+    from rlgraph.train.checkpoint import CheckpointSaveError, save_checkpoint
+
+    (tmp_path / "step-000004").mkdir()
+    (tmp_path / "step-000004" / "mine.txt").write_text("the user's")
+    with pytest.raises(CheckpointSaveError, match="rlgraph did not write, and it never replaces one"):
+        save_checkpoint(tmp_path, 4, tiny_executor(optimizer="adamw", seed=1), {})
+    assert (tmp_path / "step-000004" / "mine.txt").read_text() == "the user's"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".step")]

@@ -722,8 +722,50 @@ def test_the_cli_resumes_from_a_chosen_checkpoint_and_names_a_bad_one(full_run, 
     copy = copy_run(run_dir, tmp_path)
     assert main(["train", "--resume", str(copy), "--checkpoint", "abc"]) == 1
     assert "--checkpoint 'abc': no such checkpoint" in capsys.readouterr().err
+    shutil.copytree(copy / "step-000003", copy / "step-best")  # the user's own copy and notes (issue 34, item 10)
+    (copy / "step-notes").mkdir()
+    (copy / "step-notes" / "plan.md").write_text("try kl 0.1")
     assert main(["train", "--resume", str(copy), "--checkpoint", "3"]) == 0
     assert_same_run(run_dir, copy)  # steps 4 trained again from step 3: the same run
+    assert (copy / "step-best" / "meta.json").is_file() and (copy / "step-notes" / "plan.md").read_text() == "try kl 0.1"
+
+
+def test_a_fresh_run_into_a_directory_holding_the_users_files_is_refused_unless_overwrite(tmp_path, capsys):
+    """Issue 34, item 11: nothing of the user's is overwritten without --overwrite; never the config you
+    ran (run_dir: .), never a base.safetensors rlgraph did not write, never an earlier run's checkpoints."""
+    from rlgraph.cli import main
+    from rlgraph.train.manifest import read_manifest
+
+    config, path = make_config(tmp_path, "mine", ["train.steps=1", "warm_start.steps=0", "eval.every=0",
+                                                  "checkpoint.every=1"])
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("my own notes\n")
+    with pytest.raises(ConfigError, match=r"holds files rlgraph did not write \(config.yaml\).*\n  fix: .*--overwrite"):
+        train(config)
+    assert (run_dir / "config.yaml").read_text() == "my own notes\n" and sorted(os.listdir(run_dir)) == ["config.yaml"]
+    (run_dir / "base.safetensors").write_bytes(b"another run's base")
+    with pytest.raises(ConfigError, match="holds a base.safetensors rlgraph did not write"):
+        train(config, overwrite=True)  # not even with overwrite: it is neither deleted nor started from
+    (run_dir / "base.safetensors").unlink()
+    (run_dir / "notes.txt").write_text("keep me")
+    assert train(config, overwrite=True).steps == 1
+    assert (run_dir / "notes.txt").read_text() == "keep me" and "my own notes" not in (run_dir / "config.yaml").read_text()
+    assert {"config.yaml", "metrics.jsonl", "step-000001", "latest", "summary.json"} <= set(read_manifest(run_dir))
+    assert "notes.txt" not in read_manifest(run_dir)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        train(config, overwrite=True)  # an earlier run's checkpoints are resumed, never written over
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "config.yaml").write_text(config_text(tmp_path, Path(".")))
+    cwd = os.getcwd()
+    os.chdir(here)
+    try:
+        assert main(["train", "config.yaml", "--overwrite"]) == 1
+    finally:
+        os.chdir(cwd)
+    assert "over config.yaml, the config you ran" in capsys.readouterr().err
+    assert "rlgraph-manifest.json" not in os.listdir(here)
 
 
 ASYNC = {"staleness": 1}
