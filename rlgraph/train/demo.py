@@ -226,4 +226,7 @@ def _report(console: Console, result: DemoResult, run_dir: Path | None) -> None:
     console.print(f"SFT: {result.sft_steps} steps in {result.sft_seconds:.1f} s; {label}: {result.rl_steps} steps in "
                   f"{result.rl_seconds:.0f} s, {result.samples_per_second:,.0f} samples/s{trained}")
     if run_dir is not None:
+        from rlgraph.train.manifest import claim
+
+        claim(run_dir, "demo.json")
         (run_dir / "demo.json").write_text(json.dumps(attrs.asdict(result), indent=1))
