@@ -36,7 +36,7 @@ class EnvError(RLGraphError, ValueError):
         super().__init__(message + (f"\n  fix: {fix}" if fix else ""))
 
 
-MAX_OBSERVATION_CHARS = 65_536  # an env's `max_observation_chars` default: ~16k tokens of text, tokenized in ~ms
+MAX_OBSERVATION_CHARS = 16_384  # an env's `max_observation_chars` default; tokenizing grows faster than linearly (docs/security.md)
 
 
 def observation_limit(env: Any) -> int:
