@@ -324,6 +324,13 @@ def verify_checksums(path: Path, meta: dict[str, Any]) -> None:
     _verify_run_files(path, meta.get("run_files", {}))
 
 
+def verify_checkpoint(path: str | Path) -> None:
+    """Checkpoint `path`'s meta.json and the sha256 of every file it records (a LoRA base too), without
+    loading a tensor: a damaged checkpoint is refused before any work is done for it."""
+    path = Path(path)
+    verify_checksums(path, _meta(path))
+
+
 def _verify_run_files(path: Path, run_files: Any) -> None:
     """The run directory's files checkpoint `path` was saved with (a LoRA base), byte for byte."""
     if not isinstance(run_files, dict):

@@ -26,7 +26,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
                  ) -> dict[str, Any]:
     """Score `checkpoint` (default: the latest) of `run_dir` on `data` (default: the run's eval split)."""
     from rlgraph.runtime.plan_runner import PlanRunner
-    from rlgraph.train.checkpoint import resolve_checkpoint
+    from rlgraph.train.checkpoint import resolve_checkpoint, verify_checkpoint
     from rlgraph.train.roles import build_roles, checkpoint_policy
     from rlgraph.train.run import load_run_config
     from rlgraph.train.session import _Session
@@ -40,6 +40,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     config = load_run_config(run_dir, [*overrides, *extra])
     config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"runtime": "local", "nproc": 1})})
     path = resolve_checkpoint(run_dir, checkpoint)
+    verify_checkpoint(path)  # checksums and the LoRA base, before the plans are compiled
     setup = prepare(config)
     if not setup.eval_rows:
         raise ConfigError(f"{run_dir}: the run has no held-out prompts (no data.eval, eval_fraction 0)",

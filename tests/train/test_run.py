@@ -540,6 +540,13 @@ def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, 
         with pytest.raises(ConfigError, match="would replace the run"):
             export_run(run_dir, target, overwrite=True)
     assert (run_dir / "config.yaml").is_file()
+    assert export_run(run_dir, out, overwrite=True) == out  # an earlier export is replaced
+    mine = tmp_path / "my-models"  # not an export: --overwrite does not delete it
+    mine.mkdir()
+    (mine / "weights.bin").write_bytes(b"mine")
+    with pytest.raises(ConfigError, match="is not an export rlgraph wrote"):
+        export_run(run_dir, mine, overwrite=True)
+    assert (mine / "weights.bin").read_bytes() == b"mine"
 
 
 @pytest.mark.slow
