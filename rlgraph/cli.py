@@ -28,6 +28,7 @@ import inspect
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 
@@ -88,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. -o train.steps=10 -o optimizer.lr=1e-5")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="a fresh run may write into a run_dir holding files rlgraph did not write")
     train.add_argument("--checkpoint", metavar="STEP",
                        help="with --resume: start from this step number or step-* directory (later ones are deleted)")
     train.add_argument("--dry-run", action="store_true", help="print the compiled plan and memory per rank, then exit")
@@ -242,10 +245,18 @@ def _train(args) -> int:
         raise ConfigError("rlgraph train needs a CONFIG file or --resume RUN_DIR", fix="rlgraph train examples/math_grpo/config.yaml, or rlgraph train --resume runs/math_grpo")
     else:
         config = load_config(args.config, args.override)
+        written = config.directory / "config.yaml"
+        if written.resolve() == Path(args.config).resolve():
+            raise ConfigError(f"run_dir {config.directory}: the run would write its resolved config.yaml over "
+                              f"{args.config}, the config you ran (even with --overwrite)",
+                              fix="choose another run_dir, e.g. runs/<name>, or rename the config file")
+    if args.overwrite and args.resume:
+        raise ConfigError("--overwrite applies to a fresh run; a resume writes only into its own run",
+                          fix=f"rlgraph train --resume {args.resume} (without --overwrite)")
     if args.dry_run:
         dry_run(config)
         return 0
-    result = train(config, resume=bool(args.resume), checkpoint=args.checkpoint)
+    result = train(config, resume=bool(args.resume), checkpoint=args.checkpoint, overwrite=args.overwrite)
     shown = (f"; held-out accuracy {result.eval_before:.1%} -> {result.eval_after:.1%}"
              if result.eval_before is not None and result.eval_after is not None else "")
     print(f"run {result.run_dir}: {result.steps} steps in {result.seconds:.0f} s{shown}")

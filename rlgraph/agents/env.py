@@ -36,6 +36,28 @@ class EnvError(RLGraphError, ValueError):
         super().__init__(message + (f"\n  fix: {fix}" if fix else ""))
 
 
+MAX_OBSERVATION_CHARS = 16_384  # an env's `max_observation_chars` default; tokenizing grows faster than linearly (docs/security.md)
+
+
+def observation_limit(env: Any) -> int:
+    """The characters (a text env) or ids (a token env) one observation may have: the env's own
+    `max_observation_chars` attribute, or MAX_OBSERVATION_CHARS. A longer one is never tokenized."""
+    limit = getattr(env, "max_observation_chars", MAX_OBSERVATION_CHARS)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise EnvError(f"{type(env).__name__}.max_observation_chars is {limit!r}; it must be a whole number >= 1",
+                       fix=f"set it to the longest observation the environment may answer (default {MAX_OBSERVATION_CHARS:,})")
+    return limit
+
+
+def oversized(observation: Any, limit: int) -> str | None:
+    """What is wrong with an observation over `limit` characters or ids, or None (checked before any tokenizing)."""
+    if isinstance(observation, (str, list)) and len(observation) > limit:
+        unit = "characters" if isinstance(observation, str) else "token ids"
+        return (f"its observation has {len(observation):,} {unit}, over max_observation_chars={limit:,} (an attribute "
+                "of the environment class); it is not tokenized, the episode ends scored 0")
+    return None
+
+
 def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Step.reward must be a number, got {type(value).__name__} {value!r}")
@@ -135,6 +157,10 @@ class TextEnvAdapter:
         if not isinstance(text, str):
             raise EnvError(f"{type(self.env).__name__}.reset returned {type(text).__name__}; a text env's reset "
                            "returns the first observation's text or None")
+        problem = oversized(text, observation_limit(self.env))
+        if problem is not None:
+            raise EnvError(f"{type(self.env).__name__}.reset: {problem}",
+                           fix="answer a shorter first observation, or raise max_observation_chars on the env class")
         return self.encode(text)
 
     def encode(self, text: str) -> list[int]:
@@ -153,6 +179,9 @@ class TextEnvAdapter:
         if not isinstance(step.observation, str):
             raise EnvError(f"{type(self.env).__name__}.step returned an observation of type "
                            f"{type(step.observation).__name__}; a text env answers with text")
+        problem = oversized(step.observation, observation_limit(self.env))
+        if problem is not None:  # refused before tokenizing: a 20 MB answer costs a len(), not minutes
+            return Step("", 0.0, True, {"env_errors": 1, "error": problem})
         observation = self.encode(step.observation) if step.observation and not step.done else []
         return attrs.evolve(step, observation=observation)
 

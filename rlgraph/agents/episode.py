@@ -14,7 +14,9 @@ reward does); tool failures inside a `ToolEnv` are observations for the model, n
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -145,17 +147,41 @@ def _timed_step(env: Any, action: list[int]) -> tuple[Any, float]:
 
 
 def _apply(episode: Episode, step: Step, seconds: float, where: str, vocab: int) -> list[int]:
+    problem = _reward_problem(step.reward) or step.info.get("error")
+    if problem is not None and (step.info.get("env_errors") or _reward_problem(step.reward)):
+        # as a reward function's failure is: the sample scored 0, counted, named; the run goes on
+        warnings.warn(f"{where}: {problem}; counted in env/env_errors", EnvWarning, stacklevel=2)
+        step = Step("", 0.0, True, {"env_errors": 1})
+        episode.turn_rewards = [0.0] * len(episode.turn_rewards)
+        episode.stats["reward"] = 0.0
     episode.turn_rewards.append(step.reward)
     episode.stats["reward"] += step.reward
-    episode.stats["env_seconds"] += seconds
+    episode.stats["env_seconds"] += seconds if math.isfinite(seconds) and seconds >= 0 else 0.0
     for key in ("tool_calls", "tool_errors", "tool_truncated", "env_errors"):
         value = step.info.get(key, 0)
-        episode.stats[key] += float(value) if isinstance(value, (int, float)) else 0.0
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        episode.stats[key] += float(value) if finite else 0.0
     if step.done:
         episode.done = True
         return []
     _check_ids(step.observation, vocab, where)
     return episode.add_observation(step.observation)
+
+
+MAX_ABS_REWARD = 1e6  # a step reward beyond this is a bug, not a task: sums and group statistics overflow float32
+
+
+class EnvWarning(UserWarning):
+    """An environment's step was scored 0 and counted in env/env_errors; the message names the env, the row, the turn."""
+
+
+def _reward_problem(reward: float) -> str | None:
+    """Why a step reward cannot be trained on (not finite, or absurdly large), or None."""
+    if not math.isfinite(reward):
+        return f"Step.reward is {reward} (not finite); the episode is scored 0"
+    if abs(reward) > MAX_ABS_REWARD:
+        return f"Step.reward is {reward:g}, beyond +-{MAX_ABS_REWARD:g}; the episode is scored 0"
+    return None
 
 
 def close_all(episodes: Sequence[Episode]) -> None:

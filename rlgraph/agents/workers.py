@@ -34,7 +34,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rlgraph.agents.env import EnvError, ObservationFormat, Step, TextEnvAdapter, as_token_env, build_env
+from rlgraph.agents.env import (
+    EnvError, ObservationFormat, Step, TextEnvAdapter, as_token_env, build_env, observation_limit, oversized,
+)
 from rlgraph.supervised.pool import BuildError, PoolNames, SupervisedPool, check_settings
 
 NAMES = PoolNames("env.", "environment", "step_timeout", "an environment's answer")
@@ -58,6 +60,7 @@ class EnvHost:
         self.stop = [item for item in getattr(probe, "stop", ()) if isinstance(item, str)]
         found = getattr(probe, "observation_format", None)
         self.format = [found.before, found.after] if isinstance(found, ObservationFormat) else None
+        self.limit = observation_limit(probe)
         _close(probe)
         self.envs: dict[int, Any] = {}
 
@@ -70,7 +73,8 @@ class EnvHost:
             return {"raised": describe_exception(exc)}
 
     def _describe(self) -> dict[str, Any]:
-        return {"protocol": self.protocol, "name": self.name, "stop": self.stop, "format": self.format}
+        return {"protocol": self.protocol, "name": self.name, "stop": self.stop, "format": self.format,
+                "max_observation_chars": self.limit}
 
     def _reset(self, row: int, data: Mapping[str, Any]) -> dict[str, Any]:
         self._close(row)
@@ -87,6 +91,9 @@ class EnvHost:
         seconds = time.perf_counter() - started
         if not isinstance(step, Step):
             return {"wrong_type": type(step).__name__, "seconds": seconds}
+        problem = oversized(step.observation, self.limit)
+        if problem is not None:  # never serialized: the worker answers a line, not 20 MB of JSON
+            return {"failed": problem}
         info = {key: value for key, value in step.info.items()
                 if isinstance(value, (int, float)) and not isinstance(value, bool)}  # what metrics read
         return {"observation": step.observation, "reward": step.reward, "done": step.done, "info": info,
@@ -114,6 +121,7 @@ class RemoteEnv:
         self.host, self.row, self.slot = host, row, slot
         self.env_name = f"{host.info['name']} (environment worker {slot})"
         self.stop = tuple(host.info["stop"])
+        self.max_observation_chars = host.info.get("max_observation_chars")
         before_after = host.info["format"]
         self.observation_format = ObservationFormat(*before_after) if before_after else None
         if host.info["protocol"] == "token":
@@ -213,7 +221,7 @@ class EnvWorkers:
         answers = self._run([("step", remote.row, action) for remote, action in zip(remotes, sent)],
                             [remote.slot for remote in remotes], timeout_s)
         elapsed = time.perf_counter() - started
-        return [_outcome(env, answer, elapsed) for env, answer in zip(envs, answers)]
+        return [_outcome(env, answer, elapsed, timeout_s) for env, answer in zip(envs, answers)]
 
     def close_all(self, envs: Sequence[Any]) -> None:
         """Close every row's environment; a worker that fails meanwhile is only replaced."""
@@ -231,7 +239,10 @@ def _problem(answer: Mapping[str, Any]) -> str:
     return f"answered {sorted(answer)}"
 
 
-def _outcome(env: Any, answer: Mapping[str, Any], elapsed: float) -> concurrent.futures.Future:
+def _outcome(env: Any, answer: Mapping[str, Any], elapsed: float, timeout_s: float | None = None
+             ) -> concurrent.futures.Future:
+    """A worker's answer as the in-process driver's future: what crosses the process boundary is checked
+    here (types, finite numbers), and the observation is tokenized within the step's timeout."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     if "failed" in answer or "lost" in answer:  # the process, not the env's code: the episode ends, counted
         problem = answer.get("failed") or "its environment was lost when its worker was killed earlier"
@@ -242,9 +253,23 @@ def _outcome(env: Any, answer: Mapping[str, Any], elapsed: float) -> concurrent.
     elif "observation" not in answer:
         future.set_exception(EnvError(_problem(answer)))
     else:
-        step = Step(answer["observation"], answer["reward"], answer["done"], answer["info"])
+        seconds = answer.get("seconds")
+        seconds = float(seconds) if type(seconds) in (int, float) and 0 <= seconds < float("inf") else elapsed
         try:
-            future.set_result((env.observe(step) if isinstance(env, TextEnvAdapter) else step, answer["seconds"]))
+            step = Step(answer["observation"], answer.get("reward"), bool(answer.get("done")),
+                        answer.get("info") if isinstance(answer.get("info"), dict) else {})
+        except TypeError as error:
+            future.set_exception(EnvError(f"answered {error}"))
+            return future
+        try:
+            began = time.perf_counter()
+            step = env.observe(step) if isinstance(env, TextEnvAdapter) else step
+            seconds += time.perf_counter() - began  # tokenizing is part of the step, and of its timeout
         except EnvError as error:
             future.set_exception(error)
+            return future
+        if timeout_s is not None and seconds > timeout_s and not step.info.get("env_errors"):
+            step = Step("", 0.0, True, {"env_errors": 1, "error": f"the step and the tokenizing of its observation took "
+                                                                  f"{seconds:.1f} s, over the step timeout of {timeout_s:g} s"})
+        future.set_result((step, seconds))
     return future

@@ -15,6 +15,7 @@ isolation holds against.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -72,7 +73,21 @@ class RewardPool(SupervisedPool):
                               "sys.path); check reward_memory_mb, or set reward_workers: 0 to score in the controller"
                               ) from None
         return [{"problem": answer["failed"], "rows": list(range(size)), "partial": None, "raised": False}
-                if "failed" in answer else answer for answer, size in zip(answers, sizes)]
+                if "failed" in answer else _finite(answer) for answer, size in zip(answers, sizes)]
+
+
+def _finite(answer: dict[str, Any]) -> dict[str, Any]:
+    """A worker's scores checked where they enter the controller: JSON carries NaN and Infinity, and a
+    worker is not trusted to have run `combine._checked`; a non-finite score is the failure of its rows."""
+    scores = answer.get("scores", answer.get("partial"))
+    bad = [row for row, value in enumerate(scores or ()) if not math.isfinite(value)]
+    if not bad:
+        return answer
+    zeroed = [0.0 if row in set(bad) else value for row, value in enumerate(scores)]
+    if "scores" in answer:
+        return {"problem": f"its reward worker answered {scores[bad[0]]} (not finite)", "rows": bad,
+                "partial": zeroed, "raised": False}
+    return {**answer, "rows": sorted(set(answer["rows"]) | set(bad)), "partial": zeroed}
 
 
 def _answer(answer: Any, rows: int) -> bool:

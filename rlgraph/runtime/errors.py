@@ -27,3 +27,7 @@ class PlanInputError(RLGraphError):
 
 class PlanStepError(RLGraphError):
     """A plan step failed on a worker: the message names the step, its stage, its role and the rank."""
+
+
+class RankMetricWarning(UserWarning):
+    """A metric a rank sent the controller is not finite; the message names the metric, the role and the rank."""

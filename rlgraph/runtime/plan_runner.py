@@ -27,7 +27,9 @@ Trainer runs a compiled plan exactly as it runs the eager interpreter.
 from __future__ import annotations
 
 import functools
+import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
@@ -42,7 +44,7 @@ from rlgraph.plan.layouts import CONTROLLER
 from rlgraph.plan.plan import Loop, Offload, Stage, SyncWeights, Transfer
 from rlgraph.runtime.eager import Interpreter, flatten_metrics, run_node
 # The errors are re-exported here, where callers have always imported them from.
-from rlgraph.runtime.errors import PlanInputError, PlanStepError, WorkerFailure
+from rlgraph.runtime.errors import PlanInputError, PlanStepError, RankMetricWarning, WorkerFailure
 from rlgraph.runtime.inflight import InFlight, decode, encode, slot_name, slot_program
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
 from rlgraph.runtime.transport import LocalTransport, SyncRoute, Transport
@@ -103,6 +105,7 @@ class PlanRunner(Interpreter):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
             self.outputs = {key: self._value(env, node) for key, node in lowered.outputs.items()}
             self.transport.flush()  # every command of this iteration has finished
+        self._check_rank_metrics(lowered.output.args[0][1], metrics, env)
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)
         return state, flatten_metrics(metrics)
@@ -158,6 +161,7 @@ class PlanRunner(Interpreter):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, trained.env))
             self.outputs = {key: self._value(trained.env, node) for key, node in lowered.outputs.items()}
             self.transport.flush()
+        self._check_rank_metrics(lowered.output.args[0][1], metrics, trained.env)
         self._slot = None
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
         self.remember(state)
@@ -311,6 +315,22 @@ class PlanRunner(Interpreter):
         if role not in self.versions:
             self.versions[role] = self.transport.current(role, self.groups[role].ranks[0]).version
         return ModelRef(role, self.versions[role])
+
+    def _check_rank_metrics(self, nodes: Any, metrics: Any, env: dict[fx.Node, Any]) -> None:
+        """Metrics a rank sent (not computed on the controller) checked where they enter: a non-finite one
+        is named with the role and rank that computed it (RankMetricWarning), not met later as a null
+        in metrics.jsonl. The value is kept, so every runtime reports the same numbers."""
+        if not isinstance(nodes, Mapping):
+            return
+        for key, node in nodes.items():
+            if not isinstance(node, fx.Node) or node in env:
+                continue
+            bad = {name: value for name, value in flatten_metrics({key: metrics[key]}).items() if not math.isfinite(value)}
+            if bad:
+                role = node.meta.get("role")
+                rank = self.groups[role].ranks[0] if role in self.groups else "?"
+                warnings.warn(f"metric {', '.join(f'{k}={v}' for k, v in bad.items())}: not finite as rank {rank} of "
+                              f"role {role!r} computed it (value {node.name})", RankMetricWarning, stacklevel=3)
 
     def _value(self, env: dict[fx.Node, Any], node: fx.Node) -> Any:
         """A node's value on the controller, fetched from the first rank of its group if it lives there."""

@@ -4,7 +4,12 @@ A checkpoint is a directory `step-<k>/` holding every trainable role's weights (
 its optimizer state, the executor's shuffling RNG and sampling stream, the data sampler's
 position and the run's counters. It is written to a temporary sibling and renamed into place, and `latest` is replaced
 atomically after that, so a crash leaves either the old or the new checkpoint, never half of one.
-meta.json holds the sha256 of every other file, checked on load: a flipped bit is refused, not trained on.
+meta.json holds the sha256 of every other file, checked on load: a flipped bit is refused, not trained on;
+meta.sha256 holds meta.json's own, so an edited step count or a deleted checksum is refused too. A LoRA run's
+RUN_DIR/base.safetensors, which its checkpoints' adapters apply to, is recorded in meta.json by its sha256
+(`run_files`) and checked whenever the checkpoint is read. Every directory a save creates is recorded in the
+run's manifest (`rlgraph.train.manifest`): pruning and resuming delete only those, never a `step-best` the
+user copied or a symbolic link.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -26,7 +32,11 @@ from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite, untied
 from rlgraph.ir.errors import ConfigError
+from rlgraph.train.manifest import claim, owns, read_manifest, recorded_sha256, release, remove_owned
 
+BASE_FILE = "base.safetensors"  # a LoRA run's base after its warm start (the adapters merged into it)
+META_SUM = "meta.sha256"  # the sha256 of meta.json, written beside it
+_CHECKPOINT_NAME = re.compile(r"step-\d+")
 _HASH_CHUNK = 1 << 20  # 1 MiB reads: the hash streams, a multi-GB weight file never sits in memory twice
 
 
@@ -86,9 +96,10 @@ def save_checkpoint(run_dir: str | Path, step: int, state: Any, extra: dict[str,
     except OSError as error:
         raise _save_failed(error, run_dir) from error
     try:
+        claim(run_dir, "latest")
         _write_json_atomic(run_dir / "latest", {"path": final.name, "step": step})
     except OSError as error:  # `latest` still names the previous one: a step-* past it would be a stray branch
-        shutil.rmtree(final, ignore_errors=True)
+        remove_owned(run_dir, final)
         raise _save_failed(error, run_dir) from error
     return final
 
@@ -97,7 +108,13 @@ def _save(run_dir: Path, step: int, state: Any, extra: dict[str, Any]) -> Path:
     """Write the files to a temporary directory, their checksums into meta.json, then rename it into place."""
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:06d}"
+    if final.exists() or final.is_symlink():  # an earlier branch's checkpoint of this step: replaced only if ours
+        if not owns(run_dir, final.name):
+            raise CheckpointSaveError(f"cannot write checkpoint {final}: a {'link' if final.is_symlink() else 'file'} "
+                                      "of that name is there that rlgraph did not write, and it never replaces one",
+                                      fix=f"move {final} out of the run directory, then resume")
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".step-{step:06d}."))
+    claim(run_dir, tmp.name)  # a crash leaves it recorded: the next prune removes it
     try:
         written = None if isinstance(state, ExecutorState) else state.write_state(str(tmp))
         if written is None:  # one process: the full form
@@ -108,14 +125,34 @@ def _save(run_dir: Path, step: int, state: Any, extra: dict[str, Any]) -> Path:
                    tmp / "run_state.pt")
         sha256 = {file.name: file_sha256(file) for file in sorted(tmp.iterdir())}
         _write_json_atomic(tmp / "meta.json", {"step": step, "versions": {r: v["version"] for r, v in roles.items()},
-                                               "roles": roles, "sha256": sha256})
+                                               "roles": roles, "sha256": sha256, "run_files": _run_files(run_dir)})
+        (tmp / META_SUM).write_text(file_sha256(tmp / "meta.json") + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        claim(run_dir, final.name)
+        release(run_dir, tmp.name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        release(run_dir, tmp.name)
         raise
     return final
+
+
+def _run_files(run_dir: Path) -> dict[str, str]:
+    """The files of the run directory a checkpoint depends on, by sha256: a LoRA run's base (hashed once,
+    when written, into the manifest; hashed here only when the manifest has no record of it)."""
+    base = run_dir / BASE_FILE
+    if not base.is_file():
+        return {}
+    return {BASE_FILE: recorded_sha256(run_dir, BASE_FILE) or file_sha256(base)}
+
+
+def claim_file(run_dir: Path, name: str) -> str:
+    """Record `run_dir/name`, which rlgraph just wrote and reads back, in the manifest with its sha256."""
+    digest = file_sha256(run_dir / name)
+    claim(run_dir, name, sha256=digest)
+    return digest
 
 
 def _write_full(directory: Path, state: ExecutorState) -> dict[str, dict[str, Any]]:
@@ -134,12 +171,21 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
     returns the deleted paths. Leftover temporary directories of a crashed save go too."""
     run_dir = Path(run_dir)
     latest = latest_checkpoint(run_dir)
-    steps = sorted(path for path in run_dir.glob("step-*") if path.is_dir())
+    entries = read_manifest(run_dir)
+    steps = [path for path in checkpoint_dirs(run_dir) if owns(run_dir, path.name, entries)]
     doomed = [path for path in steps[: max(len(steps) - keep_last, 0)] if path != latest]
-    doomed += [path for path in run_dir.glob(".step-*") if path.is_dir()]
+    doomed += [path for path in run_dir.glob(".step-*") if path.is_dir() and owns(run_dir, path.name, entries)]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_owned(run_dir, path)
     return doomed
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The run's checkpoint directories, oldest first: `step-<digits>` real directories (a `step-best`
+    copy, a `step-notes/` folder or a symbolic link is not one of them)."""
+    found = [path for path in run_dir.glob("step-*") if _CHECKPOINT_NAME.fullmatch(path.name)
+             and path.is_dir() and not path.is_symlink()]
+    return sorted(found, key=lambda path: int(path.name.split("-")[1]))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -156,8 +202,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     problem = _pointer_problem(pointer, run_dir)
     if problem is None:
-        return run_dir / json.loads(pointer.read_text())["path"]
-    complete = sorted(path for path in run_dir.glob("step-*") if (path / "meta.json").is_file())
+        path = run_dir / json.loads(pointer.read_text())["path"]
+        if path.is_symlink():
+            raise ConfigError(f"{pointer} names {path.name}, which is a symbolic link; rlgraph reads checkpoints only "
+                              "from the directories it wrote", fix=f"replace the link {path} by the checkpoint "
+                              "directory itself, or resume with --checkpoint naming another one")
+        return path
+    complete = [path for path in checkpoint_dirs(run_dir) if (path / "meta.json").is_file()]
     if not complete:
         raise ConfigError(f"{pointer} {problem}, and {run_dir} holds no complete step-* checkpoint to fall back on",
                           fix=f"delete {pointer} (and any step-* leftovers) to start the run afresh, or choose another run_dir")
@@ -199,9 +250,22 @@ def _tensors(path: Path) -> Any:
 
 
 def _meta(path: Path) -> dict[str, Any]:
+    """meta.json of checkpoint `path`, read only if its bytes are those meta.sha256 recorded, and its
+    step the one the directory is named after."""
+    if path.is_symlink():
+        raise CheckpointMismatch(f"checkpoint {path} is a symbolic link; rlgraph writes checkpoints as directories "
+                                 "and does not follow a link to read or delete one")
+    recorded = _read(path / META_SUM, lambda file: file.read_text().strip(), "a checksum")
+    if (path / "meta.json").is_file() and file_sha256(path / "meta.json") != recorded:
+        raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'} is damaged: its sha256 is not the one saved in "
+                                 f"{path / META_SUM} (an edit, a flipped bit or a partial copy); it is not loaded")
     meta = _read(path / "meta.json", lambda file: json.loads(file.read_text()), "JSON")
     if not isinstance(meta, dict) or not isinstance(meta.get("versions"), dict) or "step" not in meta:
         raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'} lacks 'step' or 'versions': not a rlgraph checkpoint")
+    named = path.name.split("-")[1] if _CHECKPOINT_NAME.fullmatch(path.name) else None
+    if named is not None and meta["step"] != int(named):
+        raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'} says step {meta['step']!r}, but the directory "
+                                 f"is {path.name}: the checkpoint is damaged or was renamed")
     return meta
 
 
@@ -240,13 +304,13 @@ def read_checkpoint(path: str | Path) -> tuple[ExecutorState, int, dict[str, Any
 
 
 def verify_checksums(path: Path, meta: dict[str, Any]) -> None:
-    """Refuse a file of checkpoint `path` whose bytes are not those its save hashed into meta.json.
-    A checkpoint written before checksums were recorded loads unverified, with a warning."""
+    """Refuse a file of checkpoint `path` whose bytes are not those its save hashed into meta.json, and
+    a run file it depends on (a LoRA run's base) that is not the one it was saved with. A meta.json
+    without checksums is refused: verification is never turned off by deleting a key."""
     sha256 = meta.get("sha256")
     if sha256 is None:
-        warnings.warn(f"checkpoint {path} was written before checksums were recorded: its files are not verified",
-                      stacklevel=3)
-        return
+        raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'} has no 'sha256' checksums, so its files cannot "
+                                 "be verified; it is not loaded (rlgraph writes them into every checkpoint)")
     if not isinstance(sha256, dict):
         raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'}: 'sha256' is {str(sha256)[:60]!r}, not a "
                                  "mapping of file names to checksums; the checkpoint is damaged")
@@ -257,6 +321,28 @@ def verify_checksums(path: Path, meta: dict[str, Any]) -> None:
         if file_sha256(file) != expected:
             raise CheckpointMismatch(f"checkpoint file {file} is damaged: its sha256 is not the one recorded when it was "
                                      "saved (a flipped bit, a partial copy or an edit); it is not loaded")
+    _verify_run_files(path, meta.get("run_files", {}))
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Checkpoint `path`'s meta.json and the sha256 of every file it records (a LoRA base too), without
+    loading a tensor: a damaged checkpoint is refused before any work is done for it."""
+    path = Path(path)
+    verify_checksums(path, _meta(path))
+
+
+def _verify_run_files(path: Path, run_files: Any) -> None:
+    """The run directory's files checkpoint `path` was saved with (a LoRA base), byte for byte."""
+    if not isinstance(run_files, dict):
+        raise CheckpointMismatch(f"checkpoint file {path / 'meta.json'}: 'run_files' is not a mapping; it is damaged")
+    for name, expected in sorted(run_files.items()):
+        file = path.parent / str(name)
+        if Path(str(name)).name != name or not file.is_file():
+            raise CheckpointMismatch(f"{file} is missing: checkpoint {path.name} was saved with it (a LoRA run's "
+                                     "adapters apply to this base) and cannot be used without it")
+        if file.is_symlink() or file_sha256(file) != expected:
+            raise CheckpointMismatch(f"{file} is not the file checkpoint {path.name} was saved with: its sha256 differs "
+                                     "(a flipped bit, a replaced or edited base); the checkpoint is not used with it")
 
 
 def intact_checkpoint(path: Path) -> str | None:
@@ -290,8 +376,7 @@ def _check_parts(path: Path, role: str, parts: int) -> None:
 
 def newest_intact(run_dir: Path, below: Path | None = None) -> Path | None:
     """The newest step-* checkpoint of `run_dir` (older than `below`, when given) that reads whole."""
-    steps = sorted((p for p in run_dir.glob("step-*") if p.is_dir() and (below is None or p.name < below.name)),
-                   reverse=True)
+    steps = [p for p in reversed(checkpoint_dirs(run_dir)) if below is None or _number(p) < _number(below)]
     return next((p for p in steps if intact_checkpoint(p) is None), None)
 
 
@@ -331,16 +416,39 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], path:
     model.load_state_dict(weights, strict=False)
 
 
-def abandon_later_checkpoints(run_dir: Path, start: Path) -> list[Path]:
+def _number(path: Path) -> int:
+    return int(path.name.split("-")[1]) if _CHECKPOINT_NAME.fullmatch(path.name) else -1
+
+
+def later_checkpoints(run_dir: Path, start: Path) -> list[Path]:
+    """The checkpoints past `start` that a resume from it abandons (their branch is gone). Each must be
+    one rlgraph wrote (recorded in its manifest, not a symbolic link): any other `step-<k>` past it is
+    refused with a ConfigError before anything changed, since the resume would have to remove it."""
+    if start.parent.resolve() != run_dir.resolve():
+        return []
+    entries, step = read_manifest(run_dir), _meta(start)["step"]  # `start` may be a copy named otherwise (step-best)
+    later = sorted((p for p in run_dir.glob("step-*") if _CHECKPOINT_NAME.fullmatch(p.name) and _number(p) > step),
+                   key=_number)
+    foreign = [p for p in later if not owns(run_dir, p.name, entries)]
+    if foreign:
+        what = "a symbolic link" if foreign[0].is_symlink() else "not recorded in its manifest"
+        raise ConfigError(f"--resume {run_dir} from {start.name}: {foreign[0]} is past it and rlgraph did not write it "
+                          f"({what}); the resume would abandon that step, and rlgraph never deletes what it did not write",
+                          fix=f"move {', '.join(p.name for p in foreign[:3])} out of {run_dir}, then resume")
+    return later
+
+
+def abandon_later_checkpoints(run_dir: Path, start: Path, later: list[Path] | None = None) -> list[Path]:
     """A resume from `start`, older than the run's newest checkpoints, abandons their branch: `latest`
     names `start` first (a crash then never resumes the abandoned branch), then the later step-*
-    checkpoints are deleted; returns them."""
-    later = sorted(p for p in run_dir.glob("step-*") if p.is_dir() and p.name > start.name)
-    if start.parent.resolve() != run_dir.resolve() or not later:
+    checkpoints (`later_checkpoints`, all rlgraph's) are deleted; returns them. Called once the
+    resume has read and verified everything it uses."""
+    later = later_checkpoints(run_dir, start) if later is None else later
+    if not later:
         return []
-    _write_json_atomic(run_dir / "latest", {"path": start.name, "step": int(start.name.split("-")[1])})
+    _write_json_atomic(run_dir / "latest", {"path": start.name, "step": _meta(start)["step"]})
     for path in later:
-        shutil.rmtree(path)
+        remove_owned(run_dir, path)
     return later
 
 
@@ -355,8 +463,12 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     text = str(checkpoint).strip()
     candidates = [] if not text else [run_dir / f"step-{int(text):06d}"] if text.isdigit() else [run_dir / text, Path(text)]
     for path in candidates:
+        if path.is_symlink():
+            raise ConfigError(f"--checkpoint {text!r}: {path} is a symbolic link; rlgraph reads checkpoints only from the "
+                              "directories it wrote", fix=f"copy the checkpoint into place instead of linking it, or "
+                              "name one of the run's own checkpoints")
         if path.is_dir():
             return path
-    have = sorted(p.name for p in run_dir.glob("step-*") if p.is_dir())
+    have = [p.name for p in checkpoint_dirs(run_dir)]
     raise ConfigError(f"--checkpoint {text!r}: no such checkpoint in {run_dir}",
                       fix=f"one of {', '.join(have)} (or its step number)" if have else "the run has no checkpoints yet")

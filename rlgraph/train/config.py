@@ -200,6 +200,7 @@ class CheckpointSection(Section):
 class TrainConfig(Section):
     name: str = "run"
     run_dir: str | None = None                        # default: runs/<name>
+    overwrite: bool = Field(False, strict=True)        # a fresh run may write into a run_dir holding files rlgraph did not write
     imports: list[str] = Field(default_factory=list)  # modules / .py files that register estimators, losses, rewards
     algorithm: AlgorithmSection = AlgorithmSection()
     model: ModelSection = ModelSection()

@@ -136,6 +136,9 @@ def run_demo(config: DemoConfig = DemoConfig(), console: Console | None = None) 
     run_dir = Path(config.run_dir or scratch)
     try:
         _forget_previous_demo(run_dir)
+        from rlgraph.train.manifest import claim
+
+        claim(run_dir, "data")  # the demo's own prompt files: a fresh run may write beside them
         train_config = demo_config(config, run_dir, write_data(run_dir / "data", config.seed))
         splits = arithmetic.make_splits(seed=config.seed)
         console.print(f"[bold]rlgraph demo[/]: {_parameters():,}-parameter Qwen2 learns A+B (A, B in [0, 99]); "
@@ -174,11 +177,13 @@ def _forget_previous_demo(run_dir: Path) -> None:
     saved = run_dir / "config.yaml"
     if not saved.is_file() or (yaml.safe_load(saved.read_text()) or {}).get("name") != NAME:
         return
-    for old in [*run_dir.glob("step-*"), *run_dir.glob(".step-*")]:
-        shutil.rmtree(old, ignore_errors=True)
-    (run_dir / "latest").unlink(missing_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    (run_dir / "samples.jsonl").unlink(missing_ok=True)
+    from rlgraph.train.manifest import owns, remove_owned
+
+    doomed = [*run_dir.glob("step-*"), *run_dir.glob(".step-*"),
+              *(run_dir / name for name in ("latest", "metrics.jsonl", "samples.jsonl", "base.safetensors"))]
+    for old in doomed:
+        if owns(run_dir, old.name) and (old.exists() or old.is_symlink()):
+            remove_owned(run_dir, old)  # only what rlgraph recorded writing: never a step-best of the user's
 
 
 def _parameters() -> int:
@@ -221,4 +226,7 @@ def _report(console: Console, result: DemoResult, run_dir: Path | None) -> None:
     console.print(f"SFT: {result.sft_steps} steps in {result.sft_seconds:.1f} s; {label}: {result.rl_steps} steps in "
                   f"{result.rl_seconds:.0f} s, {result.samples_per_second:,.0f} samples/s{trained}")
     if run_dir is not None:
+        from rlgraph.train.manifest import claim
+
+        claim(run_dir, "demo.json")
         (run_dir / "demo.json").write_text(json.dumps(attrs.asdict(result), indent=1))

@@ -26,7 +26,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
                  ) -> dict[str, Any]:
     """Score `checkpoint` (default: the latest) of `run_dir` on `data` (default: the run's eval split)."""
     from rlgraph.runtime.plan_runner import PlanRunner
-    from rlgraph.train.checkpoint import resolve_checkpoint
+    from rlgraph.train.checkpoint import resolve_checkpoint, verify_checkpoint
     from rlgraph.train.roles import build_roles, checkpoint_policy
     from rlgraph.train.run import load_run_config
     from rlgraph.train.session import _Session
@@ -40,6 +40,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     config = load_run_config(run_dir, [*overrides, *extra])
     config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"runtime": "local", "nproc": 1})})
     path = resolve_checkpoint(run_dir, checkpoint)
+    verify_checkpoint(path)  # checksums and the LoRA base, before the plans are compiled
     setup = prepare(config)
     if not setup.eval_rows:
         raise ConfigError(f"{run_dir}: the run has no held-out prompts (no data.eval, eval_fraction 0)",
@@ -56,6 +57,10 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     result = {"checkpoint": path.name, "step": step, "data": str(source), "prompts": len(setup.eval_rows),
               "accuracy_reward": config.accuracy_reward, **metrics}
     out = run_dir / "evals" / f"{path.name}-{Path(str(data)).stem if data is not None else 'eval'}.json"
+    if not out.parent.exists():
+        from rlgraph.train.manifest import claim
+
+        claim(run_dir, out.parent.name)
     out.parent.mkdir(exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1))

@@ -17,6 +17,8 @@ from rlgraph.backends.local.models import auto_tokenizer_mismatch, build_causal_
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
 
+EXPORT_MARK = "rlgraph_export.txt"  # written into every export: what --overwrite may replace
+
 
 def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None,
                adapter: bool = False, overwrite: bool = False, check_tokenizer: bool = True) -> Path:
@@ -40,6 +42,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
                           "replace the run", fix=f"choose a directory outside it, e.g. {run_dir}-hf")
     if out.exists() and not overwrite:
         raise ConfigError(f"export target {out} already exists", fix="choose a new directory or pass --overwrite")
+    if out.exists() and not (out.is_dir() and not out.is_symlink() and (out / EXPORT_MARK).is_file()):
+        raise ConfigError(f"export target {out} exists and is not an export rlgraph wrote (it has no {EXPORT_MARK}); "
+                          "--overwrite replaces only an earlier export, never another directory or file",
+                          fix=f"choose a new directory, or move {out} away yourself")
     if adapter and config.model.lora is None:
         raise ConfigError("--adapter: the run trained full weights, not LoRA adapters", fix="export without --adapter")
     if adapter and (run_dir / BASE_FILE).is_file():
@@ -63,7 +69,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
         if problem:
             raise ConfigError(f"export {out}: {problem.replace(str(tmp), str(out))}; the exported model would answer "
                               "differently from the run", fix=TOKENIZER_FIX)
-        (tmp / "rlgraph_export.txt").write_text(f"run {run_dir}\ncheckpoint {path.name} (step {step})\n"
+        (tmp / EXPORT_MARK).write_text(f"run {run_dir}\ncheckpoint {path.name} (step {step})\n"
                                                 f"algorithm {config.algorithm.name}\n")
         if out.exists():
             shutil.rmtree(out)

@@ -14,6 +14,7 @@ from rlgraph.backends.local.critic import build_critic
 from rlgraph.backends.local.decode_compile import DecodeCompile
 from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm
+from rlgraph.train.checkpoint import BASE_FILE
 from rlgraph.train.config import TrainConfig
 from rlgraph.train.setup import Setup
 
@@ -89,7 +90,6 @@ def compiles_training(config: TrainConfig, device: str) -> bool:
     return config.runtime.runtime == "local" and resolve_train_compile(mode, device, forwards)
 
 
-BASE_FILE = "base.safetensors"  # a LoRA run's base after its warm start (the adapters merged into it)
 
 
 def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
@@ -140,10 +140,16 @@ def rebase_lora(setup: Setup, executor: LocalExecutor) -> None:
 
     merged = {name: tensor.detach().to("cpu").contiguous().clone()
               for name, tensor in merged_state_dict(executor.models["policy"].model).items()}
+    from rlgraph.train.checkpoint import claim_file
+    from rlgraph.train.manifest import claim, release
+
     path = setup.config.directory / BASE_FILE
     tmp = path.with_name(path.name + ".tmp")
+    claim(path.parent, tmp.name)
     save_file(merged, str(tmp))
     os.replace(tmp, path)
+    release(path.parent, tmp.name)
+    claim_file(path.parent, BASE_FILE)  # its sha256: every checkpoint records it, every read checks it
     model = build_policy(setup.config, setup.tokenizer).to(setup.device)
     executor.models["policy"] = LMWorker(model, role_optimizer(setup.config, model, setup.config.optimizer.lr))
 

@@ -30,9 +30,11 @@ from rich.console import Console
 from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.checkpoint import (
-    abandon_later_checkpoints, intact_checkpoint, latest_checkpoint, newest_intact, resolve_checkpoint,
+    abandon_later_checkpoints, claim_file, intact_checkpoint, later_checkpoints, latest_checkpoint, newest_intact,
+    resolve_checkpoint,
 )
 from rlgraph.train.config import TrainConfig, load_config
+from rlgraph.train.manifest import MANIFEST, claim, foreign_entries, owns, remove_owned, verify_recorded
 from rlgraph.train.roles import (  # noqa: F401 - public here too, where callers import them
     BASE_FILE, add_rl_roles, build_policy, build_roles, checkpoint_policy, lr_factor, rebase_lora,
 )
@@ -65,10 +67,12 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
 
 
 def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | None = None,
-          console: Console | None = None) -> RunResult:
+          console: Console | None = None, overwrite: bool = False) -> RunResult:
     """Run `config` in `config.directory`; with `resume`, continue from its latest checkpoint, or from
-    `checkpoint` (a step number or step-* name), whose later checkpoints are then deleted."""
-    with Run(config, resume=resume, checkpoint=checkpoint, console=console) as run:
+    `checkpoint` (a step number or step-* name), whose later checkpoints are then deleted. A fresh run
+    into a directory holding files rlgraph did not write is refused unless `overwrite` (or the
+    config's `overwrite: true`)."""
+    with Run(config, resume=resume, checkpoint=checkpoint, console=console, overwrite=overwrite) as run:
         seconds = run.session.loop(run.trainer)
         return run.finish(seconds)
 
@@ -88,8 +92,8 @@ class Run:
     """
 
     def __init__(self, config: TrainConfig, *, resume: bool = False, checkpoint: str | int | None = None,
-                 console: Console | None = None) -> None:
-        from rlgraph.train.logging import SAMPLES_FILE, MetricLogger, SampleLog, make_sinks
+                 console: Console | None = None, overwrite: bool = False) -> None:
+        from rlgraph.train.logging import METRICS_FILE, SAMPLES_FILE, MetricLogger, SampleLog, make_sinks
 
         self.console = console = console or Console()
         run_dir = self.run_dir = config.directory
@@ -97,9 +101,9 @@ class Run:
             raise ConfigError(f"--checkpoint {checkpoint}: a checkpoint to start from is only taken with --resume",
                               fix=f"rlgraph train --resume {run_dir} --checkpoint {checkpoint}")
         checkpoint = _resume_point(run_dir, checkpoint) if resume else None
-        if not resume and latest_checkpoint(run_dir) is not None:
-            raise ConfigError(f"run directory {run_dir} already holds checkpoints",
-                              fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
+        later = later_checkpoints(run_dir, checkpoint) if checkpoint is not None else []  # refused now if not ours
+        if not resume:
+            _refuse_foreign(run_dir, overwrite or config.overwrite)
         if checkpoint is not None:
             _refuse_other_run(config, checkpoint)  # before anything is compiled or built
         torch.manual_seed(config.train.seed)
@@ -110,17 +114,22 @@ class Run:
         if checkpoint is not None:
             _refuse_other_data(setup, checkpoint)
         run_dir.mkdir(parents=True, exist_ok=True)
+        logging = config.logging
+        claim(run_dir, "plan.txt", METRICS_FILE, SAMPLES_FILE, *(["tensorboard"] if logging.tensorboard else []),
+              *(["wandb"] if logging.wandb is not None else []))  # before writing: a crash leaves nothing unrecorded
         (run_dir / "config.yaml").write_text(setup.config.to_yaml())  # resolved: the algorithm's defaults written out
+        claim_file(run_dir, "config.yaml")  # read back by resume, eval and export: recorded with its sha256
         (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
-        if checkpoint is None:
-            (run_dir / BASE_FILE).unlink(missing_ok=True)  # a fresh run: no base of an earlier attempt here
+        if checkpoint is None and (run_dir / BASE_FILE).exists():  # a fresh run: no base of an earlier attempt here
+            remove_owned(run_dir, run_dir / BASE_FILE)  # _refuse_foreign made sure it is rlgraph's
+            console.print(f"removed {run_dir / BASE_FILE}: the LoRA base an earlier attempt of this run wrote")
         # The local runtime builds the models here; spmd/ray workers build them from the config's recipe.
         self.executor = build_roles(setup) if config.runtime.runtime == "local" else None
         self.session = session = _Session(setup, self.executor, console)
         self.logger: MetricLogger | None = None
         self._closed = False
         try:
-            self.trainer = _start(session, setup, self.executor, checkpoint, run_dir, console)
+            self.trainer = _start(session, setup, self.executor, checkpoint, run_dir, console, later)
             resume_step = self.trainer.step if checkpoint else None
             sinks = make_sinks(run_dir, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
                                mlflow=config.logging.mlflow, resume_step=resume_step)
@@ -147,8 +156,11 @@ class Run:
         self.session.finish(self.trainer)
         self.close()
         result = RunResult(self.run_dir, self.trainer.step, seconds, self.session.first_eval, self.session.last_eval)
+        claim(self.run_dir, "summary.json", *(["plots"] if self.setup.config.logging.plots else []))
+        # allow_nan=False: a NaN that reached this far is a bug to see, never a "NaN" in the summary
         (self.run_dir / "summary.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
-                                                               for k, v in attrs.asdict(result).items()}, indent=1))
+                                                               for k, v in attrs.asdict(result).items()}, indent=1,
+                                                              allow_nan=False))
         if self.setup.config.logging.plots:
             from rlgraph.train.plot import plot_run
 
@@ -171,7 +183,8 @@ class Run:
         self.close()
 
 
-def _start(session: _Session, setup: Any, executor: Any, checkpoint: Any, run_dir: Path, console: Console) -> Any:
+def _start(session: _Session, setup: Any, executor: Any, checkpoint: Any, run_dir: Path, console: Console,
+           later: list[Path]) -> Any:
     """The warm start (a fresh run), the RL roles and the trainer, resumed from `checkpoint` if given."""
     config = setup.config
     if checkpoint is None:
@@ -184,11 +197,33 @@ def _start(session: _Session, setup: Any, executor: Any, checkpoint: Any, run_di
         session.reset_optimizer()
     trainer = session.trainer(run_dir)  # the runners (and worker processes, on spmd/ray) start here
     if checkpoint is not None:
-        for gone in abandon_later_checkpoints(run_dir, checkpoint):
+        trainer.resume(checkpoint)  # read and verified whole before `latest` or any later checkpoint is touched
+        for gone in abandon_later_checkpoints(run_dir, checkpoint, later):
             console.print(f"deleted {gone.name}: a later checkpoint of the branch this resume from {checkpoint.name} abandons")
-        trainer.resume(checkpoint)
         console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
     return trainer
+
+
+def _refuse_foreign(run_dir: Path, overwrite: bool) -> None:
+    """A fresh run writes only into a directory holding nothing but what rlgraph wrote (its manifest,
+    `rlgraph.train.manifest`), unless `overwrite`. Never, even with `overwrite`: over an earlier run's
+    checkpoints (resume it instead), or beside a `base.safetensors` rlgraph did not write (a LoRA run
+    would start from it)."""
+    if latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"run directory {run_dir} already holds checkpoints",
+                          fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
+    base = run_dir / BASE_FILE
+    if (base.exists() or base.is_symlink()) and not owns(run_dir, BASE_FILE):
+        raise ConfigError(f"run directory {run_dir} holds a {BASE_FILE} rlgraph did not write (another run's LoRA base?); "
+                          "a fresh run neither deletes it nor starts from it",
+                          fix=f"move {base} away, or choose another run_dir")
+    foreign = foreign_entries(run_dir)
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"run directory {run_dir} holds files rlgraph did not write ({shown}); a fresh run there "
+                          "would overwrite its config.yaml, metrics.jsonl and summary.json",
+                          fix="choose another run_dir (or name), or pass --overwrite (overwrite: true) to write into it "
+                              f"anyway: rlgraph then replaces only the names it writes, listed in {MANIFEST}")
 
 
 def _resume_point(run_dir: Path, chosen: str | int | None) -> Path:
@@ -250,9 +285,14 @@ def _refuse_other_data(setup: Setup, checkpoint: Path) -> None:
     from rlgraph.train.checkpoint import read_extra
 
     user = read_extra(checkpoint).get("user", {})
-    if user.get("lora_base") and not (setup.config.directory / BASE_FILE).is_file():
+    base = setup.config.directory / BASE_FILE
+    if user.get("lora_base") and not base.is_file():
         raise CheckpointMismatch(f"checkpoint {checkpoint} holds LoRA adapters of a warm-started base, but "
-                                 f"{setup.config.directory / BASE_FILE} is gone: they cannot be applied to another base")
+                                 f"{base} is gone: they cannot be applied to another base")
+    if setup.config.model.lora is not None and not user.get("lora_base") and base.exists():
+        raise CheckpointMismatch(f"checkpoint {checkpoint} holds LoRA adapters of {setup.config.model.path}, but {base} "
+                                 f"appeared since it was saved and the policy would be built on it; move {base} away, "
+                                 "then resume")
     saved = user.get("data")
     mine = data_digest(setup.train_rows)
     if saved is not None and saved != mine:
@@ -267,8 +307,13 @@ def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConf
     """The resolved config a run saved (`RUN_DIR/config.yaml`), with `overrides`."""
     import yaml
 
+    from rlgraph.train.checkpoint import file_sha256
+
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir} is not a run directory: it has no config.yaml", fix="pass the directory rlgraph train wrote")
+    verify_recorded(run_dir, "config.yaml", file_sha256,
+                    fix="restore the file rlgraph wrote; change settings with overrides instead "
+                        f"(rlgraph train --resume {run_dir} -o key=value), which are recorded")
     config = load_config(None, overrides, base=yaml.safe_load(path.read_text()))
     return config.model_copy(update={"run_dir": str(run_dir)})

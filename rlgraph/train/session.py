@@ -19,6 +19,8 @@ from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.config import TrainConfig
 from rlgraph.train.logging import report_reward_failures
 from rlgraph.train.loop import Trainer
+from rlgraph.train.checkpoint import claim_file
+from rlgraph.train.manifest import claim, owns, remove_owned
 from rlgraph.train.roles import BASE_FILE, lr_factor, role_optimizer
 from rlgraph.train.setup import Setup
 from rlgraph.train.user_code import resolved_hparams
@@ -114,6 +116,8 @@ class _Session:
         """Where the workers write the warm-started policy the RL workers start from (removed at `close`:
         a resume starts from a checkpoint, and a 7B policy's fp32 start is ~28 GB of disk)."""
         self._start_weights = run_dir / "start_weights"
+        if not self._start_weights.exists():
+            claim(run_dir, self._start_weights.name)
         return self._start_weights
 
     def _start_workers(self, world: Any, plan: Any) -> tuple[Any, LocalExecutor]:
@@ -138,10 +142,9 @@ class _Session:
         self.setup.rewards.close()  # the reward worker processes, with whatever their rewards started
         if self.transport is not None:
             self.transport.close()
-        if self._start_weights is not None:
-            import shutil
-
-            shutil.rmtree(self._start_weights, ignore_errors=True)
+        if self._start_weights is not None and self._start_weights.exists() and owns(self._start_weights.parent,
+                                                                                   self._start_weights.name):
+            remove_owned(self._start_weights.parent, self._start_weights)  # never a start_weights/ of the user's
         if self.samples is not None:
             self.samples.close()
 
@@ -189,6 +192,8 @@ class _Session:
                         break
             if transport is not None:
                 self._warm_weights = Path(transport.save_weights("policy", str(self._warm_file(run_dir))))
+                if self._warm_weights.name == BASE_FILE:  # the workers wrote it; the controller records it
+                    claim_file(run_dir, BASE_FILE)
         finally:
             if transport is not None:
                 transport.close()

@@ -73,6 +73,39 @@ def test_a_hanging_step_and_a_dying_worker_end_their_episodes_counted(workers, e
     assert (ro.mask.sum(1) > 0).all()
 
 
+def test_a_nan_reward_and_a_20_mb_observation_from_a_worker_end_their_episodes_counted_and_named():
+    """Issue 34, items 14-15, both sides of the worker boundary without starting a process (~10 s
+    each under load): the worker's `EnvHost` refuses a 20 MB observation before serializing it, and
+    its JSON answer (NaN travels in JSON) enters the controller checked: both episodes end scored 0,
+    counted in env_errors and named."""
+    import json
+    import pickle
+
+    from rlgraph.agents.episode import Episode, EnvWarning, _apply
+    from rlgraph.agents.env import as_token_env
+    from rlgraph.agents.workers import EnvHost, _outcome
+    from tests.helpers import TOKENIZER
+
+    host = EnvHost(pickle.dumps(envs.Floods))
+    answers = {}
+    for row, text in enumerate(["14+94=", "83+63=", "1+1="]):
+        host._reset(row, {"text": text})
+        host._step(row, "1")
+        answers[row] = json.loads(json.dumps(host._step(row, "1")))  # the second turn, as the channel carries it
+    assert answers[1] == {"failed": answers[1]["failed"]} and "20,000,000 characters" in answers[1]["failed"]
+    env = as_token_env(envs.Floods(), TOKENIZER)
+    episodes = [Episode(env, row, 64) for row in range(3)]
+    with pytest.warns(EnvWarning) as caught:
+        for row, episode in enumerate(episodes):
+            step, seconds = _outcome(env, answers[row], elapsed=0.01, timeout_s=30.0).result()
+            _apply(episode, step, seconds, f"Floods.step (row {row}, turn 1)", len(TOKENIZER))
+    messages = " | ".join(str(w.message) for w in caught)
+    assert "(row 0, turn 1): Step.reward is nan (not finite)" in messages
+    assert "(row 1, turn 1): its observation has 20,000,000 characters, over max_observation_chars=16,384" in messages
+    assert [episode.stats["env_errors"] for episode in episodes] == [1.0, 1.0, 0.0]
+    assert [episode.stats["reward"] for episode in episodes][:2] == [0.0, 0.0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("env, message", [
     (envs.Raises, r"Raises \(environment worker 0\)\.step \(row 0, turn 0\): raised ValueError: no such move"),

@@ -60,3 +60,20 @@ class WrongType(Countdown):
 
 def broken_recipe():
     raise ImportError("no module named my_envs")
+
+
+class Floods(Countdown):
+    """Countdown, but on its second turn the episode of prompt '14+94=' answers a NaN reward and that
+    of '83+63=' a 20 MB observation (issue 34, items 14-15)."""
+
+    def reset(self, row):
+        super().reset(row)
+        self.text = row["text"]
+
+    def step(self, text):
+        step = super().step(text)
+        if self.turn == 2 and self.text == "14+94=":
+            return rg.Step("ok", reward=float("nan"))
+        if self.turn == 2 and self.text == "83+63=":
+            return rg.Step("x" * 20_000_000, reward=1.0)
+        return step

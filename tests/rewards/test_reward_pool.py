@@ -7,6 +7,7 @@ Each test runs in its own directory, so "no process left" is "no process whose c
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -319,3 +320,24 @@ def test_a_run_stopped_by_a_failing_reward_leaves_no_worker(here):
     with pytest.raises(RewardError, match=r"reward 'my_rewards.py:broken' raised RuntimeError: grader down"):
         train(config)
     assert no_process_left(here) == []
+
+
+@pytest.mark.parametrize("frame", [b'{"scores": [1.0, NaN, 1.0]}', b'{"scores": [1.0, Infinity, -Infinity]}',
+                                   b'{"problem": "x", "rows": [0], "partial": [0.0, NaN, 1.0], "raised": false}'])
+def test_a_workers_json_nan_is_caught_where_it_enters_the_controller(frame, monkeypatch):
+    """Issue 34, item 16: JSON carries NaN and Infinity; the controller's check refuses them as scores
+    (the worker's frame as the pool parses it: no process is started), so no NaN reaches a reward,
+    an accuracy or summary.json."""
+    import json
+
+    from rlgraph.supervised.pool import SupervisedPool
+
+    monkeypatch.setattr(SupervisedPool, "run", lambda self, payloads, timeout_s, **kw: [json.loads(frame)])
+    zero = pipeline(hostile.good, on_error="zero")
+    scores = zero(["a", "bb", "ccc"], text=TEXT)
+    assert all(math.isfinite(x) for x in scores) and scores[1] == 0.0
+    metrics = zero.pop_metrics()
+    assert metrics["reward/good/errors"] >= 1 and all(math.isfinite(v) for v in metrics.values())
+    with pytest.raises(RewardError, match=r"'good' (its reward worker answered (nan|inf) \(not finite\) on sample 1|x on sample 0 of 3 .*"
+                                        r"; 2 samples affected)"):
+        pipeline(hostile.good, on_error="fail")(["a", "bb", "ccc"], text=TEXT)

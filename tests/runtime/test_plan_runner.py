@@ -80,3 +80,27 @@ def test_the_moved_names_are_still_importable_from_where_callers_import_them():
     assert (Compiled, CONTROLLER, collective_kind) == (compiled.Compiled, layouts.CONTROLLER, layouts.collective_kind)
     assert (plan_runner.WorkerFailure, plan_runner.PlanStepError, plan_runner.PlanInputError) == (
         errors.WorkerFailure, errors.PlanStepError, errors.PlanInputError)
+
+
+def test_a_non_finite_metric_a_rank_sends_is_named_where_it_enters(monkeypatch):
+    """Issue 34: numbers crossing from a rank to the controller are checked for finiteness there. The
+    rank's answer is emulated at the transport (`fetch`, what spmd and Ray answer through a pipe or an
+    actor call): a NaN loss in the update statistics is named with its role and rank, and kept (the
+    same number every runtime reports)."""
+    from rlgraph.algorithms import grpo
+    from rlgraph.runtime.errors import RankMetricWarning
+    from rlgraph.runtime.transport import LocalTransport
+
+    fetch = LocalTransport.fetch
+
+    def nan_loss(self, name, rank):
+        value = fetch(self, name, rank)
+        return {**value, "loss": torch.tensor(float("nan"))} if isinstance(value, dict) and "loss" in value else value
+
+    monkeypatch.setattr(LocalTransport, "fetch", nan_loss)
+    compiled = rg.compile(grpo, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
+                          sizes={"B": 2, "P": 8, "T": 3}, n=2, max_new_tokens=3)
+    runner = PlanRunner(compiled, make_executor(reward=half_dead_reward))
+    with pytest.warns(RankMetricWarning, match=r"metric policy/loss=nan: not finite as rank 0 of role 'policy'"):
+        _, metrics = runner.run(prompts(2))
+    assert metrics["policy/loss"] != metrics["policy/loss"] and metrics["reward"] == metrics["reward"]

@@ -190,3 +190,12 @@ def test_reward_workers_default_to_a_pool_and_zero_scores_in_the_controller(tmp_
     pooled = build_rewards(config)  # nothing starts before the first call
     assert pooled.pool is not None and pooled.pool.size == min(4, len(os.sched_getaffinity(0))) and pooled.pool.pids() == []
     assert build_rewards(load_config(write(tmp_path, MINIMAL), ["reward_workers=0"])).pool is None
+
+
+@pytest.mark.parametrize("value", ["yes", "1", "[true]"])
+def test_overwrite_takes_only_true_or_false(tmp_path, value):
+    """Issue 34, item 11: `overwrite` lets a fresh run write over the user's files, so a stray value
+    ("yes", 1, a list) is refused rather than read as true."""
+    with pytest.raises(ConfigError, match="overwrite"):
+        load_config(write(tmp_path, MINIMAL), [f"overwrite={value}"])
+    assert load_config(write(tmp_path, MINIMAL), ["overwrite=true"]).overwrite is True

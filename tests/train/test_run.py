@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.ir.errors import ConfigError, RLGraphError
-from rlgraph.train.checkpoint import latest_checkpoint
+from rlgraph.train.checkpoint import file_sha256, latest_checkpoint
 from rlgraph.train.config import load_config
 from rlgraph.train.run import load_run_config, train
 from tests.helpers import assert_rows_close, assert_same_training, checkpoint_worker
@@ -542,6 +542,13 @@ def test_export_picks_a_checkpoint_by_step_and_never_replaces_the_run(full_run, 
         with pytest.raises(ConfigError, match="would replace the run"):
             export_run(run_dir, target, overwrite=True)
     assert (run_dir / "config.yaml").is_file()
+    assert export_run(run_dir, out, overwrite=True) == out  # an earlier export is replaced
+    mine = tmp_path / "my-models"  # not an export: --overwrite does not delete it
+    mine.mkdir()
+    (mine / "weights.bin").write_bytes(b"mine")
+    with pytest.raises(ConfigError, match="is not an export rlgraph wrote"):
+        export_run(run_dir, mine, overwrite=True)
+    assert (mine / "weights.bin").read_bytes() == b"mine"
 
 
 @pytest.mark.slow
@@ -628,8 +635,25 @@ def test_a_lora_warm_start_becomes_the_base_and_the_kl_reference(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True) is not None
     with pytest.raises(ConfigError, match="adapters apply to its warm-started base"):
         export_run(run_dir, tmp_path / "adapter", adapter=True)
-    (run_dir / "base.safetensors").unlink()
-    with pytest.raises(CheckpointMismatch, match="base.safetensors is gone"):
+    # One flipped bit in the base's tensor data (issue 34, item 12): resume, eval and export refuse it.
+    from rlgraph.train.evaluation import evaluate_run
+
+    base = run_dir / "base.safetensors"
+    intact = base.read_bytes()
+    flipped = bytearray(intact)
+    flipped[-9] ^= 0x40
+    base.write_bytes(bytes(flipped))
+    damaged = "base.safetensors is not the file checkpoint step-000003 was saved with"
+    with pytest.raises(ConfigError, match=damaged):
+        train(load_run_config(run_dir, ["train.steps=4"]), resume=True)
+    with pytest.raises(CheckpointMismatch, match=damaged):
+        export_run(run_dir, tmp_path / "hf2")
+    with pytest.raises(CheckpointMismatch, match=damaged):
+        evaluate_run(run_dir)
+    assert not (tmp_path / "hf2").exists() and not (run_dir / "evals").exists()
+    base.write_bytes(intact)
+    base.unlink()
+    with pytest.raises(ConfigError, match="base.safetensors is missing: checkpoint step-000003 was saved with it"):
         train(load_run_config(run_dir, ["train.steps=4"]), resume=True)
 
 
@@ -691,6 +715,7 @@ def test_a_damaged_latest_checkpoint_names_the_newest_intact_one(full_run, tmp_p
         meta = json.loads((weights.parent / "meta.json").read_text())
         meta["sha256"]["policy.safetensors"] = __import__("hashlib").sha256(weights.read_bytes()).hexdigest()
         (weights.parent / "meta.json").write_text(json.dumps(meta))
+        (weights.parent / "meta.sha256").write_text(file_sha256(weights.parent / "meta.json"))
     else:
         (copy / "step-000004" / "run_state.pt").write_bytes(b"")
     config = load_run_config(copy, ["train.steps=5"])
@@ -706,8 +731,50 @@ def test_the_cli_resumes_from_a_chosen_checkpoint_and_names_a_bad_one(full_run, 
     copy = copy_run(run_dir, tmp_path)
     assert main(["train", "--resume", str(copy), "--checkpoint", "abc"]) == 1
     assert "--checkpoint 'abc': no such checkpoint" in capsys.readouterr().err
+    shutil.copytree(copy / "step-000003", copy / "step-best")  # the user's own copy and notes (issue 34, item 10)
+    (copy / "step-notes").mkdir()
+    (copy / "step-notes" / "plan.md").write_text("try kl 0.1")
     assert main(["train", "--resume", str(copy), "--checkpoint", "3"]) == 0
     assert_same_run(run_dir, copy)  # steps 4 trained again from step 3: the same run
+    assert (copy / "step-best" / "meta.json").is_file() and (copy / "step-notes" / "plan.md").read_text() == "try kl 0.1"
+
+
+def test_a_fresh_run_into_a_directory_holding_the_users_files_is_refused_unless_overwrite(tmp_path, capsys):
+    """Issue 34, item 11: nothing of the user's is overwritten without --overwrite; never the config you
+    ran (run_dir: .), never a base.safetensors rlgraph did not write, never an earlier run's checkpoints."""
+    from rlgraph.cli import main
+    from rlgraph.train.manifest import read_manifest
+
+    config, path = make_config(tmp_path, "mine", ["train.steps=1", "warm_start.steps=0", "eval.every=0",
+                                                  "checkpoint.every=1"])
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("my own notes\n")
+    with pytest.raises(ConfigError, match=r"holds files rlgraph did not write \(config.yaml\).*\n  fix: .*--overwrite"):
+        train(config)
+    assert (run_dir / "config.yaml").read_text() == "my own notes\n" and sorted(os.listdir(run_dir)) == ["config.yaml"]
+    (run_dir / "base.safetensors").write_bytes(b"another run's base")
+    with pytest.raises(ConfigError, match="holds a base.safetensors rlgraph did not write"):
+        train(config, overwrite=True)  # not even with overwrite: it is neither deleted nor started from
+    (run_dir / "base.safetensors").unlink()
+    (run_dir / "notes.txt").write_text("keep me")
+    assert train(config, overwrite=True).steps == 1
+    assert (run_dir / "notes.txt").read_text() == "keep me" and "my own notes" not in (run_dir / "config.yaml").read_text()
+    assert {"config.yaml", "metrics.jsonl", "step-000001", "latest", "summary.json"} <= set(read_manifest(run_dir))
+    assert "notes.txt" not in read_manifest(run_dir)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        train(config, overwrite=True)  # an earlier run's checkpoints are resumed, never written over
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "config.yaml").write_text(config_text(tmp_path, Path(".")))
+    cwd = os.getcwd()
+    os.chdir(here)
+    try:
+        assert main(["train", "config.yaml", "--overwrite"]) == 1
+    finally:
+        os.chdir(cwd)
+    assert "over config.yaml, the config you ran" in capsys.readouterr().err
+    assert "rlgraph-manifest.json" not in os.listdir(here)
 
 
 ASYNC = {"staleness": 1}
