@@ -66,6 +66,11 @@ def _working_directory_on_path() -> Iterator[None]:
 def _import_file(path: Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"no file {str(path)!r}")
+    # `python my.py` puts my.py's directory first on the path, so its sibling imports resolve; do the
+    # same, and keep it there: the file's functions may import siblings lazily, when they run
+    directory = str(path.resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module  # registered names point at the module's functions, as for a normal import
