@@ -388,6 +388,8 @@ def test_a_bad_placement_names_the_key(tmp_path, placement, expected):
 @pytest.mark.parametrize("override, expected", [
     ("model.path=/nonexistent/model", r"model.path '/nonexistent/model' does not exist"),
     ("model.path={tmp}", r"model.path '.*' is a directory without a config.json"),
+    ("model.path=Qwen/Qwen2.5-0.5B", r"model.path 'Qwen/Qwen2.5-0.5B' does not exist; it looks like a Hugging Face Hub id, "
+                                     r"and rlgraph does not download models\n  fix: download it first \(huggingface-cli"),
     ("rewards=[{name: math}, {name: format_regex, options: {pattern: '(a'}}]",
      r"rewards\[1\] \(format_regex\): format_regex: pattern '\(a' is not a valid regular expression"),
     ("rewards=[{name: exact_mach}]", r"rewards\[0\] \(exact_mach\): unknown reward 'exact_mach'; did you mean 'exact_match'"),
@@ -398,6 +400,22 @@ def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected)
 
     config, _ = make_config(tmp_path, "bad", [override.replace("{tmp}", str(tmp_path))])
     with pytest.raises(ConfigError, match=expected):
+        prepare(config)
+
+
+def test_a_tokenizer_without_eos_is_refused_naming_the_key_before_the_data_loads(tmp_path):
+    from rlgraph.backends.local.executor import TokenizerError
+    from rlgraph.backends.local.models import load_tokenizer
+    from rlgraph.train.run import prepare
+
+    tokenizer = load_tokenizer()
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "no_eos")
+    config, _ = make_config(tmp_path, "no_eos_run", [f"model.tokenizer={tmp_path / 'no_eos'}",
+                                                      f"data.train={tmp_path / 'missing.jsonl'}"])
+    # the tokenizer is refused first: the missing data file would be the next error
+    with pytest.raises(TokenizerError, match=r"the tokenizer of model.tokenizer '.*no_eos': eos_token_id is None; "
+                                             r"generation needs one\n  fix: tokenizer.eos_token = "):
         prepare(config)
 
 
