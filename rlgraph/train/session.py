@@ -338,10 +338,20 @@ class _Session:
         self.step = trainer.step  # a resumed run's final evaluation belongs to its step
         remaining = None if train.steps is None else max(train.steps - trainer.step, 0)
         with RunProgress(total_steps=train.steps, seconds=train.seconds, console=self.console,
-                         enabled=self.config.logging.progress, start_step=trainer.step) as progress:
+                         enabled=self.config.logging.progress, start_step=trainer.step,
+                         history=self._history(trainer)) as progress:
             for metrics in trainer.run(steps=remaining, seconds=train.seconds) if remaining != 0 else ():
                 progress.update(trainer.step, metrics)
         return time.perf_counter() - start
+
+    def _history(self, trainer: Trainer) -> list[dict]:
+        """A resumed run's metrics rows up to its step (metrics.jsonl, cut back to the checkpoint by the
+        logger), so the progress line's smoothing goes on from them; none for a fresh run."""
+        from rlgraph.train.logging import METRICS_FILE, read_metrics
+
+        if not trainer.step or trainer.run_dir is None or not (Path(trainer.run_dir) / METRICS_FILE).is_file():
+            return []
+        return [row for row in read_metrics(trainer.run_dir) if row.get("step", 0) <= trainer.step]
 
     def finish(self, trainer: Trainer) -> None:
         """The run's end: the last step checkpointed (whatever `checkpoint.every`), the final evaluation."""
