@@ -28,7 +28,7 @@ class _Session:
     """One run's moving parts: runners, samplers, evaluation and per-step metrics. `executor` holds the
     models on the local runtime; on spmd/ray it is None: the workers build them (`world_of_config`)."""
 
-    def __init__(self, setup: Setup, executor: LocalExecutor | None, console: Console):
+    def __init__(self, setup: Setup, executor: LocalExecutor | None, console: Console, *, training: bool = True):
         self.setup, self.config, self.executor, self.console = setup, setup.config, executor, console
         self.sampler = Sampler(setup.train_rows, setup.config.rollout.prompts_per_step, seed=setup.config.train.seed)
         self.data_digest = data_digest(setup.train_rows)  # saved with each checkpoint: a resume needs the same prompts
@@ -46,7 +46,8 @@ class _Session:
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
         self._busy_before: dict[int, float] = {}  # spmd/ray: `_rank_busy()` when the step began
-        self.announce_decode()
+        if training:  # the decision is about the RL rollouts' shape: `rlgraph eval` runs none
+            self.announce_decode()
         setup.rewards.start()  # the reward workers import while the models warm up
         # Asynchronous RL: the reward terms' metrics of each batch generated and not trained yet, by batch
         # number (batch i is trained at step i+1; it was scored one or more steps before).

@@ -3,6 +3,7 @@ kill), refused checkpoints, export to a Hugging Face directory, LoRA runs."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -583,12 +584,16 @@ def test_a_resume_over_other_prompts_is_refused(full_run, tmp_path):
 
 
 def test_eval_scores_a_checkpoint_like_the_run_did(full_run, tmp_path):
+    from rich.console import Console
+
     from rlgraph.cli import main
     from rlgraph.train.evaluation import evaluate_run
 
     run_dir, _, _ = full_run
     last = [row for row in metrics_of(run_dir) if "eval/accuracy" in row][-1]  # the evaluation at step 4
-    result = evaluate_run(run_dir)
+    shown = Console(file=io.StringIO(), width=200)
+    result = evaluate_run(run_dir, console=shown)
+    assert "generation.compile" not in shown.file.getvalue()  # the training rollouts' decision: no rollout runs here
     assert (result["step"], result["prompts"]) == (4, 8)
     assert result["eval/accuracy"] == last["eval/accuracy"] and result["eval/reward"] == last["eval/reward"]
     assert json.loads(Path(result["saved"]).read_text())["eval/accuracy"] == last["eval/accuracy"]
