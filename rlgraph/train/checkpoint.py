@@ -26,6 +26,7 @@ from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite, untied
 from rlgraph.ir.errors import ConfigError
+from rlgraph.train.modes import follow_umask
 
 _HASH_CHUNK = 1 << 20  # 1 MiB reads: the hash streams, a multi-GB weight file never sits in memory twice
 
@@ -65,6 +66,7 @@ def _write_json_atomic(path: Path, payload: Any) -> None:
             json.dump(payload, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
+        follow_umask(tmp)  # mkstemp makes 0600: the run directory's one rule (rlgraph.train.modes)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)  # a full disk leaves no half-written sibling behind
@@ -109,6 +111,7 @@ def _save(run_dir: Path, step: int, state: Any, extra: dict[str, Any]) -> Path:
         sha256 = {file.name: file_sha256(file) for file in sorted(tmp.iterdir())}
         _write_json_atomic(tmp / "meta.json", {"step": step, "versions": {r: v["version"] for r, v in roles.items()},
                                                "roles": roles, "sha256": sha256})
+        follow_umask(tmp)  # mkdtemp and safetensors make 0700/0600: the run directory's one rule
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

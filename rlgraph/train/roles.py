@@ -15,6 +15,7 @@ from rlgraph.backends.local.decode_compile import DecodeCompile
 from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.train.config import TrainConfig
+from rlgraph.train.modes import follow_umask
 from rlgraph.train.setup import Setup
 
 
@@ -133,6 +134,7 @@ def rebase_lora(setup: Setup, executor: LocalExecutor) -> None:
     path = setup.config.directory / BASE_FILE
     tmp = path.with_name(path.name + ".tmp")
     save_file(merged, str(tmp))
+    follow_umask(tmp)  # safetensors writes 0600: the run directory's one rule (rlgraph.train.modes)
     os.replace(tmp, path)
     model = build_policy(setup.config, setup.tokenizer).to(setup.device)
     executor.models["policy"] = LMWorker(model, role_optimizer(setup.config, model, setup.config.optimizer.lr))

@@ -583,6 +583,20 @@ def test_a_resume_over_other_prompts_is_refused(full_run, tmp_path):
         train(config, resume=True)
 
 
+def test_every_file_of_the_run_directory_takes_the_umask(full_run):
+    """Checkpoints were 0700/0600 (mkdtemp, mkstemp, safetensors) beside a 0644 config: one rule now."""
+    import stat
+
+    from rlgraph.train.modes import current_umask
+
+    run_dir, _, _ = full_run
+    mask = current_umask()
+    modes = {str(path.relative_to(run_dir)): stat.S_IMODE(path.stat().st_mode) for path in [run_dir, *run_dir.rglob("*")]}
+    wrong = {name: oct(found) for name, found in modes.items()
+             if found != (0o777 if (run_dir / name).is_dir() else 0o666) & ~mask}
+    assert "step-000004/policy.safetensors" in modes and not wrong
+
+
 def test_eval_scores_a_checkpoint_like_the_run_did(full_run, tmp_path):
     from rich.console import Console
 
