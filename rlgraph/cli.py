@@ -28,6 +28,7 @@ import inspect
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -323,12 +324,16 @@ def _bench(args) -> int:
 
 
 _PROPERTY_NAMES = {"assert_padding_invariant": "padding invariance", "assert_microbatch_invariant": "micro-batch invariance",
-                   "assert_group_permutation_equivariant": "group-permutation equivariance"}
+                   "assert_group_permutation_equivariant": "group-permutation equivariance",
+                   "assert_finite": "finiteness", "assert_singleton_groups_zero": "singleton groups give 0"}
 
 
 def _check(args) -> int:
-    """Run the properties every estimator (padding invariance, group-permutation equivariance) or
-    loss (micro-batch invariance, padding invariance) must have; 1 and the counterexample on failure."""
+    """Run the properties every estimator (padding invariance, group-permutation equivariance,
+    finiteness, singleton groups give 0) or loss (micro-batch invariance, padding invariance) must
+    have; 1 and the counterexample on failure."""
+    import attrs
+
     import rlgraph.testing as rgt
     from rlgraph import functional as F
 
@@ -339,7 +344,8 @@ def _check(args) -> int:
         def subject(b):
             return entry(b.rewards, b.group, n=b.n, mask=b.mask)
 
-        checks = [rgt.assert_padding_invariant, rgt.assert_group_permutation_equivariant]
+        checks = [rgt.assert_padding_invariant, rgt.assert_group_permutation_equivariant, rgt.assert_finite,
+                  rgt.assert_singleton_groups_zero]
     else:
         entry = F.get_loss(args.name)
 
@@ -350,13 +356,37 @@ def _check(args) -> int:
     subject.__qualname__ = args.name
     for check in checks:
         prop = _PROPERTY_NAMES[check.__name__]
-        try:
-            check(subject)
-        except rgt.PropertyFailure as failure:
-            print(f"{args.kind} {args.name}: FAILED {prop}\n{failure}")
-            return 1
-        print(f"{args.kind} {args.name}: {prop} holds ({profile} profile)")
+        with warnings.catch_warnings(record=True) as caught:  # hundreds of draws repeat one warning: summarised below
+            warnings.simplefilter("always")
+            try:
+                check(subject)
+            except rgt.PropertyFailure as failure:
+                example = attrs.evolve(failure.counterexample, source=_registered_call(args.kind, args.name))
+                print(f"{args.kind} {args.name}: FAILED {prop}\n{example}{_warning_summary(caught)}")
+                return 1
+        print(f"{args.kind} {args.name}: {prop} holds ({profile} profile){_warning_summary(caught)}")
     return 0
+
+
+def _registered_call(kind: str, name: str) -> str:
+    """The checked function as the counterexample calls it: the registered entry on a batch's fields."""
+    fn = name if name.isidentifier() else "fn"
+    args = "batch.rewards, batch.group, n=batch.n, mask=batch.mask" if kind == "estimator" else \
+        "batch.logprobs, batch.old_logprobs, batch.advantages, batch.mask"
+    return (f"def {fn}(batch):  # as rlgraph check calls it (--import the module that registers it)\n"
+            f"    return F.get_{kind}({name!r})({args})")
+
+
+def _warning_summary(caught: list) -> str:
+    """The warnings a check raised, each distinct one once with its count, indented under the verdict."""
+    counts: dict[tuple, int] = {}
+    for w in caught:
+        file = os.path.relpath(w.filename) if w.filename.startswith(os.getcwd() + os.sep) else w.filename
+        text = str(w.message).split("\n")[0].split(" (Triggered internally at")[0]  # torch's C++ location says nothing here
+        key = (w.category.__name__, text, file, w.lineno)
+        counts[key] = counts.get(key, 0) + 1
+    return "".join(f"\n  warning ({count}x) {kind} at {file}:{line}: {text}"
+                   for (kind, text, file, line), count in counts.items())
 
 
 def _list(args) -> int:

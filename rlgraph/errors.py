@@ -11,8 +11,11 @@ from types import FrameType
 
 import attrs
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# rlgraph's own package directory, not the folder above it: in an editable install that folder is the
+# checkout, which also holds the user's files (examples/, a script beside the Makefile) and the venv
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _SKIP_DIRS = (_PACKAGE_DIR + os.sep, os.path.dirname(os.path.abspath(__import__("torch").__file__)) + os.sep)
+_BUILTIN_ALGORITHMS = os.path.join(_PACKAGE_DIR, "algorithms") + os.sep  # written as a user would: their lines are named
 
 
 class RLGraphError(Exception):
@@ -39,7 +42,10 @@ def user_location(frame: FrameType | None = None) -> SourceLocation | None:
     while frame is not None:
         raw = frame.f_code.co_filename
         filename = raw if raw.startswith("<") else os.path.abspath(raw)  # "<...>": generated code, kept for linecache
-        if not filename.startswith(_SKIP_DIRS) or "/tests/" in filename or "/rlgraph/algorithms/" in filename:
+        if raw.startswith("<frozen "):  # the interpreter's own start-up (runpy, importlib): never the user's
+            frame = frame.f_back
+            continue
+        if not filename.startswith(_SKIP_DIRS) or filename.startswith(_BUILTIN_ALGORITHMS):
             return SourceLocation(filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return None

@@ -231,6 +231,7 @@ def test_check_runs_the_properties_of_a_registered_estimator(capsys):
     assert main(["check", "estimator", "rloo"]) == 0
     out = capsys.readouterr().out
     assert "estimator rloo: padding invariance holds" in out and "group-permutation equivariance holds" in out
+    assert "finiteness holds" in out and "singleton groups give 0 holds" in out and "warning" not in out
 
 
 def test_check_prints_the_counterexample_of_a_broken_estimator(capsys):
@@ -243,6 +244,24 @@ def test_check_prints_the_counterexample_of_a_broken_estimator(capsys):
     assert main(["check", "estimator", "cli_first_sample_baseline"]) == 1
     out = capsys.readouterr().out
     assert "FAILED group-permutation equivariance" in out and "RolloutBatch.of(" in out
+
+
+def test_check_fails_an_estimator_whose_singleton_groups_give_nan_and_sums_up_its_warnings(capsys):
+    @F.estimator(name="cli_sample_z_score")
+    def sample_z_score(r):  # the unbiased std of one sample is NaN, and torch warns at every draw
+        return (r - r.mean()) / r.std()
+
+    assert main(["check", "estimator", "cli_sample_z_score"]) == 1
+    out = capsys.readouterr().out
+    assert "estimator cli_sample_z_score: FAILED finiteness" in out
+    assert re.search(r"\n  warning \(\d+x\) UserWarning at .*test_cli.py:\d+: std\(\): degrees of freedom is <= 0", out)
+    assert "Triggered internally" not in out  # torch's C++ location is cut: one readable line per warning
+    # the counterexample runs as printed (it calls the registered estimator) and gives the NaN
+    snippet = textwrap.dedent(out.split("paste into a test to reproduce:\n")[1].split("\n\n  warning")[0])
+    namespace: dict = {}
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        exec(snippet, namespace)
+    assert namespace["out"].isnan().any()
 
 
 def test_check_names_an_unknown_estimator(capsys):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlgraph.batches import BatchError
 from rlgraph.functional.aggregate import as_mask, masked_whiten
 from rlgraph.functional.registry import register_estimator
 from rlgraph.ir.ops import traceable
@@ -35,8 +36,27 @@ def _group_sum(values: Tensor, group: Tensor) -> Tensor:
     return totals.index_select(0, group)  # [N]
 
 
-def _group_centered(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
+def _check_groups(group: Tensor, rows: int, owner: str) -> None:
+    """Group ids are i64 in [0, N): the buffers are N long, and index_add would raise a bare IndexError
+    (or a dtype error) deep in torch. On concrete tensors only: tracing runs on meta tensors, which
+    hold no values, and a compiled graph must not read them."""
+    if group.dtype not in (torch.int64, torch.int32):
+        raise BatchError(f"F.{owner}: group must hold integer ids (i64[N]), got {group.dtype}",
+                         fix="pass rollouts.group, or group.long() for ids computed as floats")
+    if group.is_meta or rows == 0 or torch.compiler.is_compiling() or torch._C._functorch.is_batchedtensor(group):
+        return
+    outside = ((group < 0) | (group >= rows)).nonzero()
+    if outside.numel():
+        row = int(outside[0])
+        raise BatchError(f"F.{owner}: group id {int(group[row])} at row {row} is outside [0, N={rows}); "
+                         f"{outside.numel()} row(s) of {rows} are",
+                         fix="number each row's prompt from 0 within the batch (rollouts.group does: a shard's "
+                             "ids are its own); renumber others with torch.unique(group, return_inverse=True)[1]")
+
+
+def _group_centered(rewards: Tensor, group: Tensor, owner: str) -> tuple[Tensor, Tensor]:
     """(r - group mean, group size) per row; exactly 0 for groups whose rewards are all equal."""
+    _check_groups(group, rewards.shape[0], owner)
     size = _group_sum(torch.ones_like(rewards), group)  # [N], >= 1
     peak = rewards.new_zeros(rewards.shape[0]).scatter_reduce(0, group, rewards, "amax", include_self=False)
     shifted = rewards - peak.index_select(0, group)  # [N], 0 at each group's max
@@ -50,7 +70,7 @@ def group_normalize(rewards: Tensor, group: Tensor, *, eps: float = 1e-6, scale:
     `scale=False` is Dr.GRPO: A_i = r_i - mean_g. Source: DeepSeekMath (GRPO), arXiv 2503.20783
     (Dr.GRPO); verl `compute_grpo_outcome_advantage`. Singleton groups give 0 (verl: r_i).
     """
-    centered, size = _group_centered(rewards, group)  # [N], [N]
+    centered, size = _group_centered(rewards, group, "group_normalize")  # [N], [N]
     if not scale:
         return centered
     variance = _group_sum(centered.square(), group) / (size - 1).clamp(min=1)  # [N]
@@ -65,7 +85,7 @@ def group_has_variance(rewards: Tensor, group: Tensor) -> Tensor:
     False. Source: DAPO, arXiv 2503.14476 (keep prompts with 0 < accuracy < 1). Use it as the
     `keep` of `rg.filter_groups`.
     """
-    centered, _ = _group_centered(rewards, group)  # [N], exactly 0 for all-equal groups
+    centered, _ = _group_centered(rewards, group, "group_has_variance")  # [N], exactly 0 for all-equal groups
     return _group_sum(centered.abs(), group) > 0  # [N]
 
 
@@ -76,7 +96,7 @@ def rloo(rewards: Tensor, group: Tensor) -> Tensor:
     Source: arXiv 2402.14740; verl `compute_rloo_outcome_advantage`. Singleton groups give 0
     (verl: r_i).
     """
-    centered, size = _group_centered(rewards, group)  # [N], [N]
+    centered, size = _group_centered(rewards, group, "rloo")  # [N], [N]
     return centered * size / (size - 1).clamp(min=1)  # [N]
 
 
@@ -88,7 +108,7 @@ def reinforce_pp_baseline(rewards: Tensor, group: Tensor, mask: Tensor | None = 
     does (it whitens the [N,T] broadcast); without, each rollout weighs 1. Rows with no tokens
     give 0. Source: arXiv 2501.03262; verl `compute_reinforce_plus_plus_baseline_outcome_advantage`.
     """
-    centered, _ = _group_centered(rewards, group)  # [N]
+    centered, _ = _group_centered(rewards, group, "reinforce_pp_baseline")  # [N]
     if mask is None:
         mask = torch.ones_like(rewards, dtype=torch.bool)[:, None]  # [N, 1]
     mask = as_mask(mask, "reinforce_pp_baseline")
@@ -105,7 +125,7 @@ def gpg(rewards: Tensor, group: Tensor, *, f_norm: float = 1.0) -> Tensor:
     Source: arXiv 2504.02546; verl `compute_gpg_outcome_advantage` (same alpha). Singleton groups
     give 0 (verl: alpha r_i / f_norm).
     """
-    centered, _ = _group_centered(rewards, group)  # [N]
+    centered, _ = _group_centered(rewards, group, "gpg")  # [N]
     alpha = rewards.shape[0] / torch.count_nonzero(rewards).clamp(min=1)  # []
     return alpha * centered / f_norm  # [N]
 
@@ -117,7 +137,7 @@ def opo(rewards: Tensor, group: Tensor, mask: Tensor) -> Tensor:
     Source: arXiv 2505.23585; verl `compute_opo_outcome_advantage`. Singleton groups give 0 (verl:
     r_i); a group whose rows are all fully masked falls back to the plain group mean.
     """
-    centered, _ = _group_centered(rewards, group)  # [N]
+    centered, _ = _group_centered(rewards, group, "opo")  # [N]
     length = as_mask(mask, "opo").sum(dim=-1).to(rewards.dtype)  # [N]
     length_total = _group_sum(length, group)  # [N]
     weighted = _group_sum(length * centered, group) / length_total.clamp(min=1)  # [N]

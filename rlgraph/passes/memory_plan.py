@@ -201,10 +201,20 @@ def plan_memory(program: Program, groups: Sequence[Group],
         moment = max(moments, key=lambda name: moments[name].total)
         roles = "+".join(sorted({name.split(".")[0] for name in phases}))
         when = _moment_text(moment, phases, offload) if len(phases) > 1 else ""
-        M.check_fits(roles, ranks[0], moments[moment], options.mesh.capacity_bytes, when=when)
+        M.check_fits(roles, ranks[0], moments[moment], options.mesh.capacity_bytes, when=when,
+                     one_row_micro_batches=_one_row_micro_batches(program, [g for g in groups if g.ranks == ranks], options))
     _check_host(groups, host, options.mesh)  # after the devices: a device that cannot fit is the first thing to fix
     memory = {name: {phase: breakdown.as_dict() for phase, breakdown in phases.items()} for name, phases in per_group.items()}
     return memory, {name: need.as_dict() for name, need in host.items()}
+
+
+def _one_row_micro_batches(program: Program, groups: Sequence[Group], options: CompileOptions) -> bool:
+    """Whether every update the groups train runs micro-batches of one row (there is no smaller one)."""
+    sizes = options.concrete(program.hparams.get("n"))
+    rows = [micro_batching(node, -(-batch_rows(node, sizes) // group.dp), sizes["P"] + sizes["T"])[0]
+            for group in groups if group.train is not None
+            for node in _primitives(program, group) if primitive_name(node) == "update"]
+    return bool(rows) and max(rows) <= 1
 
 
 def defer_grad_sync(program: Program, groups: Sequence[Group], options: CompileOptions) -> tuple[Group, ...]:

@@ -180,15 +180,23 @@ def search(program: Program, options: CompileOptions, compile_rest: Callable, *,
             continue
         feasible.append(Candidate(placement, describe(placement, options), compiled.plan.cost_analysis(), compiled))
     if not feasible:
-        raise PlacementError(_nothing_fits(options, dropped, closest))
+        raise PlacementError(_nothing_fits(options, dropped, closest, _micro_batch_sizes(program)))
     ranked = tuple(sorted(feasible, key=lambda c: (c.cost.step_seconds, c.text)))
     return SearchResult(ranked, dropped, closest, time.perf_counter() - start, top_k)
 
 
-def _nothing_fits(options: CompileOptions, tried: int, closest: Candidate | None) -> str:
+def _micro_batch_sizes(program: Program) -> set:
+    from rlgraph.ir.primitives import primitive_name
+
+    return {node.kwargs.get("micro_batch_size") for node in program.nodes if primitive_name(node) == "update"}
+
+
+def _nothing_fits(options: CompileOptions, tried: int, closest: Candidate | None, micro_sizes: set = frozenset()) -> str:
     head = f"placement='auto': no placement fits on the mesh {options.mesh} ({tried} candidates tried)"
     if closest is None:
         return head
+    # micro_batch_size=1 everywhere: there is no smaller micro-batch to suggest
+    sizes = "B, P, T" if micro_sizes == {1} else "B, P, T, micro_batch_size"
     return (f"{head}; the closest, {closest.text}, is short by {closest.shortfall / GiB:.2f} GiB per rank:\n  "
             + closest.error.replace("\n", "\n  ")
-            + "\n  fix: a larger mesh, a device with more memory, a smaller model or smaller sizes (B, P, T, micro_batch_size)")
+            + f"\n  fix: a larger mesh, a device with more memory, a smaller model or smaller sizes ({sizes})")

@@ -509,6 +509,13 @@ _FIXES = {
     "workspace": "use a smaller micro-batch (micro_batch_size=...); with FSDP, more shards shrink the optimizer step"
                  " (and grad_sync='each' drops the unsharded gradient that 'last' accumulates)",
 }
+# the same fixes when every micro-batch is already one row: a smaller one does not exist
+_FIXES_AT_ONE_ROW = {
+    "activations": "enable activation checkpointing (checkpointing=True) or train shorter sequences (P, T): "
+                   "micro-batches are already 1 row (micro_batch_size=1)",
+    "workspace": "with FSDP, more shards shrink the optimizer step (and grad_sync='each' drops the unsharded gradient "
+                 "that 'last' accumulates); micro-batches are already 1 row (micro_batch_size=1)",
+}
 _FIX_OF = {"params": "state", "grads": "state", "optimizer": "state", "master_weights": "state",
            "activations": "activations", "logits": "logits", "kv_cache": "kv_cache", "workspace": "workspace"}
 
@@ -532,16 +539,19 @@ def check_host_fits(node: int, held: Mapping[str, tuple[MemoryBreakdown, int]], 
     )
 
 
-def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int, *, when: str = "") -> None:
+def check_fits(role: str, rank: int, need: MemoryBreakdown, capacity_bytes: int, *, when: str = "",
+               one_row_micro_batches: bool = False) -> None:
     """Raise `PlacementError` if `need` exceeds `capacity_bytes`; the message names the role, the
     rank, the moment (`when`, for roles sharing ranks), the breakdown it needs, what the device has
-    and the fixes for its largest parts."""
+    and the fixes for its largest parts (none that asks for a smaller micro-batch when
+    `one_row_micro_batches`: every update on these ranks already trains one row at a time)."""
     if need.total <= capacity_bytes:
         return
     by_fix: dict[str, int] = {}
     for name, value in attrs.asdict(need).items():
         by_fix[_FIX_OF[name]] = by_fix.get(_FIX_OF[name], 0) + value
-    fixes = [_FIXES[key] for key, value in sorted(by_fix.items(), key=lambda item: -item[1]) if value]
+    table = {**_FIXES, **_FIXES_AT_ONE_ROW} if one_row_micro_batches else _FIXES
+    fixes = [table[key] for key, value in sorted(by_fix.items(), key=lambda item: -item[1]) if value]
     raise PlacementError(
         f"role {role} does not fit on rank {rank}: it needs {format_bytes(need.total)} but the device has "
         f"{capacity_bytes / GiB:.1f} GiB (short by {format_bytes(need.total - capacity_bytes)}).\n"

@@ -20,8 +20,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from rlgraph.testing.batch import FIELDS, ROW_FIELDS, TOKEN_FIELDS, RolloutBatch
 from rlgraph.testing.checks import (
-    assert_group_permutation_equivariant, assert_microbatch_invariant, assert_padding_invariant, check_estimator,
-    check_loss, microbatch_losses,
+    assert_finite, assert_group_permutation_equivariant, assert_microbatch_invariant, assert_padding_invariant,
+    assert_singleton_groups_zero, check_estimator, check_loss, microbatch_losses,
 )
 from rlgraph.testing.counterexample import Counterexample, PropertyFailure
 from rlgraph.testing.plans import (
@@ -37,8 +37,8 @@ from rlgraph.testing.tiny import tiny_executor, tiny_prompts
 
 __all__ = [
     "FIELDS", "ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch",
-    "assert_group_permutation_equivariant", "assert_microbatch_invariant", "assert_padding_invariant",
-    "check_estimator", "check_loss", "microbatch_losses",
+    "assert_finite", "assert_group_permutation_equivariant", "assert_microbatch_invariant", "assert_padding_invariant",
+    "assert_singleton_groups_zero", "check_estimator", "check_loss", "microbatch_losses",
     "Counterexample", "PropertyFailure",
     "assert_compiled_matches_eager", "assert_plan_invariants", "assert_reshard_round_trip", "assert_update_microbatch_invariant",
     "PROFILES", "load_profile", "register_profiles",

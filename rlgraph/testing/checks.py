@@ -5,6 +5,7 @@
     rgt.assert_microbatch_invariant(lambda b: my_loss(b.logprobs, b.old_logprobs, b.advantages, b.mask))
     rgt.assert_padding_invariant(lambda b: my_estimator(b.rewards, b.group, b.mask))
     rgt.assert_group_permutation_equivariant(lambda b: my_estimator(b.rewards, b.group, b.mask))
+    rgt.assert_finite(...), rgt.assert_singleton_groups_zero(...)   # the estimator conventions
     rgt.assert_plan_invariants(rg.compile(my_algo, mesh="gpu:8", placement=rg.split({...})))
     rgt.assert_compiled_matches_eager(my_algo, executor=rgt.tiny_executor, batches=[...], n=4)
 
@@ -250,6 +251,49 @@ def assert_group_permutation_equivariant(fn: BatchFn, *, batches: st.SearchStrat
     run_property(prop, settings)
 
 
+# -- the estimator conventions of docs/functional.md: finite results, singleton groups give 0 --------
+
+
+def assert_finite(fn: BatchFn, *, batches: st.SearchStrategy[RolloutBatch] | None = None,
+                  settings: Settings | None = None) -> None:
+    """Every output is finite (no NaN, no inf) on finite batches: ties, extremes, singleton groups
+    and empty rows included. A NaN advantage trains every weight into NaN at the next step."""
+    prop_name, strategy = "finiteness", _batches(fn, batches)
+
+    @given(st.data())
+    def prop(data: st.DataObject) -> None:
+        batch = data.draw(strategy, label="batch")
+        out, fields = _call(fn, batch, prop_name, {})
+        for path, value in _leaves(out):
+            bad = ~torch.isfinite(value.detach())
+            if bool(bad.any()):
+                index = tuple(int(i) for i in bad.nonzero()[0]) if value.dim() else ()
+                _fail(prop_name, fn, batch, fields, f"{path}{list(index) if index else ''} is "
+                      f"{value.detach()[index].item()!r}", output=path, index=list(index))
+
+    run_property(prop, settings)
+
+
+def assert_singleton_groups_zero(fn: BatchFn, *, batches: st.SearchStrategy[RolloutBatch] | None = None,
+                                 atol: float = 1e-6, settings: Settings | None = None) -> None:
+    """A group of one sample has nothing to be compared with: every per-row output is 0 when each
+    row is its own group (rlgraph's convention; verl passes the raw reward through instead)."""
+    prop_name, strategy = "singleton groups give 0", _batches(fn, batches)
+
+    @given(st.data())
+    def prop(data: st.DataObject) -> None:
+        drawn = data.draw(strategy, label="batch")
+        batch = drawn.replace(group=torch.arange(drawn.N))  # every row alone in its group
+        out, fields = _call(fn, batch, prop_name, {})
+        for path, value in _leaves(out):
+            if value.dim() >= 1 and value.shape[0] == batch.N:
+                problem = _mismatch(torch.zeros_like(value), value, 0.0, atol)
+                if problem:
+                    _fail(prop_name, fn, batch, fields, f"{path} of a singleton group: {problem}", output=path)
+
+    run_property(prop, settings)
+
+
 def check_loss(loss: BatchFn, **kwargs: Any) -> None:
     """Micro-batch invariance and padding invariance of a loss."""
     assert_microbatch_invariant(loss, **kwargs)
@@ -257,7 +301,8 @@ def check_loss(loss: BatchFn, **kwargs: Any) -> None:
 
 
 def check_estimator(estimator: BatchFn | str, **kwargs: Any) -> None:
-    """Padding invariance and group-permutation equivariance of an advantage estimator.
+    """Padding invariance, group-permutation equivariance, finiteness and singleton groups giving 0
+    of an advantage estimator.
 
     `estimator` is a function of a `RolloutBatch`, or a registered estimator (its name, e.g.
     "rloo", or an `@F.estimator` op), called as `F.get_estimator(name)(b.rewards, b.group, n=b.n,
@@ -275,7 +320,10 @@ def check_estimator(estimator: BatchFn | str, **kwargs: Any) -> None:
         estimator.__qualname__ = name
     assert_padding_invariant(estimator, **kwargs)
     assert_group_permutation_equivariant(estimator, **kwargs)
+    common = {key: value for key, value in kwargs.items() if key in ("batches", "settings")}
+    assert_finite(estimator, **common)
+    assert_singleton_groups_zero(estimator, **common)
 
 
-__all__ = ["FIELDS", "assert_group_permutation_equivariant", "assert_microbatch_invariant", "assert_padding_invariant",
-           "check_estimator", "check_loss", "microbatch_losses"]
+__all__ = ["FIELDS", "assert_finite", "assert_group_permutation_equivariant", "assert_microbatch_invariant",
+           "assert_padding_invariant", "assert_singleton_groups_zero", "check_estimator", "check_loss", "microbatch_losses"]

@@ -77,6 +77,12 @@ def _detail_lines(prop: str, function: str, details: dict[str, Any], fields: tup
         lines += [f"rows, labels = {details['rows']!r}, {details['labels']!r}",
                   "permuted = batch.select(rows).relabel(labels)",
                   f"# expected: {fn}(permuted) == {fn}(batch)[rows] for per-row outputs"]
+    elif prop == "finiteness":
+        lines += [f"out = {fn}(batch)",
+                  f"# expected: every value finite; {details['output']}{details['index'] or ''} is not"]
+    elif prop == "singleton groups give 0":
+        lines += [f"out = {fn}(batch)  # every row is its own group",
+                  f"# expected: {details['output']} is 0 on every row"]
     else:
         lines += [f"# {key} = {value!r}" for key, value in details.items()]
     return lines

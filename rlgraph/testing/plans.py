@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from hypothesis import given, settings as Settings, strategies as st
 
@@ -321,17 +322,109 @@ def assert_update_microbatch_invariant(algorithm: Any, *, executor: Callable[[],
     the gradient itself). Every metric of every step, and every parameter afterwards, must agree. This is the property `assert_microbatch_invariant` states for one loss,
     checked through the executor's real micro-batch loop, the global counts it sets, the kernels and
     gradient clipping. The algorithm must take a `micro_batch_size` hyper-parameter.
+
+    A run whose updates move no parameter of a role they update (every advantage 0: each group's
+    rewards tie, as they often do with 2 prompts of an untrained model) would agree for any split,
+    so it is refused with a `ConfigError`, not passed. A failure's snippet is the call that repeats it.
     """
     from rlgraph.runtime.eager import Interpreter
+    from rlgraph.testing.counterexample import PropertyFailure
 
     what = getattr(algorithm, "name", repr(algorithm))
 
     def run(size: int | None) -> tuple:
         ex = executor()
-        return _run_steps(Interpreter(ex), algorithm.trace(roles=roles, micro_batch_size=size, **hparams), batches,
-                    more_prompts), _parameters(ex)
+        program = algorithm.trace(roles=roles, micro_batch_size=size, **hparams)
+        before = _parameters(ex)
+        metrics = _run_steps(Interpreter(ex), program, batches, more_prompts)
+        return (metrics, _parameters(ex)), before, program
 
-    whole = run(None)
+    whole, before, program = run(None)
+    _refuse_vacuous(what, program, before, whole[1], len(batches))
     for size in micro_batch_sizes:
-        _compare_runs("update micro-batch invariance", what, ("whole batch", f"micro_batch_size={size}"),
-                      [whole, run(size)], rtol, atol, micro_batch_size=size)
+        try:
+            _compare_runs("update micro-batch invariance", what, ("whole batch", f"micro_batch_size={size}"),
+                          [whole, run(size)[0]], rtol, atol, micro_batch_size=size)
+        except PropertyFailure as failure:
+            call = _repeat_call(algorithm, executor, batches, size, roles, rtol, atol, more_prompts, hparams)
+            raise PropertyFailure(attrs.evolve(failure.counterexample, source=call)) from None
+
+
+def _refuse_vacuous(what: str, program: Any, before: dict, after: dict, steps: int) -> None:
+    """A ConfigError when a role the program updates kept every parameter: nothing to compare."""
+    from rlgraph.ir.errors import ConfigError
+
+    updated = sorted({program.spec(node.args[0]).role for node in program.primitive_nodes("update")})
+    still = [role for role in updated if role in before
+             and all(torch.equal(x, y) for x, y in zip(before[role], after[role]))]
+    if still:
+        raise ConfigError(
+            f"assert_update_microbatch_invariant({what}): {steps} step(s) without micro-batching left every parameter "
+            f"of {', '.join(still)} unchanged (all advantages 0? each group's rewards tie), so any micro-batch size "
+            "would agree and the check would pass without testing anything",
+            fix="pass batches whose groups' rewards differ: more prompts (rgt.tiny_prompts(4)) or more samples (n=4)")
+
+
+def _repeat_call(algorithm: Any, executor: Callable, batches: Sequence[Any], size: int, roles: Any, rtol: float,
+                 atol: float, more_prompts: Sequence[Prompts] | None, hparams: Mapping[str, Any]) -> str:
+    """Python that repeats the failing comparison: the same algorithm, executor, batches and size."""
+    lines = ["import rlgraph.testing as rgt", "from rlgraph.batches import Prompts", "",
+             _named("algorithm", getattr(algorithm, "fn", algorithm), wrapped=hasattr(algorithm, "fn")),
+             _named("executor", executor),
+             f"batches = [{', '.join(_prompts_source(b) for b in batches)}]"]
+    extra = {**hparams, "rtol": rtol, "atol": atol}
+    if more_prompts is not None:
+        lines.append(f"more_prompts = [{', '.join(_prompts_source(b) for b in more_prompts)}]")
+    if roles is not None:
+        lines.append(f"roles = {roles!r}  # as passed")
+    args = "".join(f", {key}={value!r}" for key, value in extra.items())
+    args += ", more_prompts=more_prompts" if more_prompts is not None else ""
+    args += ", roles=roles" if roles is not None else ""
+    lines.append(f"rgt.assert_update_microbatch_invariant(algorithm, executor=executor, batches=batches, "
+                 f"micro_batch_sizes=[{size}]{args})")
+    return "\n".join(lines)
+
+
+def _named(name: str, obj: Any, wrapped: bool = False) -> str:
+    """`name = <obj>` as an import when `obj` is a module-level name, as the lambda's own source when it
+    is a lambda, else a line that says what to put there."""
+    import importlib
+
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if module and qualname.isidentifier():
+        try:
+            found = getattr(importlib.import_module(module), qualname)
+            if getattr(found, "fn", found) is obj:  # an @rg.algorithm is imported whole
+                return f"from {module} import {qualname} as {name}"
+        except (ImportError, AttributeError):
+            pass
+    if getattr(obj, "__name__", "") == "<lambda>" and (text := _lambda_source(obj)):
+        return f"{name} = {text}"
+    what = "the algorithm" if wrapped else "the executor factory"
+    return f"{name} = None  # replace with {what} your test passed ({qualname or obj!r}: not importable by name)"
+
+
+def _lambda_source(fn: Callable) -> str | None:
+    """The source text of a lambda (the first lambda on its line), or None when it cannot be read."""
+    import ast
+    import inspect
+
+    try:
+        lines, first = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return None
+    text = "".join(lines)
+    try:
+        tree = ast.parse(text.strip() if not text.startswith((" ", "\t")) else "if 1:\n" + text)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Lambda):
+            return ast.unparse(node)
+    return None
+
+
+def _prompts_source(prompts: Prompts) -> str:
+    meta = f", meta={dict(prompts.meta)!r}" if prompts.meta else ""
+    return (f"Prompts(torch.tensor({prompts.ids.tolist()!r}), torch.tensor({prompts.mask.tolist()!r}){meta}, "
+            f"index=torch.tensor({prompts.index.tolist()!r}))")

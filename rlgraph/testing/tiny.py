@@ -20,6 +20,7 @@ from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorke
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.batches import Prompts
 from rlgraph.data import arithmetic
+from rlgraph.errors import ConfigError
 
 
 def length_parity_reward(completions: list[str], **_) -> list[float]:
@@ -82,6 +83,12 @@ def _splits(seed: int) -> arithmetic.Splits:
 
 def tiny_prompts(count: int = 4, offset: int = 0, *, seed: int = 0) -> Prompts:
     """`count` arithmetic prompts ("12+7=") from the demo task's training split."""
+    available = len(_splits(seed).train)
+    for name, value, low in (("count", count, 1), ("offset", offset, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"tiny_prompts: {name} must be an int >= {low}, got {value!r}")
+    if offset + count > available:  # a slice past the end would quietly return fewer prompts
+        raise ConfigError(f"tiny_prompts: offset {offset} + count {count} is past the {available} training prompts")
     return arithmetic.to_prompts(_splits(seed).train[offset:offset + count], _tokenizer())
 
 

@@ -33,6 +33,7 @@ from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite, untied
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.manifest import claim, owns, read_manifest, recorded_sha256, release, remove_owned
+from rlgraph.train.modes import follow_umask
 
 BASE_FILE = "base.safetensors"  # a LoRA run's base after its warm start (the adapters merged into it)
 META_SUM = "meta.sha256"  # the sha256 of meta.json, written beside it
@@ -75,6 +76,7 @@ def _write_json_atomic(path: Path, payload: Any) -> None:
             json.dump(payload, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
+        follow_umask(tmp)  # mkstemp makes 0600: the run directory's one rule (rlgraph.train.modes)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)  # a full disk leaves no half-written sibling behind
@@ -127,6 +129,7 @@ def _save(run_dir: Path, step: int, state: Any, extra: dict[str, Any]) -> Path:
         _write_json_atomic(tmp / "meta.json", {"step": step, "versions": {r: v["version"] for r, v in roles.items()},
                                                "roles": roles, "sha256": sha256, "run_files": _run_files(run_dir)})
         (tmp / META_SUM).write_text(file_sha256(tmp / "meta.json") + "\n")
+        follow_umask(tmp)  # mkdtemp and safetensors make 0700/0600: the run directory's one rule
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -47,7 +47,7 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
                           fix="pass --data FILE with prompts to score")
     policy, step = checkpoint_policy(config, setup.tokenizer, path)
     executor = build_roles(setup, policy)
-    session = _Session(setup, executor, console)
+    session = _Session(setup, executor, console, training=False)
     session.eval_runner = PlanRunner(setup.eval, executor)
     try:
         metrics = session.evaluate()

@@ -16,6 +16,7 @@ from pathlib import Path
 from rlgraph.backends.local.models import auto_tokenizer_mismatch, build_causal_lm
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
+from rlgraph.train.modes import follow_umask
 
 EXPORT_MARK = "rlgraph_export.txt"  # written into every export: what --overwrite may replace
 
@@ -71,6 +72,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
                               "differently from the run", fix=TOKENIZER_FIX)
         (tmp / EXPORT_MARK).write_text(f"run {run_dir}\ncheckpoint {path.name} (step {step})\n"
                                                 f"algorithm {config.algorithm.name}\n")
+        follow_umask(tmp)  # mkdtemp makes 0700: an export is as readable as any file the user writes
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

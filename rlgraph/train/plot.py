@@ -116,9 +116,22 @@ def _draw_throughput(ax: Axes, found: dict[str, Series]) -> None:
             ax.legend(loc="lower right", fontsize="small")
 
 
+# Seconds spent once, not per step: drawn as a point they would set the axis (a 20 s warm start against
+# 0.05 s steps flattens every curve), so the figure names them instead.
+_ONCE = ("time/warm_start_s",)
+
+
 def _draw_time(ax: Axes, found: dict[str, Series]) -> None:
-    """Seconds per step, and each kind of plan step's share of it (time/<stage>_s, time/stage/<name>)."""
-    stages = sorted(key for key in found if key != "time/step_s")
+    """Seconds per step, and each kind of plan step's share of it (time/<stage>_s, time/stage/<name>);
+    the warm start's seconds in a note, off the axis."""
+    once = []
+    for key in (key for key in _ONCE if key in found):
+        values = [value for value in found[key][1] if math.isfinite(value)]
+        once.append(f"{key.removeprefix('time/').removesuffix('_s').replace('_', ' ')} {values[-1]:.1f} s")
+    if once:
+        ax.annotate(", ".join(once) + " (not per step: not drawn)", (0.01, 0.99), xycoords="axes fraction",
+                    va="top", fontsize="small")
+    stages = sorted(key for key in found if key != "time/step_s" and key not in _ONCE)
     for index, key in enumerate(["time/step_s", *stages] if "time/step_s" in found else stages):
         _raw_and_smooth(ax, found[key], key.removeprefix("time/"), f"C{index}")
 

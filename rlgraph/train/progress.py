@@ -8,13 +8,18 @@ On a terminal the bar shows `step k/N` (or elapsed/budget for a run bounded by `
 smoothed reward, KL and accuracy, the latest evaluation accuracy and seconds per step. Where the
 console is not a terminal (CI logs, `nohup`, a pipe) a bar would print control codes, so one plain
 line is printed every `every` steps instead. `enabled=False` prints nothing.
+
+A resumed run passes its earlier metrics rows (`history`, from metrics.jsonl): the smoothed values
+go on from them, as in the uninterrupted run, instead of restarting from the first new step. An
+evaluation older than the current step is shown with its step (`eval acc 47.5% @ step 20`), so
+it is not read as the current policy's.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -66,7 +71,7 @@ class RunProgress:
 
     def __init__(self, total_steps: int | None = None, seconds: float | None = None, *, console: Console | None = None,
                  enabled: bool = True, start_step: int = 0, every: int = 10, smoothing: float = 0.9,
-                 label: str = "RL"):
+                 label: str = "RL", history: Sequence[Mapping[str, Any]] = ()):
         if total_steps is not None:
             _check_positive(total_steps, "total_steps", int, "give train.steps as an int >= 1 (or leave it unset)")
         if seconds is not None:
@@ -85,8 +90,11 @@ class RunProgress:
         self.averages = {key: Ema(smoothing) for key, _, _ in _SMOOTHED}
         self.step_seconds = Ema(smoothing)
         self.compile_seconds = 0.0  # decode compiles so far (generation.compile), outside the s/step average
-        self.latest: dict[str, float] = {}
+        self.latest: dict[str, tuple[float, int]] = {}  # key -> (value, the step it was measured at)
         self.step = start_step
+        for row in history:  # the steps before a resume, in order: smoothing continues from them
+            if _number(row.get("step")) is not None and row["step"] <= start_step:
+                self._take(int(row["step"]), row)
         self._progress: Progress | None = None
         self._start = self._last = time.perf_counter()
 
@@ -97,12 +105,7 @@ class RunProgress:
             raise ConfigError(f"RunProgress.update(step={step!r}) needs a mapping of metrics, got {type(metrics).__name__}",
                               fix="pass the dict the trainer yielded")
         now = time.perf_counter()
-        for key, average in self.averages.items():
-            if _number(metrics.get(key)) is not None:
-                average.add(_number(metrics[key]))
-        for key, _, _ in _LATEST:
-            if _number(metrics.get(key)) is not None:
-                self.latest[key] = _number(metrics[key])
+        self._take(int(step), metrics)
         seconds = _number(metrics.get(_STEP_SECONDS))
         compiling = _number(metrics.get(_COMPILE_SECONDS)) or 0.0
         self.compile_seconds += compiling
@@ -113,12 +116,23 @@ class RunProgress:
         elif self.enabled and not self.live and self._due():
             self.console.print(self.plain_line(now), markup=False, highlight=False, soft_wrap=True)  # one log line
 
+    def _take(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for key, average in self.averages.items():
+            if _number(metrics.get(key)) is not None:
+                average.add(_number(metrics[key]))
+        for key, _, _ in _LATEST:
+            if _number(metrics.get(key)) is not None:
+                self.latest[key] = (_number(metrics[key]), step)
+
     def describe(self) -> str:
         """The metrics part of the line: `reward 0.412  kl 0.0031  acc 45.0%  eval acc 47.5%  1.23 s/step`,
         then `compile 14.3 s` once the decode step has compiled (those seconds are not in s/step)."""
         parts = [f"{label} {fmt.format(self.averages[key].value)}" for key, label, fmt in _SMOOTHED
                  if self.averages[key].count]
-        parts += [f"{label} {fmt.format(self.latest[key])}" for key, label, fmt in _LATEST if key in self.latest]
+        for key, label, fmt in _LATEST:
+            if key in self.latest:
+                value, at = self.latest[key]
+                parts.append(f"{label} {fmt.format(value)}" + (f" @ step {at}" if at != self.step else ""))
         if self.step_seconds.count:
             parts.append(f"{self.step_seconds.value:.2f} s/step")
         if self.compile_seconds:

@@ -16,6 +16,7 @@ from rlgraph.backends.local.executor import CheckpointMismatch, LMWorker, LocalE
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.train.checkpoint import BASE_FILE
 from rlgraph.train.config import TrainConfig
+from rlgraph.train.modes import follow_umask
 from rlgraph.train.setup import Setup
 
 
@@ -147,6 +148,7 @@ def rebase_lora(setup: Setup, executor: LocalExecutor) -> None:
     tmp = path.with_name(path.name + ".tmp")
     claim(path.parent, tmp.name)
     save_file(merged, str(tmp))
+    follow_umask(tmp)  # safetensors writes 0600: the run directory's one rule (rlgraph.train.modes)
     os.replace(tmp, path)
     release(path.parent, tmp.name)
     claim_file(path.parent, BASE_FILE)  # its sha256: every checkpoint records it, every read checks it

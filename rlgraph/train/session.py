@@ -30,7 +30,7 @@ class _Session:
     """One run's moving parts: runners, samplers, evaluation and per-step metrics. `executor` holds the
     models on the local runtime; on spmd/ray it is None: the workers build them (`world_of_config`)."""
 
-    def __init__(self, setup: Setup, executor: LocalExecutor | None, console: Console):
+    def __init__(self, setup: Setup, executor: LocalExecutor | None, console: Console, *, training: bool = True):
         self.setup, self.config, self.executor, self.console = setup, setup.config, executor, console
         self.sampler = Sampler(setup.train_rows, setup.config.rollout.prompts_per_step, seed=setup.config.train.seed)
         self.data_digest = data_digest(setup.train_rows)  # saved with each checkpoint: a resume needs the same prompts
@@ -48,7 +48,8 @@ class _Session:
         self.last_eval: float | None = None
         self._stage_seconds: dict[str, float] = {}
         self._busy_before: dict[int, float] = {}  # spmd/ray: `_rank_busy()` when the step began
-        self.announce_decode()
+        if training:  # the decision is about the RL rollouts' shape: `rlgraph eval` runs none
+            self.announce_decode()
         setup.rewards.start()  # the reward workers import while the models warm up
         # Asynchronous RL: the reward terms' metrics of each batch generated and not trained yet, by batch
         # number (batch i is trained at step i+1; it was scored one or more steps before).
@@ -356,10 +357,20 @@ class _Session:
         self.step = trainer.step  # a resumed run's final evaluation belongs to its step
         remaining = None if train.steps is None else max(train.steps - trainer.step, 0)
         with RunProgress(total_steps=train.steps, seconds=train.seconds, console=self.console,
-                         enabled=self.config.logging.progress, start_step=trainer.step) as progress:
+                         enabled=self.config.logging.progress, start_step=trainer.step,
+                         history=self._history(trainer)) as progress:
             for metrics in trainer.run(steps=remaining, seconds=train.seconds) if remaining != 0 else ():
                 progress.update(trainer.step, metrics)
         return time.perf_counter() - start
+
+    def _history(self, trainer: Trainer) -> list[dict]:
+        """A resumed run's metrics rows up to its step (metrics.jsonl, cut back to the checkpoint by the
+        logger), so the progress line's smoothing goes on from them; none for a fresh run."""
+        from rlgraph.train.logging import METRICS_FILE, read_metrics
+
+        if not trainer.step or trainer.run_dir is None or not (Path(trainer.run_dir) / METRICS_FILE).is_file():
+            return []
+        return [row for row in read_metrics(trainer.run_dir) if row.get("step", 0) <= trainer.step]
 
     def finish(self, trainer: Trainer) -> None:
         """The run's end: the last step checkpointed (whatever `checkpoint.every`), the final evaluation."""

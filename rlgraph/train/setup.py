@@ -4,6 +4,7 @@ the rewards, and the compiled RL and evaluation plans. Everything here is checke
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from rlgraph.algorithms import evaluate, evaluate_agent
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.api import compile as compile_algorithm
+from rlgraph.backends.local.executor import check_tokenizer
 from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout
 from rlgraph.ir.errors import ConfigError, RLGraphError
@@ -146,12 +148,21 @@ def _check_model_path(config: TrainConfig) -> None:
         return
     source = Path(path)
     if not source.exists():
-        raise ConfigError(f"model.path {path!r} does not exist",
-                          fix="point it at a Hugging Face model directory (config.json and safetensors weights), "
-                              "or leave it null for the shipped tiny Qwen2")
+        hub = _looks_like_hub_id(path)
+        raise ConfigError(f"model.path {path!r} does not exist" + (
+            "; it looks like a Hugging Face Hub id, and rlgraph does not download models" if hub else ""),
+            fix=(f"download it first (huggingface-cli download {path} --local-dir models/{path.split('/')[-1]}) and "
+                 "point model.path at that directory" if hub else
+                 "point it at a Hugging Face model directory (config.json and safetensors weights), "
+                 "or leave it null for the shipped tiny Qwen2"))
     if source.is_dir() and not (source / "config.json").is_file():
         raise ConfigError(f"model.path {path!r} is a directory without a config.json",
                           fix="point it at a directory written by model.save_pretrained(...)")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """`Qwen/Qwen2.5-0.5B`: one `owner/name` pair of plain words, not a relative or absolute path."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(path)) is not None and not str(path).startswith(".")
 
 
 def tokenizer_source(config: TrainConfig) -> str | None:
@@ -167,7 +178,10 @@ def tokenizer_source(config: TrainConfig) -> str | None:
 
 
 def _tokenizer(config: TrainConfig) -> Any:
-    return load_tokenizer(tokenizer_source(config))
+    """The run's tokenizer, refused here (before the data loads) when generation could not use it."""
+    source = tokenizer_source(config)
+    key = "model.tokenizer" if config.model.tokenizer else "model.path"
+    return check_tokenizer(load_tokenizer(source), None if source is None else f"the tokenizer of {key} {source!r}")
 
 
 def _check_takes_prompts(algorithm: Any, name: str) -> None:

@@ -153,6 +153,14 @@ def test_a_tokenizer_without_eos_or_pad_is_refused_when_the_executor_is_built(to
         LocalExecutor({}, {}, tok)
 
 
+@pytest.mark.parametrize("eos", [None, -1, True, "2"])
+def test_the_generator_refuses_an_eos_that_is_no_token_id(eos):
+    from rlgraph.backends.local.generation import NativeGenerator
+
+    with pytest.raises(TokenizerError, match=f"NativeGenerator: eos_token_id is {eos!r}; generation needs one"):
+        NativeGenerator(torch.nn.Linear(1, 1), eos_token_id=eos, pad_token_id=0)
+
+
 def test_a_nan_gradient_under_the_compiled_forward_changes_no_weight(monkeypatch):
     """`train.compile` (a counting `aot_eager` backend in place of Inductor: the same guards and
     control flow) keeps `on_nonfinite`: raise names the rows, skip counts the step, no weight moves."""

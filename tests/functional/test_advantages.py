@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import rlgraph.functional as F
 import rlgraph.testing as rgt
+from rlgraph.batches import BatchError
 from rlgraph.ir.ops import op_info
 
 from ._batches import random_batch
@@ -237,3 +238,15 @@ def test_runs_on_meta_tensors(fn, args, shapes):
     out = op_info(fn).impl(*args)  # what the tracer runs
     outs = out if isinstance(out, tuple) else (out,)
     assert [tuple(o.shape) for o in outs] == shapes and all(o.dtype == torch.float32 for o in outs)
+
+
+@pytest.mark.parametrize("name", ["group_normalize", "rloo", "gpg", "group_has_variance"])
+@pytest.mark.parametrize("group, message", [
+    ([0, 0, 3], "group id 3 at row 2 is outside \\[0, N=3\\)"),
+    ([0, -1, 0], "group id -1 at row 1 is outside \\[0, N=3\\)"),
+    ([0.0, 0.0, 1.0], "group must hold integer ids \\(i64\\[N\\]\\), got torch.float32"),
+])
+def test_group_ids_outside_the_batch_are_refused_naming_the_value(name, group, message):
+    """Eager calls on real tensors: index_add would raise a bare IndexError deep in torch."""
+    with pytest.raises(BatchError, match=f"F.{name}: {message}(.|\n)*fix: "):
+        getattr(F, name)(torch.tensor([1.0, 2.0, 3.0]), torch.tensor(group))

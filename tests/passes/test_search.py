@@ -85,6 +85,19 @@ def test_a_mesh_where_nothing_fits_names_the_closest_candidate_and_its_shortfall
         rg.compile(grpo, mesh="1x1:l40s", placement="auto", sizes=dict(SIZES, n=8), models={"policy": "llama3-70b"}, n=8)
 
 
+@pytest.mark.parametrize("micro", [1, 4])
+def test_the_refusal_suggests_a_smaller_micro_batch_only_when_there_is_one(micro):
+    with pytest.raises(PlacementError) as refused:
+        rg.compile(grpo, mesh="1x1:l40s", placement="auto", sizes=dict(SIZES, n=8), models={"policy": "llama3-70b"}, n=8,
+                   micro_batch_size=micro)
+    text = str(refused.value)
+    if micro == 1:  # one row is the smallest micro-batch: the fixes say so instead of asking for a smaller one
+        assert "micro_batch_size=...)" not in text and "smaller sizes (B, P, T)" in text
+        assert "micro-batches are already 1 row (micro_batch_size=1)" in text
+    else:
+        assert "use a smaller micro-batch (micro_batch_size=...)" in text and "(B, P, T, micro_batch_size)" in text
+
+
 def test_a_tie_is_called_a_tie():
     """SFT has no generation: FSDP over 4 or 8 ranks of a node trains at the same estimated speed."""
     compiled = rg.compile(ALGORITHMS["sft"], mesh="2x8:h100", placement="auto", sizes=dict(SIZES, n=1),

@@ -101,8 +101,8 @@ def test_microbatch_losses_runs_each_piece_under_the_global_counts():
 
 def test_check_estimator_takes_a_registered_estimator_by_name():
     @F.estimator(name="testing_leave_one_out")
-    def leave_one_out(r):
-        return r - (r.sum() - r) / max(r.shape[0] - 1, 1)
+    def leave_one_out(r):  # a singleton group gives 0 (rlgraph's convention; verl passes r through)
+        return (r - (r.sum() - r) / max(r.shape[0] - 1, 1)) * (r.shape[0] > 1)
 
     rgt.check_estimator("testing_leave_one_out")
     rgt.check_estimator(leave_one_out)
@@ -118,4 +118,40 @@ def test_check_estimator_takes_a_registered_estimator_by_name():
 
 @pytest.mark.parametrize("name", ["group_normalize", "dr_grpo", "rloo", "gpg", "reinforce_pp_baseline", "opo"])
 def test_every_built_in_estimator_passes_check_estimator_by_name(name):
-    rgt.check_estimator(name)
+    # 10 examples, not the profile's 25: tests/functional/test_advantages.py runs the same properties on
+    # ragged groups at full strength; this test is about the by-name calling convention and its 4 checks
+    rgt.check_estimator(name, settings=settings(max_examples=10, derandomize=True, database=None))
+
+
+def z_score_by_sample_std(b):
+    """Broken on purpose: the unbiased std of a one-sample group is NaN (0 / 0)."""
+    out = torch.zeros_like(b.rewards)
+    for rows in b.groups:
+        r = b.rewards[rows]
+        out[rows] = (r - r.mean()) / r.std()
+    return out
+
+
+def centred_but_singletons_pass_through(b):
+    """Broken on purpose (verl's convention, not rlgraph's): a one-sample group keeps its raw reward."""
+    out = b.rewards.clone()
+    for rows in b.groups:
+        if len(rows) > 1:
+            out[rows] = b.rewards[rows] - b.rewards[rows].mean()
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:std\\(\\). degrees of freedom")  # the bug under test warns each draw
+def test_an_estimator_that_gives_nan_is_caught_and_the_snippet_shows_the_nan():
+    found = caught(rgt.assert_finite, z_score_by_sample_std)
+    assert found.batch.N == 1 and found.message == "out[0] is nan"  # shrunk to the one-sample group
+    ns = run_snippet(found, z_score_by_sample_std=z_score_by_sample_std)
+    assert torch.isnan(ns["out"]).all()
+
+
+def test_an_estimator_that_passes_a_singleton_reward_through_is_caught():
+    found = caught(rgt.assert_singleton_groups_zero, centred_but_singletons_pass_through)
+    assert found.batch.N == 1 and found.batch.rewards.abs().item() > 0 and found.batch.group.tolist() == [0]
+    ns = run_snippet(found, centred_but_singletons_pass_through=centred_but_singletons_pass_through)
+    assert torch.equal(ns["out"], found.batch.rewards)  # the pasted snippet reproduces the raw reward
+    rgt.assert_finite(centred_but_singletons_pass_through)  # finite all the same: only the convention catches it

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 import rlgraph as rg
 import rlgraph.testing as rgt
 from rlgraph.algorithms import grpo
+from rlgraph.ir.errors import ConfigError
 from rlgraph.passes.reshard import transfer
 from rlgraph.runtime import collectives as C
 
@@ -127,3 +128,19 @@ def test_an_algorithm_whose_loss_normalizes_per_micro_batch_is_caught():
         rgt.assert_update_microbatch_invariant(locally_normalized, executor=rgt.tiny_executor,
                                                batches=[rgt.tiny_prompts(3)], micro_batch_sizes=(1,))
     assert "micro_batch_size=1" in str(exc.value)
+    # the snippet is the call that repeats it: the algorithm imported by name, the prompts as literals
+    snippet = exc.value.counterexample.snippet()
+    assert "from tests.testing.test_plans import locally_normalized as algorithm" in snippet
+    assert "executor = None" not in snippet and "micro_batch_sizes=[1]" in snippet
+    with pytest.raises(rgt.PropertyFailure) as again:
+        exec(snippet, {})
+    assert str(again.value).splitlines()[0] == str(exc.value).splitlines()[0]  # the same numbers
+
+
+def test_a_run_whose_updates_move_nothing_is_refused_not_passed():
+    """2 prompts of the untrained tiny model: every group's length-parity rewards tie, so every advantage
+    is 0, no parameter moves, and any micro-batch split would agree."""
+    with pytest.raises(ConfigError, match=r"assert_update_microbatch_invariant\(grpo\): 1 step\(s\) without micro-batching "
+                                          r"left every parameter of policy unchanged(.|\n)*fix: pass batches whose"):
+        rgt.assert_update_microbatch_invariant(ALGORITHMS["grpo"], executor=lambda: rgt.tiny_executor(("policy",)),
+                                               batches=[rgt.tiny_prompts(2)], micro_batch_sizes=(1,), n=2, max_new_tokens=3)

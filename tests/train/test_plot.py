@@ -8,7 +8,7 @@ import pytest
 from matplotlib.image import imread
 
 from rlgraph.ir.errors import ConfigError
-from rlgraph.train.logging import JsonlSink, MetricsError
+from rlgraph.train.logging import JsonlSink, MetricsError, read_metrics
 from rlgraph.train.plot import GROUPS, plot_run, series, smooth
 
 
@@ -95,3 +95,19 @@ def test_refusals(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(MetricsError, match=r"nothing to plot in .*0 rows, keys none"):
         plot_run(tmp_path)
+
+
+def test_the_warm_starts_seconds_do_not_scale_the_step_time_axis(tmp_path):
+    from matplotlib.figure import Figure
+
+    from rlgraph.train.plot import _draw_time, _found
+
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(0, {"time/warm_start_s": 120.0, "time/compile_s": 0.0})  # the first row: the warm start, once
+    for step in range(1, 6):
+        sink.log(step, {"time/step_s": 0.5, "time/generate_s": 0.3, "time/compile_s": 0.0})
+    sink.close()
+    ax = Figure().add_subplot()
+    _draw_time(ax, _found(read_metrics(tmp_path), next(group for group in GROUPS if group.name == "time")))
+    assert ax.get_ylim()[1] < 1.0  # the 0.5 s steps fill the axis, not the 120 s warm start
+    assert "warm start 120.0 s (not per step: not drawn)" in [text.get_text() for text in ax.texts]

@@ -140,3 +140,22 @@ def test_a_warm_start_phase_is_labelled_on_its_bar_and_its_plain_lines():
 def test_a_bad_phase_label_is_refused(label):
     with pytest.raises(ConfigError, match=r"label must be a short non-empty phase name"):
         RunProgress(total_steps=1, label=label)
+
+
+def test_a_resumed_run_smooths_on_from_its_history_and_dates_an_old_evaluation():
+    rows = [{"step": step, **step_metrics(step), **({"eval/accuracy": 0.75} if step == 2 else {})} for step in range(1, 6)]
+    whole = console(terminal=False)
+    with RunProgress(total_steps=5, console=whole, every=1) as uninterrupted:
+        for row in rows:
+            uninterrupted.update(row["step"], row)
+    resumed_out = console(terminal=False)
+    # resumed from the checkpoint of step 3: metrics.jsonl holds steps 1-3 (and a row past it is ignored)
+    with RunProgress(total_steps=5, console=resumed_out, every=1, start_step=3, history=rows[:3] + rows[4:]) as resumed:
+        for row in rows[3:]:
+            resumed.update(row["step"], row)
+    for key, average in uninterrupted.averages.items():
+        assert resumed.averages[key].value == pytest.approx(average.value) and resumed.averages[key].count == 5
+    last = resumed_out.file.getvalue().splitlines()[-1]
+    assert last.split("[")[0] == whole.file.getvalue().splitlines()[-1].split("[")[0]
+    assert "eval acc 75.0% @ step 2" in last  # measured 3 steps ago: dated, not shown as the current policy's
+    assert "eval acc 75.0%  " in whole.file.getvalue().splitlines()[1]  # at its own step: no date

@@ -3,6 +3,7 @@ kill), refused checkpoints, export to a Hugging Face directory, LoRA runs."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -390,6 +391,8 @@ def test_a_bad_placement_names_the_key(tmp_path, placement, expected):
 @pytest.mark.parametrize("override, expected", [
     ("model.path=/nonexistent/model", r"model.path '/nonexistent/model' does not exist"),
     ("model.path={tmp}", r"model.path '.*' is a directory without a config.json"),
+    ("model.path=Qwen/Qwen2.5-0.5B", r"model.path 'Qwen/Qwen2.5-0.5B' does not exist; it looks like a Hugging Face Hub id, "
+                                     r"and rlgraph does not download models\n  fix: download it first \(huggingface-cli"),
     ("rewards=[{name: math}, {name: format_regex, options: {pattern: '(a'}}]",
      r"rewards\[1\] \(format_regex\): format_regex: pattern '\(a' is not a valid regular expression"),
     ("rewards=[{name: exact_mach}]", r"rewards\[0\] \(exact_mach\): unknown reward 'exact_mach'; did you mean 'exact_match'"),
@@ -400,6 +403,22 @@ def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected)
 
     config, _ = make_config(tmp_path, "bad", [override.replace("{tmp}", str(tmp_path))])
     with pytest.raises(ConfigError, match=expected):
+        prepare(config)
+
+
+def test_a_tokenizer_without_eos_is_refused_naming_the_key_before_the_data_loads(tmp_path):
+    from rlgraph.backends.local.executor import TokenizerError
+    from rlgraph.backends.local.models import load_tokenizer
+    from rlgraph.train.run import prepare
+
+    tokenizer = load_tokenizer()
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path / "no_eos")
+    config, _ = make_config(tmp_path, "no_eos_run", [f"model.tokenizer={tmp_path / 'no_eos'}",
+                                                      f"data.train={tmp_path / 'missing.jsonl'}"])
+    # the tokenizer is refused first: the missing data file would be the next error
+    with pytest.raises(TokenizerError, match=r"the tokenizer of model.tokenizer '.*no_eos': eos_token_id is None; "
+                                             r"generation needs one\n  fix: tokenizer.eos_token = "):
         prepare(config)
 
 
@@ -573,13 +592,31 @@ def test_a_resume_over_other_prompts_is_refused(full_run, tmp_path):
         train(config, resume=True)
 
 
+def test_every_file_of_the_run_directory_takes_the_umask(full_run):
+    """Checkpoints were 0700/0600 (mkdtemp, mkstemp, safetensors) beside a 0644 config: one rule now."""
+    import stat
+
+    from rlgraph.train.modes import current_umask
+
+    run_dir, _, _ = full_run
+    mask = current_umask()
+    modes = {str(path.relative_to(run_dir)): stat.S_IMODE(path.stat().st_mode) for path in [run_dir, *run_dir.rglob("*")]}
+    wrong = {name: oct(found) for name, found in modes.items()
+             if found != (0o777 if (run_dir / name).is_dir() else 0o666) & ~mask}
+    assert "step-000004/policy.safetensors" in modes and not wrong
+
+
 def test_eval_scores_a_checkpoint_like_the_run_did(full_run, tmp_path):
+    from rich.console import Console
+
     from rlgraph.cli import main
     from rlgraph.train.evaluation import evaluate_run
 
     run_dir, _, _ = full_run
     last = [row for row in metrics_of(run_dir) if "eval/accuracy" in row][-1]  # the evaluation at step 4
-    result = evaluate_run(run_dir)
+    shown = Console(file=io.StringIO(), width=200)
+    result = evaluate_run(run_dir, console=shown)
+    assert "generation.compile" not in shown.file.getvalue()  # the training rollouts' decision: no rollout runs here
     assert (result["step"], result["prompts"]) == (4, 8)
     assert result["eval/accuracy"] == last["eval/accuracy"] and result["eval/reward"] == last["eval/reward"]
     assert json.loads(Path(result["saved"]).read_text())["eval/accuracy"] == last["eval/accuracy"]

@@ -97,3 +97,26 @@ def test_stop_strings_end_responses_alike_on_spmd_workers(tmp_path):
                                                   "rollout.stop=['1']", "rollout.max_new_tokens=6"])
     assert_rows_close(spmd, local)
     assert all(row["response_length/mean"] < 6 for row in local)  # some responses ended early
+
+
+def test_a_file_imports_its_siblings_as_python_file_py_would(tmp_path, monkeypatch):
+    """`rlgraph trace project/algo.py:fn` from another directory: algo.py's `import helpers` resolves
+    beside it, at import time and when its function runs."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "sibling_helpers_mod.py").write_text("SCALE = 3\n")
+    (project / "sibling_algo_mod.py").write_text(textwrap.dedent('''
+        import sibling_helpers_mod
+
+
+        def scaled(x):
+            import sibling_helpers_mod as again  # a lazy import, when the function runs
+            return x * sibling_helpers_mod.SCALE * again.SCALE
+    '''))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert load_object("project/sibling_algo_mod.py:scaled", "trace")(2) == 18
+    finally:
+        for name in ("sibling_helpers_mod", "sibling_algo_mod"):
+            sys.modules.pop(name, None)

@@ -31,7 +31,9 @@ import torch
 
 from rlgraph.backends.local.decode_compile import (CompileLedger, Decision, DecodeCompile, model_signature,
                                                   padded_width)
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, SamplingStream, cut_at_stop
+from rlgraph.backends.local.generation import (  # noqa: F401 - TokenizerError re-exported: its old home
+    NativeGenerator, SamplingParams, SamplingStream, TokenizerError, cut_at_stop, token_id,
+)
 from rlgraph.backends.local.lean_decode import lean_unsupported
 from rlgraph.backends.local.logprobs import head_fits_one_block, sequence_logprobs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
@@ -77,20 +79,11 @@ class RewardWorker:
     fn: Callable[..., Any]
 
 
-class TokenizerError(RLGraphError, ValueError):
-    """A tokenizer generation cannot use."""
-
-
-def check_tokenizer(tokenizer: Any) -> Any:
-    """Refuse a tokenizer with no EOS or pad id when the executor is built, not mid-run: without
-    EOS no response ever ends, and the generator pads finished rows with the pad id."""
+def check_tokenizer(tokenizer: Any, where: str | None = None) -> Any:
+    """Refuse a tokenizer with no EOS or pad id when the executor is built (or, with `where`, the
+    config key that named it, before a run loads its data), not mid-run."""
     for name in ("eos_token_id", "pad_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, bool) or not isinstance(value, int):
-            fix = ("tokenizer.eos_token = '<|endoftext|>' (a token the model was trained to end with)" if name == "eos_token_id"
-                   else "tokenizer.pad_token = tokenizer.eos_token")
-            raise TokenizerError(f"tokenizer {type(tokenizer).__name__}: {name} is {value!r}; generation needs one\n"
-                                 f"  fix: {fix}")
+        token_id(getattr(tokenizer, name, None), name, where or f"tokenizer {type(tokenizer).__name__}")
     return tokenizer
 
 

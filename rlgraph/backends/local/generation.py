@@ -221,6 +221,20 @@ def pad_prompt_columns(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_id
             torch.cat([mask.new_zeros(len(mask), extra), mask], 1))  # [B, P']
 
 
+class TokenizerError(RLGraphError, ValueError):
+    """A tokenizer generation cannot use."""
+
+
+def token_id(value: object, name: str, where: str) -> int:
+    """`value` as a token id, or a TokenizerError naming `name` (eos_token_id, pad_token_id) and the
+    fix: without EOS no response ever ends, and finished rows are padded with the pad id."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        fix = ("tokenizer.eos_token = '<|endoftext|>' (a token the model was trained to end with)" if name == "eos_token_id"
+               else "tokenizer.pad_token = tokenizer.eos_token")
+        raise TokenizerError(f"{where}: {name} is {value!r}; generation needs one\n  fix: {fix}")
+    return value
+
+
 class PromptError(RLGraphError, ValueError):
     """A prompt batch the model cannot read: empty, right-padded, or ids that are no tokens."""
 
@@ -306,8 +320,8 @@ class NativeGenerator:
         self.chunked = chunked
         # the run's compiles (an executor shares one across its calls); the first call of a shape is its compile
         self.ledger = ledger if ledger is not None else CompileLedger()
-        self.eos_token_id = int(eos_token_id)
-        self.pad_token_id = int(pad_token_id)
+        self.eos_token_id = token_id(eos_token_id, "eos_token_id", "NativeGenerator")
+        self.pad_token_id = token_id(pad_token_id, "pad_token_id", "NativeGenerator")
         reason = lean_unsupported(model)
         if lean and reason is not None:
             raise ValueError(f"NativeGenerator(lean=True): the lean decode step cannot drive this model: {reason}\n"
