@@ -1,5 +1,7 @@
-"""On-policy distillation (Thinking Machines, "On-Policy Distillation", 2025; tinker-cookbook): the
-student samples, frozen teachers score the student's own tokens, and the per-token advantage is
+"""On-policy distillation (Thinking Machines, 2025; tinker-cookbook): frozen teachers score the student's tokens.
+
+The student samples, one or more frozen teachers score the student's own tokens ("On-Policy
+Distillation", Thinking Machines blog, 2025), and the per-token advantage is
 
     A_t = -(log pi_student(y_t) - sum_k w_k log pi_teacher_k(y_t))  [+ reward_weight * group_normalize(r)]
     L   = token_mean( max(-A rho, -A clip(rho, 1-eps, 1+eps)) )

@@ -1,5 +1,7 @@
-"""GKD, generalised knowledge distillation (Agarwal et al., 2024, "On-Policy Distillation of Language
-Models: Learning from Self-Generated Mistakes", arXiv 2306.13649, Algorithm 1):
+"""GKD (Agarwal et al., 2024, arXiv 2306.13649): a generalised JSD to a teacher on student and teacher sequences.
+
+Generalised knowledge distillation ("On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes", Algorithm 1):
 
     L = lam * E_{y ~ student}[ JSD_beta(t || s) ] + (1 - lam) * E_{y ~ off-policy}[ JSD_beta(t || s) ]
     JSD_beta = beta KL(t || m) + (1 - beta) KL(s || m),  m = beta t + (1 - beta) s
