@@ -19,6 +19,7 @@ from rlgraph.ir.errors import ConfigError, RLGraphError
 from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.config import TrainConfig
+from rlgraph.train.teachers import check_teachers, teacher_roles
 from rlgraph.train.user_code import (ROLLOUT_HPARAMS, build_env, build_rewards, import_modules, load_algorithm,
                                      with_resolved_hparams)
 
@@ -91,6 +92,7 @@ def prepare(config: TrainConfig) -> Setup:
     env = build_env(config)
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows), rewards.describe())
     _check_env_is_used(config, rl)
+    check_teachers(config, tokenizer, model_roles(rl.source))
     warm = None
     if config.runtime.runtime != "local":  # the warm start and the evaluations run on the workers
         answered = sum(row.answer is not None for row in train_rows)
@@ -99,6 +101,13 @@ def prepare(config: TrainConfig) -> Setup:
             _check_splits(config, evaluation, len(warm_eval_rows), "the warm start's held-out prompts", "warm_start.eval")
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env, warm,
                  warm_eval_rows)
+
+
+def model_roles(program: Any) -> set[str]:
+    """The model roles (policy, ref, critic, teachers) a program reads."""
+    from rlgraph.ir import specs as S
+
+    return {node.target for node in program.inputs if isinstance(node.meta.get("spec"), S.ModelSpec)}
 
 
 def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
@@ -208,8 +217,13 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
         raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
                           fix="e.g. colocated:offload=False, colocated:fsdp=2, split:policy=1,rollout=1, or auto") from None
     models = {"policy": config.model.path} if config.model.path else {}
+    models.update(config.model.teachers)  # the memory model sizes each teacher from its own config
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
+    if config.model.teachers:
+        from rlgraph.ir.tracing import DEFAULT_ROLES
+
+        extra["roles"] = {**DEFAULT_ROLES, **teacher_roles(config)}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
     if config.env is not None and config.env.workers is not None:  # env steps in worker processes (docs/agents.md)
         extra.update(env_workers=config.env.workers, env_memory_mb=config.env.memory_mb)
