@@ -19,7 +19,7 @@ from rlgraph.ir.errors import ConfigError, RLGraphError
 from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.config import TrainConfig
-from rlgraph.train.teachers import check_teachers, teacher_roles
+from rlgraph.train.teachers import check_teacher_sources, check_teachers_read, teacher_roles
 from rlgraph.train.user_code import (ROLLOUT_HPARAMS, build_env, build_rewards, import_modules, load_algorithm,
                                      with_resolved_hparams)
 
@@ -90,9 +90,10 @@ def prepare(config: TrainConfig) -> Setup:
     device = _device(config)
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
     env = build_env(config)
+    check_teacher_sources(config, tokenizer)
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows), rewards.describe())
     _check_env_is_used(config, rl)
-    check_teachers(config, tokenizer, model_roles(rl.source))
+    check_teachers_read(config, model_roles(rl.source))
     warm = None
     if config.runtime.runtime != "local":  # the warm start and the evaluations run on the workers
         answered = sum(row.answer is not None for row in train_rows)

@@ -26,20 +26,25 @@ def teacher_roles(config: Any) -> dict[str, S.Spec]:
     return {role: S.ModelSpec(role) for role in config.model.teachers}
 
 
-def check_teachers(config: Any, tokenizer: Any, read: set[str]) -> None:
-    """Every teacher the plan reads (`read`: the model roles of the RL program) is configured, exists and
-    shares the run's tokenizer; a configured teacher the algorithm never reads is refused too."""
+def check_teacher_sources(config: Any, tokenizer: Any) -> None:
+    """Each configured teacher exists and shares the run's tokenizer (before the plan sizes it)."""
+    for role, path in config.model.teachers.items():
+        _check_teacher(config, role, path, tokenizer)
+
+
+def check_teachers_read(config: Any, read: set[str]) -> None:
+    """Every teacher the plan reads (`read`: the model roles of the RL program) is configured, and
+    every configured one is read."""
     teachers = config.model.teachers
     for role in sorted(read - {"policy", "ref", "critic"}):
         if role not in teachers:
             raise ConfigError(f"algorithm {config.algorithm.name!r} reads state.{role}, but model.teachers has no "
                               f"{role!r} (it has {', '.join(teachers) or 'none'})",
                               fix=f"model: {{teachers: {{{role}: path/to/teacher_model_dir}}}}")
-    for role, path in teachers.items():
+    for role in teachers:
         if role not in read:
             raise ConfigError(f"model.teachers.{role}: algorithm {config.algorithm.name!r} never reads state.{role}",
                               fix="use algorithm.name: distill or gkd (hparams.teachers names the roles), or drop it")
-        _check_teacher(config, role, path, tokenizer)
 
 
 def _check_teacher(config: Any, role: str, path: str, tokenizer: Any) -> None:
