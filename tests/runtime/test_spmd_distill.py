@@ -10,10 +10,9 @@ from rlgraph.algorithms import distill
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.runtime.plan_runner import PlanRunner
-from rlgraph.runtime.spmd import SpmdTransport
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
 
-from tests.helpers import assert_same_metrics, assert_same_training, state_of
+from tests.runtime.test_spmd import _matches_local
 
 pytestmark = pytest.mark.slow
 TOKENS = 4
@@ -30,12 +29,6 @@ def test_distill_with_the_teacher_on_its_own_rank_matches_local(tmp_path):
     text = compiled.as_text()
     assert "teacher   rank 1       infer dp=1" in text and "@teacher   logprobs=logprobs" in text
     assert "teacher   infer" in text  # its memory, counted on its rank
-    local_executor, prompts = world.build_local(), tiny_prompts(4)
-    before = state_of(local_executor.models["policy"])
-    with SpmdTransport(compiled.plan, world, device="cpu") as transport:
-        for _ in range(2):
-            local = PlanRunner(compiled, local_executor).run(prompts)[1]
-            spmd = PlanRunner(compiled, transport, controller=world.controller()).run(prompts)[1]
-            assert_same_metrics(local, spmd)
-            assert local["distill/reverse_kl"] > 0.1
-        assert_same_training(local_executor.models["policy"], transport.pull_state("policy"), before, steps=2)
+    prompts = tiny_prompts(4)
+    assert PlanRunner(compiled, world.build_local()).run(prompts)[1]["distill/reverse_kl"] > 0.1  # a real signal
+    _matches_local(compiled, world, prompts, steps=2)  # equal metrics each step, equal student weights after
