@@ -13,6 +13,8 @@ their w_k (default equal, summing to 1). A teacher may have another size than th
 share the tokenizer. `reward_weight > 0` adds a task reward's group-normalised advantage (n >= 2).
 """
 
+import sys
+
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
@@ -24,7 +26,7 @@ from rlgraph.ir.errors import TraceError, user_location
 @rg.algorithm
 def distill(state: rg.State, prompts: rg.Prompts, *, n=4, teachers=("teacher",), teacher_weights=None, reward_weight=0.0,
             clip=0.2, temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None, epochs=1, micro_batch_size=None):
-    weights = check_teachers("distill", teachers, teacher_weights)
+    teachers, weights = check_teachers("distill", teachers, teacher_weights)
     check_number("distill", "reward_weight", reward_weight, low=0, why="a negative weight rewards failing the task")
     check_hparams("distill", n=n, clip=clip, max_new_tokens=max_new_tokens, epochs=epochs,
                   micro_batch_size=micro_batch_size, **({"group_estimator": "group_normalize"} if reward_weight else {}))
@@ -57,16 +59,16 @@ def teacher_logprobs(state, ro, teachers, weights, temperature):
 
 
 def check_teachers(owner, teachers, teacher_weights):
-    """The teachers' weights (equal by default), after checking the role names and weights."""
-    where = user_location()
-    if isinstance(teachers, str):
-        teachers = (teachers,)
+    """(the teachers' role names, their weights: equal by default) after checking both; lists (YAML) become tuples."""
+    where = user_location(sys._getframe(1))  # the algorithm's line
+    teachers = (teachers,) if isinstance(teachers, str) else tuple(teachers) if isinstance(teachers, list) else teachers
+    teacher_weights = tuple(teacher_weights) if isinstance(teacher_weights, list) else teacher_weights
     if not isinstance(teachers, tuple) or not teachers or not all(isinstance(t, str) and t.isidentifier() for t in teachers) \
             or len(set(teachers)) != len(teachers) or "policy" in teachers:
         raise TraceError(f"{owner}: teachers={teachers!r} must be a tuple of distinct state role names other than "
                          "'policy'", where, fix="teachers=('teacher',), or ('teacher', 'teacher_code') with both roles declared")
     if teacher_weights is None:
-        return (1.0 / len(teachers),) * len(teachers)
+        return teachers, (1.0 / len(teachers),) * len(teachers)
     if not isinstance(teacher_weights, tuple) or len(teacher_weights) != len(teachers):
         raise TraceError(f"{owner}: teacher_weights={teacher_weights!r} needs one weight per teacher "
                          f"({len(teachers)}: {', '.join(teachers)})", where, fix="teacher_weights=(0.5, 0.5)")
@@ -75,4 +77,4 @@ def check_teachers(owner, teachers, teacher_weights):
     if abs(sum(teacher_weights) - 1.0) > 1e-6:
         raise TraceError(f"{owner}: teacher_weights={teacher_weights!r} sum to {sum(teacher_weights):g}, not 1 (the "
                          "target is their weighted geometric mixture)", where, fix="scale them to sum to 1")
-    return tuple(float(w) for w in teacher_weights)
+    return teachers, tuple(float(w) for w in teacher_weights)

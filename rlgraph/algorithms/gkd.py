@@ -10,7 +10,7 @@ Self-Generated Mistakes", Algorithm 1):
 (`rlgraph.functional.distill`). `lam` is the on-policy fraction: the expected gradient of the
 paper's coin (student with probability lam) is taken every step, as one optimizer step over two
 accumulated updates, lam times the student's sequences' and 1 - lam times the off-policy ones'.
-The off-policy sequences are sampled from the teacher (the paper's supervised-KD data; a dataset's
+The off-policy sequences are sampled from the (first) teacher (the paper's supervised-KD data; a dataset's
 answers inside a traced step need a primitive rlgraph does not have yet). The divergence is the
 sampled-token estimate `F.gkd_loss` (no primitive returns a teacher's [N,T,V] logits yet;
 `F.generalized_jsd` is the full-vocabulary form).
@@ -26,7 +26,7 @@ from rlgraph.ir.checks import check_number
 @rg.algorithm
 def gkd(state: rg.State, prompts: rg.Prompts, *, n=4, beta=0.5, lam=1.0, teachers=("teacher",), teacher_weights=None,
         temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None, grad_clip=1.0):
-    weights = check_teachers("gkd", teachers, teacher_weights)
+    teachers, weights = check_teachers("gkd", teachers, teacher_weights)
     check_number("gkd", "beta", beta, low=0, high=1, why="0 is the forward KL, 1 the reverse KL")
     check_number("gkd", "lam", lam, low=0, high=1, why="the fraction of the gradient from the student's own sequences")
     check_hparams("gkd", n=n, max_new_tokens=max_new_tokens)
