@@ -119,3 +119,23 @@ def test_calculator_agent_example_raises_held_out_accuracy(tmp_path, monkeypatch
     result = train(config)
     assert result.eval_before >= 0.25                      # the warm start reached its target
     assert result.eval_after >= result.eval_before + 0.10  # seed 0 on one thread: 0.51 -> 0.69
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["warm", "config"])
+def test_distill_example_stages_run(tmp_path, stage):
+    """examples/distill, shortened: each student stage for 2 steps against a saved random teacher (the
+    figures of the full example are in docs/benchmarks.md)."""
+    from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import train
+
+    tokenizer = load_tokenizer()
+    build_causal_lm(tokenizer=tokenizer, seed=3).save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    config = load_config(ROOT / "examples" / "distill" / f"{stage}.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.teachers.teacher={tmp_path / 'teacher'}", "model.path=examples/distill/student.json",
+        "train.steps=2", "rollout.prompts_per_step=4", "eval.max_prompts=8", "logging.plots=false"])
+    train(config)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("policy/grad_norm" in row for row in rows) == 2

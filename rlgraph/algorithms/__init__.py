@@ -3,8 +3,10 @@
 from rlgraph.algorithms.agent_grpo import agent_grpo
 from rlgraph.algorithms.cispo import cispo
 from rlgraph.algorithms.dapo import dapo
+from rlgraph.algorithms.distill import distill
 from rlgraph.algorithms.dr_grpo import dr_grpo
 from rlgraph.algorithms.evaluate import evaluate, evaluate_agent
+from rlgraph.algorithms.gkd import gkd
 from rlgraph.algorithms.grpo import grpo
 from rlgraph.algorithms.gspo import gspo
 from rlgraph.algorithms.ppo import ppo
@@ -18,6 +20,8 @@ ALGORITHMS = {
     "reinforce_pp_baseline": reinforce_pp_baseline, "remax": remax, "gspo": gspo, "cispo": cispo, "dapo": dapo,
     "ppo": ppo, "sft": sft, "evaluate": evaluate, "agent_grpo": agent_grpo,
 }
+ALGORITHMS.update(distill=distill, gkd=gkd)  # distillation from frozen teachers (state.teacher)
 
 __all__ = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "cispo", "dapo", "ppo", "sft",
            "evaluate", "agent_grpo", "ALGORITHMS"]
+__all__ += ["distill", "gkd"]

@@ -14,6 +14,7 @@ from rlgraph.functional.aggregate import (
     masked_sum, masked_var, masked_whiten, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_mean,
 )
 from rlgraph.functional.correction import truncated_is_weights
+from rlgraph.functional.distill import distill_advantage, generalized_jsd, gkd_loss
 from rlgraph.functional.estimator import estimator
 from rlgraph.functional.kl import (
     KL_ESTIMATORS, adaptive_kl_coef, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
@@ -32,6 +33,8 @@ __all__ = [
     "seq_mean_token_sum_norm", "token_mean",
     # correction
     "truncated_is_weights",
+    # distill
+    "distill_advantage", "generalized_jsd", "gkd_loss",
     # estimator
     "estimator",
     # kl

@@ -29,6 +29,7 @@ DEFAULT_ROLES: dict[str, S.Spec] = {
     "policy": S.ModelSpec("policy"),
     "ref": S.ModelSpec("ref"),
     "critic": S.ModelSpec("critic", kind="critic"),
+    "teacher": S.ModelSpec("teacher"),  # a frozen teacher of distillation (`distill`, `gkd`)
     "reward": S.RewardSpec("reward"),
     "env": S.EnvSpec("env"),  # what rg.rollout steps; pruned, as every role, from algorithms that do not use it
 }

@@ -50,6 +50,18 @@ class ModelSection(Section):
     path: str | None = None                           # a local HF directory (config.json + weights); None: the tiny Qwen2
     tokenizer: str | None = None                      # default: the model directory's, else the shipped character one
     lora: LoraSection | None = None                   # train LoRA adapters only (peft); the KL reference is the base
+    teachers: dict[str, str] = Field(default_factory=dict)  # distill/gkd: role -> a frozen teacher's model directory
+
+    @field_validator("teachers")
+    @classmethod
+    def _teacher_names(cls, teachers: dict[str, str]) -> dict[str, str]:
+        from rlgraph.train.teachers import RESERVED
+
+        for role in teachers:
+            if not role.isidentifier() or role in RESERVED:
+                raise ValueError(f"teacher role {role!r} must be a Python name other than {', '.join(RESERVED)} "
+                                 "(the algorithm reads it as state.<role>), e.g. teacher")
+        return teachers
 
 
 class DataSection(Section):

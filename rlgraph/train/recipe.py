@@ -29,7 +29,8 @@ MODEL_ROLES = ("policy", "ref", "critic")
 def rl_roles(setup: Setup) -> tuple[str, ...]:
     """The model roles the RL plan reads, in `MODEL_ROLES` order."""
     read = {node.target for node in setup.rl.source.inputs}
-    return tuple(role for role in MODEL_ROLES if role in read)
+    teachers = tuple(role for role in setup.config.model.teachers if role in read)  # distill/gkd
+    return tuple(role for role in MODEL_ROLES if role in read) + teachers
 
 
 def world_of_config(setup: Setup, *, start: str | Path | None = None, roles: Sequence[str] | None = None,
@@ -59,6 +60,10 @@ def world_of_config(setup: Setup, *, start: str | Path | None = None, roles: Seq
             specs[role] = RoleSpec(source=source, kind="critic", weights_file=weights, optimizer=config.optimizer.name,
                                    lr=config.optimizer.critic_lr or config.optimizer.lr, seed=seed + 1,
                                    optimizer_options=options, backbone_seed=seed if weights is None else None)
+        elif role in config.model.teachers:  # frozen, from the teacher's own directory
+            from rlgraph.train.teachers import teacher_spec
+
+            specs[role] = teacher_spec(config, role)
         else:
             raise ValueError(f"world_of_config: no recipe for role {role!r}; the roles are {', '.join(MODEL_ROLES)}")
     envs: dict[str, Any] = {"env": setup.env} if setup.env is not None else {}

@@ -179,6 +179,10 @@ def add_rl_roles(setup: Setup, executor: LocalExecutor) -> None:
             critic.backbone.load_state_dict(policy.state_dict())
         lr = config.optimizer.critic_lr or config.optimizer.lr
         executor.models["critic"] = LMWorker(critic, role_optimizer(config, critic, lr), kind="critic")
+    for role in sorted(roles & set(config.model.teachers)):  # distillation's frozen teachers, from their directories
+        from rlgraph.train.teachers import build_teacher
+
+        executor.models[role] = build_teacher(config, role, setup.tokenizer, setup.device)
 
 
 def role_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:

@@ -21,6 +21,7 @@ from rlgraph.ir.errors import ConfigError, RLGraphError
 from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.config import TrainConfig
+from rlgraph.train.teachers import check_teacher_sources, check_teachers_read, teacher_roles
 from rlgraph.train.user_code import (ROLLOUT_HPARAMS, build_env, build_rewards, import_modules, load_algorithm,
                                      with_resolved_hparams)
 
@@ -91,8 +92,10 @@ def prepare(config: TrainConfig) -> Setup:
     device = _device(config)
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
     env = build_env(config)
+    check_teacher_sources(config, tokenizer)
     rl, evaluation = _compile(config, device, prompt_len, len(eval_rows), rewards.describe())
     _check_env_is_used(config, rl)
+    check_teachers_read(config, model_roles(rl.source))
     warm = None
     if config.runtime.runtime != "local":  # the warm start and the evaluations run on the workers
         answered = sum(row.answer is not None for row in train_rows)
@@ -101,6 +104,13 @@ def prepare(config: TrainConfig) -> Setup:
             _check_splits(config, evaluation, len(warm_eval_rows), "the warm start's held-out prompts", "warm_start.eval")
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env, warm,
                  warm_eval_rows)
+
+
+def model_roles(program: Any) -> set[str]:
+    """The model roles (policy, ref, critic, teachers) a program reads."""
+    from rlgraph.ir import specs as S
+
+    return {node.target for node in program.inputs if isinstance(node.meta.get("spec"), S.ModelSpec)}
 
 
 def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
@@ -247,8 +257,13 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
                           "every role in this one process (a mesh of 1 rank), so no role can have ranks of its own",
                           fix="--runtime spmd --nproc 2 (or ray) for a split, or runtime.placement: colocated")
     models = {"policy": config.model.path} if config.model.path else {}
+    models.update(config.model.teachers)  # the memory model sizes each teacher from its own config
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
+    if config.model.teachers:
+        from rlgraph.ir.tracing import DEFAULT_ROLES
+
+        extra["roles"] = {**DEFAULT_ROLES, **teacher_roles(config)}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}
     if config.env is not None and config.env.workers is not None:  # env steps in worker processes (docs/agents.md)
         extra.update(env_workers=config.env.workers, env_memory_mb=config.env.memory_mb)

@@ -1,0 +1,57 @@
+"""GKD (Agarwal et al., 2024, arXiv 2306.13649): a generalised JSD to a teacher on student and teacher sequences.
+
+Generalised knowledge distillation ("On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes", Algorithm 1):
+
+    L = lam * E_{y ~ student}[ JSD_beta(t || s) ] + (1 - lam) * E_{y ~ off-policy}[ JSD_beta(t || s) ]
+    JSD_beta = beta KL(t || m) + (1 - beta) KL(s || m),  m = beta t + (1 - beta) s
+
+`beta` interpolates from the forward KL (0) to the reverse KL (1), TRL `GKDTrainer`'s convention
+(`rlgraph.functional.distill`). `lam` is the on-policy fraction: the expected gradient of the
+paper's coin (student with probability lam) is taken every step, as one optimizer step over two
+accumulated updates, lam times the student's sequences' and 1 - lam times the off-policy ones'.
+The off-policy sequences are sampled from the (first) teacher (the paper's supervised-KD data; a dataset's
+answers inside a traced step need a primitive rlgraph does not have yet). The divergence is the
+sampled-token estimate `F.gkd_loss` (no primitive returns a teacher's [N,T,V] logits yet;
+`F.generalized_jsd` is the full-vocabulary form).
+"""
+
+import rlgraph as rg
+from rlgraph import functional as F
+from rlgraph.algorithms.distill import check_teachers, teacher_logprobs
+from rlgraph.algorithms.hparams import check_hparams
+from rlgraph.ir.checks import check_number
+
+
+@rg.algorithm
+def gkd(state: rg.State, prompts: rg.Prompts, *, n=4, beta=0.5, lam=1.0, teachers=("teacher",), teacher_weights=None,
+        temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None, grad_clip=1.0):
+    teachers, weights = check_teachers("gkd", teachers, teacher_weights)
+    check_number("gkd", "beta", beta, low=0, high=1, why="0 is the forward KL, 1 the reverse KL")
+    check_number("gkd", "lam", lam, low=0, high=1, why="the fraction of the gradient from the student's own sequences")
+    check_hparams("gkd", n=n, max_new_tokens=max_new_tokens)
+    sample = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=stop)
+    parts = (("student", state.policy, lam), ("teacher", getattr(state, teachers[0]), 1.0 - lam))
+    parts = [part for part in parts if part[2] > 0]                              # lam 0 or 1: one source
+    policy, metrics = state.policy, {}
+    for index, (source, model, share) in enumerate(parts):
+        ro = rg.generate(model, prompts, **sample)                               # Rollouts[N, T]
+        teacher_lp = teacher_logprobs(state, ro, teachers, weights, temperature)  # [N, T]
+
+        loss = jsd_loss(ro, teacher_lp, beta, share)
+        if len(parts) == 1:
+            policy = rg.update(policy, ro, loss, temperature=temperature, grad_clip=grad_clip)
+        else:
+            policy = rg.update(policy, ro, loss, temperature=temperature, grad_clip=None, step=False)
+        metrics[f"gkd/{source}_tokens"] = ro.mask.sum()
+    if len(parts) > 1:
+        policy = rg.optimizer_step(policy, grad_clip=grad_clip)
+    return state.replace(policy=policy), metrics
+
+
+def jsd_loss(ro, teacher_lp, beta, share):
+    """The loss closure of one source's rows: `share` times their JSD_beta estimate."""
+    def loss(lp):                                                                # lp: [N, T], with gradients
+        jsd, rho = F.gkd_loss(lp, ro.logprobs, teacher_lp, ro.mask, beta=beta)   # [], []
+        return share * jsd, {"jsd": jsd.detach(), "importance_weight": rho}
+    return loss
