@@ -8,6 +8,7 @@ from rlgraph.algorithms.evaluate import evaluate, evaluate_agent
 from rlgraph.algorithms.grpo import grpo
 from rlgraph.algorithms.gspo import gspo
 from rlgraph.algorithms.ppo import ppo
+from rlgraph.algorithms.pretrain import pretrain
 from rlgraph.algorithms.reinforce_pp import reinforce_pp, reinforce_pp_baseline
 from rlgraph.algorithms.remax import remax
 from rlgraph.algorithms.rloo import rloo
@@ -20,7 +21,8 @@ ALGORITHMS = {
     "ppo": ppo, "sft": sft, "evaluate": evaluate, "agent_grpo": agent_grpo,
 }
 ALGORITHMS["vapo"] = vapo
+ALGORITHMS["pretrain"] = pretrain
 
 __all__ = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gspo", "cispo", "dapo", "ppo", "sft",
            "evaluate", "agent_grpo", "ALGORITHMS"]
-__all__ += ["vapo"]
+__all__ += ["vapo", "pretrain"]
