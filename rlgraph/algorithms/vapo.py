@@ -23,6 +23,7 @@ import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
 from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
+from rlgraph.algorithms.ppo import critic_update
 
 
 @rg.algorithm
@@ -53,14 +54,10 @@ def vapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0
         return policy_on * (pg + lm_coef * nll), {"clip_frac": clip_frac, "approx_kl": approx_kl, "positive_nll": nll,
                                                  **loss_metrics(lp, ro, entropy)}
 
-    def critic_loss(values):                                           # values: [N, T], with gradients
-        value, clip_frac = F.value_loss(values, old_values, returns, ro.mask, clip=value_clip)
-        return value, {"clip_frac": clip_frac}
-
     policy = rg.update(state.policy, ro, policy_loss, epochs=epochs, minibatches=minibatches, temperature=temperature,
                        micro_batch_size=micro_batch_size)
-    critic = rg.update(state.critic, ro, critic_loss, epochs=epochs, minibatches=minibatches,
-                       micro_batch_size=micro_batch_size)
+    critic = critic_update(state, ro, old_values, returns, value_clip=value_clip, epochs=epochs,
+                           minibatches=minibatches, micro_batch_size=micro_batch_size)  # R: lam_critic's returns
     return state.replace(policy=policy, critic=critic, vapo_iteration=iteration + 1.0), {
         **rollout_metrics(r, ro), "value": F.masked_mean(old_values, ro.mask), "policy_on": policy_on,
         "lam_policy": lam_policy.mean(), "positive_fraction": positive.to(torch.float32).mean()}

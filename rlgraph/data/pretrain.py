@@ -30,7 +30,6 @@ streaming files do not give).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ import attrs
 import torch
 
 from rlgraph.batches import Prompts, Rollouts
-from rlgraph.data.prompts import DataError, read_records
+from rlgraph.data.prompts import DataError, json_line, read_records
 
 
 @attrs.frozen
@@ -84,14 +83,8 @@ class TextStream:
     def _jsonl(self) -> Iterator[str]:
         with self.path.open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{self.path}:{number}: not a JSON object ({error.msg})",
-                                    fix="write one JSON object per line, e.g. {\"text\": \"...\"}") from None
-                yield self._text_of(record, f"{self.path}:{number}")
+                if line.strip():
+                    yield self._text_of(json_line(line, f"{self.path}:{number}"), f"{self.path}:{number}")
 
     def _text_of(self, record: Any, where: str) -> str:
         text = record.get(self.text_field) if isinstance(record, Mapping) else None

@@ -71,7 +71,7 @@ def test_jsonl_and_single_text_sources(tmp_path):
     (lambda p: p / "missing.txt", "no such file"),
     (lambda p: (p / "empty").mkdir() or p / "empty", "without .txt files"),
     (lambda p: (p / "x.txt").write_bytes(b"\xff\xfe") and p / "x.txt", "not UTF-8"),
-    (lambda p: (p / "x.jsonl").write_text('{"text": "a"}\n{oops\n') and p / "x.jsonl", r"x.jsonl:2: not a JSON object"),
+    (lambda p: (p / "x.jsonl").write_text('{"text": "a"}\n{oops\n') and p / "x.jsonl", r"x.jsonl:2: not valid JSON"),
     (lambda p: (p / "x.jsonl").write_text('{"content": "a"}\n') and p / "x.jsonl", "no string field 'text'"),
 ])
 def test_bad_sources_are_refused_naming_the_file_and_line(tmp_path, make, message):
