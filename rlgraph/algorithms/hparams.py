@@ -33,6 +33,12 @@ RULES: dict[str, dict[str, Any]] = {
     "max_rounds": dict(low=1, high=1000, integer=True, why="each round generates a whole batch; more than 1000 "
                        "is a run that never ends when every group keeps equal rewards"),
     "overlong_buffer": dict(low=1, integer=True),
+    # VAPO
+    "alpha": dict(low=0, low_open=True, why="the policy's GAE lambda is 1 - 1 / (alpha * length)"),
+    "lam_critic": dict(low=0, high=1, why="GAE sums (gamma lam)^l; above 1 it grows with the length"),
+    "lm_coef": dict(low=0, why="a negative weight pushes the correct samples' likelihood down"),
+    "positive_reward": dict(),
+    "value_warmup": dict(low=0, integer=True),
 }
 
 

@@ -59,13 +59,19 @@ def ppo(state: rg.State, prompts: rg.Prompts, *, n=1, clip=0.2, value_clip=0.5, 
         value, clip_frac, approx_kl = F.ppo_clip(lp, old, weighted, ro.mask, clip_low=clip)
         return value, {"clip_frac": clip_frac, "approx_kl": approx_kl, **loss_metrics(lp, ro, entropy)}
 
+    policy = rg.update(state.policy, ro, policy_loss, epochs=epochs, minibatches=minibatches, temperature=temperature,
+                       micro_batch_size=micro_batch_size)
+    critic = critic_update(state, ro, old_values, returns, value_clip=value_clip, epochs=epochs,
+                           minibatches=minibatches, micro_batch_size=micro_batch_size)
+    return state.replace(policy=policy, critic=critic), {**rollout_metrics(r, ro), **metrics,
+                                                         "value": F.masked_mean(old_values, ro.mask)}
+
+
+def critic_update(state, ro, old_values, returns, *, value_clip, epochs, minibatches, micro_batch_size):
+    """critic@v+1: the clipped value loss towards `returns` [N, T] (PPO's and VAPO's critic step)."""
     def critic_loss(values):                                           # values: [N, T], with gradients
         value, clip_frac = F.value_loss(values, old_values, returns, ro.mask, clip=value_clip)
         return value, {"clip_frac": clip_frac}
 
-    policy = rg.update(state.policy, ro, policy_loss, epochs=epochs, minibatches=minibatches, temperature=temperature,
-                       micro_batch_size=micro_batch_size)
-    critic = rg.update(state.critic, ro, critic_loss, epochs=epochs, minibatches=minibatches,
-                       micro_batch_size=micro_batch_size)
-    return state.replace(policy=policy, critic=critic), {**rollout_metrics(r, ro), **metrics,
-                                                         "value": F.masked_mean(old_values, ro.mask)}
+    return rg.update(state.critic, ro, critic_loss, epochs=epochs, minibatches=minibatches,
+                     micro_batch_size=micro_batch_size)

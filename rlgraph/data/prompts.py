@@ -139,13 +139,18 @@ def _read_json(path: Path) -> list[tuple[str, dict[str, Any]]]:
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno}): {line[:80]!r}",
-                            fix="write one complete JSON object per line (JSON lines), or a JSON array") from None
+        value = json_line(line, f"{path}:{number}")
         records.append((f"{path}:{number}", _as_record(value, f"{path}:{number}")))
     return records
+
+
+def json_line(line: str, where: str) -> Any:
+    """One line of a JSON-lines file, parsed; a bad line is a DataError citing `where` (file:line)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{where}: not valid JSON ({error.msg}, column {error.colno}): {line[:80]!r}",
+                        fix="write one complete JSON object per line (JSON lines), or a JSON array") from None
 
 
 def _as_record(value: Any, source: str) -> dict[str, Any]:

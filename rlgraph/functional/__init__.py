@@ -6,8 +6,8 @@ estimators and policy losses are also registered by name (`get_estimator`, `get_
 """
 
 from rlgraph.functional.advantages import (
-    discounted_returns, gae, gpg, group_has_variance, group_normalize, opo, reinforce_pp, reinforce_pp_baseline, remax,
-    rewards_at_last_token, rloo,
+    decoupled_gae, discounted_returns, gae, gpg, group_has_variance, group_normalize, length_adaptive_lambda, opo,
+    reinforce_pp, reinforce_pp_baseline, remax, rewards_at_last_token, rloo,
 )
 from rlgraph.functional.aggregate import (
     LossNormalization, active_loss_normalization, global_counts, loss_normalization, masked_max, masked_mean,
@@ -20,7 +20,8 @@ from rlgraph.functional.kl import (
     KL_ESTIMATORS, adaptive_kl_coef, entropy_from_logits, kl_abs, kl_k1, kl_k2, kl_k3, kl_low_var, kl_mse,
 )
 from rlgraph.functional.losses import (
-    POLICY_LOSS_KL, clip_cov, cispo, entropy_bonus, gpg_loss, gspo, kl_cov, policy_loss, ppo_clip, value_loss,
+    POLICY_LOSS_KL, clip_cov, cispo, entropy_bonus, gpg_loss, gspo, kl_cov, policy_loss, positive_nll, positive_token_weight,
+    ppo_clip, value_loss,
 )
 from rlgraph.functional.registry import (
     ESTIMATORS, LOSSES, UnknownNameError, get_estimator, get_loss, register_estimator, register_loss,
@@ -40,11 +41,11 @@ __all__ = [
     # kl
     "KL_ESTIMATORS", "adaptive_kl_coef", "entropy_from_logits", "kl_abs", "kl_k1", "kl_k2", "kl_k3", "kl_low_var", "kl_mse",
     # advantages
-    "discounted_returns", "gae", "gpg", "group_has_variance", "group_normalize", "opo", "reinforce_pp", "reinforce_pp_baseline",
-    "remax", "rewards_at_last_token", "rloo",
+    "decoupled_gae", "discounted_returns", "gae", "gpg", "group_has_variance", "group_normalize", "length_adaptive_lambda",
+    "opo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rewards_at_last_token", "rloo",
     # losses
-    "POLICY_LOSS_KL", "clip_cov", "cispo", "entropy_bonus", "gpg_loss", "gspo", "kl_cov", "policy_loss", "ppo_clip",
-    "value_loss",
+    "POLICY_LOSS_KL", "clip_cov", "cispo", "entropy_bonus", "gpg_loss", "gspo", "kl_cov", "policy_loss", "positive_nll",
+    "positive_token_weight", "ppo_clip", "value_loss",
     # registry
     "ESTIMATORS", "LOSSES", "UnknownNameError", "get_estimator", "get_loss", "register_estimator", "register_loss",
 ]

@@ -205,7 +205,11 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
     positions. Source: arXiv 1506.02438; verl `compute_gae_advantage_return`, which also whitens
     the advantages: compose `masked_whiten(advantages, mask)` for that.
     """
-    mask = as_mask(mask, "gae")
+    return _gae_scan(rewards, values, as_mask(mask, "gae"), gamma, lam)
+
+
+def _gae_scan(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor) -> tuple[Tensor, Tensor]:
+    """GAE's backward scan; `lam` is one float or one lambda per row f32[N] (VAPO's length-adaptive one)."""
     rewards = torch.where(mask, rewards, 0.0)  # [N, T]
     values = torch.where(mask, values, 0.0)  # [N, T]
     next_value = values.new_zeros(values.shape[0])  # [N]
@@ -218,6 +222,39 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
         reversed_advantages.append(advantage)
     advantages = torch.where(mask, torch.stack(reversed_advantages[::-1], dim=-1), 0.0)  # [N, T]
     return advantages, torch.where(mask, advantages + values, 0.0)
+
+
+@traceable(rows="row")
+def length_adaptive_lambda(mask: Tensor, *, alpha: float = 0.05) -> Tensor:
+    """VAPO's length-adaptive GAE lambda f32[N]: lambda_i = 1 - 1 / (alpha * l_i), l_i = response tokens.
+
+    Chosen so that sum_t lambda^t = 1 / (1 - lambda) = alpha * l: the number of TD errors an
+    advantage averages grows with the response (arXiv 2504.05118, "Length-Adaptive GAE"; alpha = 0.05 there).
+    Clamped to [0, 1]: below alpha * l = 1 the formula turns negative, which is no decay at all
+    (rlgraph's choice; the paper's responses are long enough never to reach it). Empty rows get 0.
+    """
+    if not alpha > 0:
+        raise ValueError(f"length_adaptive_lambda: alpha must be > 0, got {alpha}")
+    length = as_mask(mask, "length_adaptive_lambda").sum(dim=-1).to(torch.float32)  # [N]
+    return (1.0 - 1.0 / (alpha * length.clamp(min=1.0))).clamp(0.0, 1.0)  # [N]
+
+
+@traceable(rows="row")
+def decoupled_gae(rewards: Tensor, values: Tensor, mask: Tensor, lam_policy: float | Tensor, *, gamma: float = 1.0,
+                  lam_critic: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Decoupled GAE (VC-PPO, arXiv 2503.01491; VAPO): one lambda for the policy, another for the critic.
+
+        A_t = sum_l (gamma lam_policy)^l delta_{t+l}          the policy's advantages f32[N,T]
+        R_t = V_t + sum_l (gamma lam_critic)^l delta_{t+l}    the critic's targets f32[N,T]
+
+    With lam_critic = 1 the targets are the Monte-Carlo returns sum_l gamma^l r_{t+l}, unbiased
+    whatever the value model says. `lam_policy` is a float or one per row (`length_adaptive_lambda`).
+    Masked tokens are skipped as in `gae`.
+    """
+    mask = as_mask(mask, "decoupled_gae")
+    advantages, _ = _gae_scan(rewards, values, mask, gamma, lam_policy)  # [N, T]
+    _, returns = _gae_scan(rewards, values, mask, gamma, lam_critic)  # [N, T]
+    return advantages, returns
 
 
 # By name, for configs and the CLI: `F.get_estimator(name)(rewards, group, n=n, mask=mask)` calls the op

@@ -1,4 +1,5 @@
-"""Policy and value losses: PPO-clip, GSPO, CISPO, GPG, Clip-Cov, KL-Cov, clipped value loss.
+"""Policy and value losses: PPO-clip, GSPO, CISPO, GPG, Clip-Cov, KL-Cov, clipped value loss, VAPO's
+positive-example LM loss.
 
 Conventions shared by every policy loss, so that one can replace another in an algorithm:
 
@@ -220,6 +221,33 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, *, agg: Aggregation = token_mea
     `compute_entropy_loss`.
     """
     return agg(entropy, mask)  # []
+
+
+@traceable
+def positive_token_weight(mask: Tensor, positive: Tensor) -> Tensor:
+    """f32[]: unmasked tokens / unmasked tokens of the positive rows (>= 1 of them counted), over the batch.
+
+    The factor that turns `token_mean` (which divides by every token of the mini-batch) into a
+    mean over the positive rows' tokens; a batch statistic, taken once before the micro-batches.
+    """
+    mask = as_mask(mask, "positive_token_weight")
+    kept = mask & positive.to(torch.bool)[:, None]  # [N, T]
+    return mask.sum().to(torch.float32) / kept.sum().clamp(min=1).to(torch.float32)  # []
+
+
+@traceable
+def positive_nll(lp: Tensor, mask: Tensor, positive: Tensor, weight: Tensor) -> Tensor:
+    """VAPO's positive-example LM loss: L_NTP = -sum_{i in T} sum_t log pi(y_it) / sum_{i in T} |y_i|.
+
+    T is the set of positive (correct) rows, `positive` bool[N]; `weight` is
+    `positive_token_weight(mask, positive)` of the whole batch, so the loss is computed as
+    weight * token_mean(-lp [i in T], mask), which micro-batches and data-parallel shards add up
+    to exactly (the denominator is the batch's, not a piece's). 0 when no row is positive.
+    Source: arXiv 2504.05118 ("Positive Example LM Loss", weighted by mu = 0.1 there).
+    """
+    mask = as_mask(mask, "positive_nll")
+    kept = mask & positive.to(torch.bool)[:, None]  # [N, T]
+    return weight * token_mean(torch.where(kept, -lp, 0.0), mask)  # []
 
 
 # KL estimators the fused policy-loss kernel implements (verl's names and the k-names).

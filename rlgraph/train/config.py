@@ -178,6 +178,14 @@ class WarmStartSection(Section):
     trace_field: str | None = None                    # multi-turn: the data field of each row's trace (docs/agents.md)
 
 
+class PretrainSection(Section):
+    """`algorithm: pretrain`: how the raw text of data.train is packed (rlgraph.data.pretrain)."""
+
+    seq_len: int = Field(128, strict=True, ge=1)     # tokens in each pack
+    packs_per_step: int = Field(8, strict=True, ge=1)  # packs in each step's batch
+    text_field: str = "text"                          # the document's field in .jsonl/.csv/.parquet/datasets rows
+
+
 class TrainSection(Section):
     steps: int | None = Field(None, ge=1)
     seconds: float | None = Field(None, gt=0)
@@ -217,7 +225,7 @@ class TrainConfig(Section):
     algorithm: AlgorithmSection = AlgorithmSection()
     model: ModelSection = ModelSection()
     data: DataSection
-    rewards: list[RewardSection] = Field(min_length=1)
+    rewards: list[RewardSection] = Field(default_factory=list)  # at least one, but for algorithm pretrain
     reward_on_error: Literal["fail", "zero"] = "fail"  # a reward that raises, times out, returns NaN or a wrong shape
     reward_timeout_s: float | None = Field(600.0, gt=0)  # one term's call on one batch; null: no limit (a hung reward hangs the run)
     reward_workers: int | None = Field(None, ge=0)    # reward worker processes; null: min(4, CPUs); 0: in the controller (debugging)
@@ -229,6 +237,7 @@ class TrainConfig(Section):
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()
     warm_start: WarmStartSection = WarmStartSection()
+    pretrain: PretrainSection = PretrainSection()
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
     logging: LoggingSection = LoggingSection()
@@ -247,6 +256,9 @@ class TrainConfig(Section):
     def _stopping_rule(self) -> TrainConfig:
         if self.train.steps is None and self.train.seconds is None:
             raise ValueError("train needs a stopping rule: set train.steps or train.seconds")
+        if not self.rewards and self.algorithm.name != "pretrain":
+            raise ValueError(f"rewards: algorithm {self.algorithm.name!r} scores its samples, but no reward is listed; "
+                             "add one, e.g. rewards: [{name: math}] (only algorithm pretrain trains without)")
         # eval.accuracy_reward is checked with the rewards (run.build_rewards): a reward file that
         # cannot be loaded is the first thing to fix, not a name that refers to it.
         return self

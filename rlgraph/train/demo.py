@@ -32,7 +32,7 @@ from rlgraph.train.config import TrainConfig
 # DAPO's overlong punishment starts at the 5th token (a response that never stopped).
 DEMO_HPARAMS: dict[str, dict[str, Any]] = {"dapo": {"overlong_buffer": 1}}
 # agent_grpo needs an environment (rg.rollout): `rlgraph train` with an env: section runs it, not the demo
-RL_ALGORITHMS = tuple(name for name in ALGORITHMS if name not in ("sft", "evaluate", "agent_grpo"))
+RL_ALGORITHMS = tuple(name for name in ALGORITHMS if name not in ("sft", "pretrain", "evaluate", "agent_grpo"))
 NAME = "demo"  # the TrainConfig's name: a run directory whose config.yaml has it is the demo's own
 
 

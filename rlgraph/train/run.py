@@ -53,9 +53,17 @@ class RunResult:
 
 
 # -- the run --------------------------------------------------------------------------------------
-def dry_run(config: TrainConfig, console: Console | None = None) -> Setup:
+def dry_run(config: TrainConfig, console: Console | None = None) -> Setup | None:
     """Print the data report, the compiled plan and its memory per rank; build and run nothing."""
     console = console or Console()
+    if config.algorithm.name == "pretrain":  # raw text, no prompts or rewards: its own plan (train/pretraining.py)
+        from rlgraph.train.pretraining import check_pretrain_config, compile_pretrain
+        from rlgraph.runtime.pool import resolve_device
+
+        check_pretrain_config(config)
+        console.print(compile_pretrain(config, str(resolve_device(config.runtime.device))).as_text(), markup=False,
+                      highlight=False, soft_wrap=True)
+        return None
     setup = prepare(config)
     # soft_wrap: a plan line is never broken, whatever the width (rich assumes 80 columns off a terminal)
     for report in setup.reports:
@@ -72,6 +80,10 @@ def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | 
     `checkpoint` (a step number or step-* name), whose later checkpoints are then deleted. A fresh run
     into a directory holding files rlgraph did not write is refused unless `overwrite` (or the
     config's `overwrite: true`)."""
+    if config.algorithm.name == "pretrain":  # continued pre-training on raw text (train/pretraining.py)
+        from rlgraph.train.pretraining import train_pretrain
+
+        return train_pretrain(config, resume=resume, checkpoint=checkpoint, console=console)
     with Run(config, resume=resume, checkpoint=checkpoint, console=console, overwrite=overwrite) as run:
         seconds = run.session.loop(run.trainer)
         return run.finish(seconds)

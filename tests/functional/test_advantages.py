@@ -183,10 +183,56 @@ def test_gae_matches_verls_recurrence(seed, n, t, gamma, lam):
         torch.testing.assert_close(actual, wanted)
 
 
+# -- VAPO: length-adaptive lambda, decoupled GAE ----------------------------------------------------
+
+
+def test_length_adaptive_lambda_by_hand():
+    # lengths 40, 100, 20, 10, 0 at alpha = 0.05: 1 - 1/2, 1 - 1/5, 1 - 1/1, 1 - 2 (< 0: clamped), empty row
+    mask = torch.arange(100)[None, :] < torch.tensor([40, 100, 20, 10, 0])[:, None]
+    close(F.length_adaptive_lambda(mask, alpha=0.05), [0.5, 0.8, 0.0, 0.0, 0.0])
+    close(F.length_adaptive_lambda(mask[:, :4], alpha=1.0), [0.75, 0.75, 0.75, 0.75, 0.0])  # lengths 4 (x4) and 0
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        F.length_adaptive_lambda(mask, alpha=0.0)
+
+
+def test_decoupled_gae_by_hand():
+    # row 0: r = [0, 0, 1], V = [0.5, 0.2, 0.4]; row 1 padded after 2 tokens, r = [0, 2], V = [1, 0.5]
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, math.nan]])
+    values = torch.tensor([[0.5, 0.2, 0.4], [1.0, 0.5, math.inf]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    # gamma 1: delta row 0 = [-0.3, 0.2, 0.6], row 1 = [-0.5, 1.5]
+    # lam_policy 0.5 (row 0): A = [-0.3 + 0.5 * 0.5, 0.2 + 0.5 * 0.6, 0.6]; lam_policy 0 (row 1): A = delta
+    # lam_critic 1: R = the Monte-Carlo return, [1, 1, 1] and [2, 2]
+    advantages, returns = F.decoupled_gae(rewards, values, mask, torch.tensor([0.5, 0.0]))
+    close(advantages, [[-0.05, 0.5, 0.6], [-0.5, 1.5, 0.0]])
+    close(returns, [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]])
+    # gamma 0.9: delta row 0 = [-0.32, 0.16, 0.6]; A1 = 0.16 + 0.45 * 0.6, A0 = -0.32 + 0.45 * A1; R = 0.9^k
+    advantages, returns = F.decoupled_gae(rewards[:1], values[:1], mask[:1], 0.5, gamma=0.9)
+    close(advantages, [[-0.1265, 0.43, 0.6]])
+    close(returns, [[0.81, 0.9, 1.0]])
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(1, 8), st.floats(0.5, 1.0), st.floats(0.0, 1.0))
+def test_decoupled_gae_is_gae_twice(seed, n, t, gamma, lam):
+    """Per-row lambdas give each row's own GAE; lam_critic = 1 gives the Monte-Carlo returns."""
+    batch = random_batch(seed, n, t)
+    rewards, values, mask = batch["returns"], batch["values"], batch["mask"]
+    lam_rows = torch.linspace(0.0, 1.0, n) * lam  # [N]
+    advantages, returns = F.decoupled_gae(rewards, values, mask, lam_rows, gamma=gamma)
+    for row in range(n):
+        wanted, _ = _reference_gae(rewards[row:row + 1], values[row:row + 1], mask[row:row + 1], gamma, float(lam_rows[row]))
+        torch.testing.assert_close(advantages[row:row + 1], wanted)
+    torch.testing.assert_close(returns, F.discounted_returns(rewards, mask, gamma=gamma), rtol=1e-5, atol=1e-5)
+    _, critic_returns = F.decoupled_gae(rewards, values, mask, lam_rows, gamma=gamma, lam_critic=lam)
+    torch.testing.assert_close(critic_returns, F.gae(rewards, values, mask, gamma=gamma, lam=lam)[1])
+
+
 TOKEN_ESTIMATORS = {
     "discounted_returns": lambda r, v, m: F.discounted_returns(r, m, gamma=0.9),
     "reinforce_pp": lambda r, v, m: F.reinforce_pp(r, m, gamma=0.9),
     "gae": lambda r, v, m: torch.stack(F.gae(r, v, m, gamma=0.9, lam=0.8)),
+    "decoupled_gae": lambda r, v, m: torch.stack(F.decoupled_gae(r, v, m, F.length_adaptive_lambda(m, alpha=0.5),
+                                                                 gamma=0.9)),
 }
 
 
@@ -232,6 +278,8 @@ REW, GRP, MASK, TOK = meta(N), meta(N, dtype=torch.long), meta(N, T, dtype=torch
         (F.discounted_returns, (TOK, MASK), [(N, T)]),
         (F.reinforce_pp, (TOK, MASK), [(N, T)]),
         (F.gae, (TOK, TOK, MASK), [(N, T), (N, T)]),
+        (F.length_adaptive_lambda, (MASK,), [(N,)]),
+        (F.decoupled_gae, (TOK, TOK, MASK, REW), [(N, T), (N, T)]),
     ],
 )
 def test_runs_on_meta_tensors(fn, args, shapes):

@@ -238,6 +238,46 @@ def test_selecting_losses_match_themselves_under_full_batch_normalization(name):
         torch.testing.assert_close(a, b)
 
 
+# -- VAPO's positive-example LM loss -----------------------------------------------------------------
+
+
+def test_positive_nll_by_hand():
+    lp = torch.tensor([[-1.0, -2.0, math.nan], [-0.5, math.inf, 0.0], [-3.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    positive = torch.tensor([True, False, True])
+    weight = F.positive_token_weight(mask, positive)  # 6 tokens / 5 tokens of correct rows
+    torch.testing.assert_close(weight, torch.tensor(6 / 5))
+    # rows 0 and 2: -(-1 - 2 - 3 - 1 - 1) / 5 tokens; row 1 (wrong) does not count
+    torch.testing.assert_close(F.positive_nll(lp, mask, positive, weight), torch.tensor(8 / 5))
+    nobody = torch.zeros(3, dtype=torch.bool)
+    assert F.positive_nll(lp, mask, nobody, F.positive_token_weight(mask, nobody)).item() == 0.0
+
+
+def _positive_nll_of(whole):
+    """VAPO's LM loss as `rg.update` runs it: the weight from the whole batch, the loss per micro-batch."""
+    weight = F.positive_token_weight(whole.mask, whole.rewards > 0)
+    return lambda b: F.positive_nll(b.logprobs, b.mask, b.rewards > 0, weight)
+
+
+@given(rgt.rollout_batches(), st.data())
+def test_positive_nll_micro_batches_add_up_to_the_batch(batch, data):
+    loss = _positive_nll_of(batch)
+    split = data.draw(rgt.micro_batch_splits(batch.N))
+    lp = batch.logprobs.detach().clone().requires_grad_(True)
+    batch = batch.replace(logprobs=lp)
+    full = loss(batch)
+    (grad_full,) = torch.autograd.grad(full, lp)
+    summed = sum(rgt.microbatch_losses(loss, batch, split))
+    (grad_summed,) = torch.autograd.grad(summed, lp)
+    torch.testing.assert_close(summed, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_summed, grad_full, rtol=1e-5, atol=1e-6)
+
+
+def test_positive_nll_ignores_padding_and_row_order():
+    rgt.assert_padding_invariant(lambda b: _positive_nll_of(b)(b), strict=True)
+    rgt.assert_group_permutation_equivariant(lambda b: _positive_nll_of(b)(b), contiguous=False)
+
+
 # -- tracing contract ---------------------------------------------------------------------------
 
 N, T = 35, 11
@@ -263,6 +303,8 @@ TOK, SEQ_ADV, MASK = meta(N, T), meta(N, 1), meta(N, T, dtype=torch.bool)
         (F.value_loss, (TOK, TOK, TOK, MASK), {}, 2),
         (F.value_loss, (TOK, TOK, TOK, MASK), {"clip": None}, 2),
         (F.entropy_bonus, (TOK, MASK), {}, 1),
+        (F.positive_token_weight, (MASK, meta(N, dtype=torch.bool)), {}, 1),
+        (F.positive_nll, (TOK, MASK, meta(N, dtype=torch.bool), meta()), {}, 1),
     ],
 )
 def test_runs_on_meta_tensors(fn, args, kwargs, outputs):

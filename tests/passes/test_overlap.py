@@ -147,7 +147,7 @@ def test_auto_placement_counts_the_overlap_and_picks_a_split_when_staleness_lets
 
 
 # sft and evaluate generate nothing to overlap; agent_grpo's multi-turn episodes are refused (below)
-OFF_POLICY = sorted(name for name in ALGORITHMS if name not in ("sft", "evaluate", "evaluate_agent", "agent_grpo"))
+OFF_POLICY = sorted(name for name in ALGORITHMS if name not in ("sft", "pretrain", "evaluate", "evaluate_agent", "agent_grpo"))
 
 
 @settings(max_examples=40, deadline=None)

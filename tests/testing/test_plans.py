@@ -93,7 +93,7 @@ def test_grpo_compiled_matches_eager_with_micro_batches():
 from rlgraph.algorithms import ALGORITHMS  # noqa: E402
 from rlgraph import functional as F  # noqa: E402
 
-RL_ALGORITHMS = sorted(name for name in ALGORITHMS if name not in ("sft", "evaluate"))
+RL_ALGORITHMS = sorted(name for name in ALGORITHMS if name not in ("sft", "pretrain", "evaluate"))
 
 
 @pytest.mark.slow

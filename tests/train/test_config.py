@@ -55,7 +55,7 @@ def test_overrides_reach_nested_keys_and_list_items(tmp_path):
      "rollout.n: Input should be greater than or equal to 1 (got 0) (CONFIG:5)"),
     ("data: {train: x}\nrewards: [{name: math}]\ntrian: {steps: 1}\n",
      "unknown key 'trian' (CONFIG:3); did you mean 'train'?"),
-    ("data: {train: x}\nrewards: []\ntrain: {steps: 1}\n", "rewards: List should have at least 1 item"),
+    ("data: {train: x}\nrewards: []\ntrain: {steps: 1}\n", "rewards: algorithm 'grpo' scores its samples, but no reward is listed"),
     ("data: {train: x}\nrewards: [{name: math}]\n", "set train.steps or train.seconds"),
     ("rewards: [{name: math}]\ntrain: {steps: 1}\n", "missing key 'data'"),
     ("data: {train: x}\nrewards: [{name: math}, {name: math}]\ntrain: {steps: 1}\n", "reward 'math' is listed twice"),
