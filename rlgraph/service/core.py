@@ -425,14 +425,21 @@ def check_sample(params: SampleParams, num_samples: object, prompt_length: int, 
     return steps
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop sequences are part of a sample plan's cache key: kept small
+
+
 def _stop(stop: object) -> list[str | int]:
     if stop is None:
         return []
-    stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else None
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, (list, tuple)) else None
+    if stops is not None and (len(stops) > MAX_STOPS or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS
+                                                            for s in stops)):
+        raise CallError(f"takes at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters, got "
+                        f"{len(stops)}", field="sampling_params.stop", status=413)
     if stops is None or not all(isinstance(s, str) and s or isinstance(s, int) and not isinstance(s, bool) for s in stops):
-        raise CallError(f"must be a string, a list of strings or a list of token ids, got {stop!r}",
+        raise CallError(f"must be a string, a list of strings or a list of token ids, got {str(stop)[:80]}",
                         field="sampling_params.stop")
-    return stops
+    return list(stops)
 
 
 def _sequence(rollouts: Any, row: int, steps: int, eos: int, stop_ids: list[int]) -> Sequence_:

@@ -186,7 +186,7 @@ def test_sampling_stops_at_a_stop_token_or_string_and_says_so(local):
     text = tokenizer.decode([second])
     by_text = sampler.sample(prompt, 1, SampleParams(max_tokens=4, temperature=0.0, stop=text)).result().sequences[0]
     assert (by_text.tokens, by_text.stop_reason) == (cut, "stop")
-    for bad in ([""], [1.5], {"a": 1}):
+    for bad in ([""], [1.5], {"a": 1}, ["7"] * 17, "x" * 257):  # the last two: past the bounds (a plan cache key)
         with pytest.raises(CallError) as error:
             sampler.sample(prompt, 1, SampleParams(max_tokens=2, stop=bad)).result()
         assert error.value.field == "sampling_params.stop"
