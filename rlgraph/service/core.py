@@ -170,7 +170,8 @@ class Service:
         payload = {"adapter": self.base.adapter_state(tenant.adapter), "optimizer": tenant.optimizer.state_dict(),
                    "steps": tenant.steps, "lora": attrs.asdict(tenant.lora), "base_model": self.base.name,
                    "sampling": attrs.asdict(tenant.executor.sampling)}
-        return self.store.save(owner, model_id, "weights", name, payload, overwrite=overwrite)
+        return self.store.save(owner, model_id, "weights", name, payload, overwrite=overwrite,
+                               max_states=self.limits.max_saved_states)
 
     def load_state(self, owner: str, model_id: str, path: str, *, optimizer: bool) -> str:
         """The saved adapter (and, with `optimizer`, the AdamW state and step count) into `model_id`;
@@ -212,7 +213,8 @@ class Service:
         path = None
         if name is not None:
             path = self.store.save(owner, model_id, "sampler_weights", name,
-                                   {"adapter": tensors, "lora": attrs.asdict(tenant.lora)}, overwrite=True)
+                                   {"adapter": tensors, "lora": attrs.asdict(tenant.lora)}, overwrite=True,
+                                   max_states=self.limits.max_saved_states)
         self._add_sampler(owner, sampler_id, tensors, tenant.lora, path)
         if sampler_id in tenant.snapshots:  # a reused sampling_session_seq_id: the entry was replaced, not added
             tenant.snapshots.remove(sampler_id)

@@ -281,3 +281,25 @@ def test_a_state_saved_before_the_unembedding_was_adapted_still_loads(local):
     assert not tenant.lora.train_unembed
     saved = service.base.adapter_state(service.tenants[training.model_id].adapter)
     assert all(torch.equal(value, service.base.adapter_state(tenant.adapter)[name]) for name, value in saved.items())
+
+
+def test_a_key_may_hold_max_saved_states_on_disk(tmp_path):
+    import attrs
+
+    from rlgraph.service.core import Service
+
+    service = Service("tiny", state_dir=tmp_path)
+    service.limits = attrs.evolve(service.limits, max_saved_states=2)
+    client = LocalServiceClient(service=service, state_dir=tmp_path)
+    try:
+        training = client.create_lora_training_client("tiny", rank=2).result()
+        for name in ("a", "b"):
+            training.save_state(name).result()
+        with pytest.raises(CallError, match="holds 2 saved states") as error:
+            training.save_state("c").result()
+        assert error.value.field == "path"
+        training.save_state("a", overwrite=True).result()  # replacing one of its own is no new file
+        other = LocalServiceClient(service=service, scheduler=client.scheduler, state_dir=tmp_path, owner="other")
+        other.create_lora_training_client("tiny", rank=2).result().save_state("a").result()  # per key
+    finally:
+        client.scheduler.close()
