@@ -170,7 +170,8 @@ class Service:
         payload = {"adapter": self.base.adapter_state(tenant.adapter), "optimizer": tenant.optimizer.state_dict(),
                    "steps": tenant.steps, "lora": attrs.asdict(tenant.lora), "base_model": self.base.name,
                    "sampling": attrs.asdict(tenant.executor.sampling)}
-        return self.store.save(owner, model_id, "weights", name, payload, overwrite=overwrite)
+        return self.store.save(owner, model_id, "weights", name, payload, overwrite=overwrite,
+                               max_states=self.limits.max_saved_states)
 
     def load_state(self, owner: str, model_id: str, path: str, *, optimizer: bool) -> str:
         """The saved adapter (and, with `optimizer`, the AdamW state and step count) into `model_id`;
@@ -212,7 +213,8 @@ class Service:
         path = None
         if name is not None:
             path = self.store.save(owner, model_id, "sampler_weights", name,
-                                   {"adapter": tensors, "lora": attrs.asdict(tenant.lora)}, overwrite=True)
+                                   {"adapter": tensors, "lora": attrs.asdict(tenant.lora)}, overwrite=True,
+                                   max_states=self.limits.max_saved_states)
         self._add_sampler(owner, sampler_id, tensors, tenant.lora, path)
         if sampler_id in tenant.snapshots:  # a reused sampling_session_seq_id: the entry was replaced, not added
             tenant.snapshots.remove(sampler_id)
@@ -425,14 +427,21 @@ def check_sample(params: SampleParams, num_samples: object, prompt_length: int, 
     return steps
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop sequences are part of a sample plan's cache key: kept small
+
+
 def _stop(stop: object) -> list[str | int]:
     if stop is None:
         return []
-    stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else None
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, (list, tuple)) else None
+    if stops is not None and (len(stops) > MAX_STOPS or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS
+                                                            for s in stops)):
+        raise CallError(f"takes at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters, got "
+                        f"{len(stops)}", field="sampling_params.stop", status=413)
     if stops is None or not all(isinstance(s, str) and s or isinstance(s, int) and not isinstance(s, bool) for s in stops):
-        raise CallError(f"must be a string, a list of strings or a list of token ids, got {stop!r}",
+        raise CallError(f"must be a string, a list of strings or a list of token ids, got {str(stop)[:80]}",
                         field="sampling_params.stop")
-    return stops
+    return list(stops)
 
 
 def _sequence(rollouts: Any, row: int, steps: int, eos: int, stop_ids: list[int]) -> Sequence_:

@@ -58,6 +58,7 @@ class Limits:
     max_kept_results: int = 1024  # finished results kept retrievable (the key's oldest go first)
     max_kept_bytes: int = 256 * 2**20  # ... within their requests' bytes (a result is no larger than its request)
     max_sessions: int = 256  # SDK sessions (the key's oldest go first)
+    max_saved_states: int = 1024  # state files in --state-dir (save_state, named sampler weights): disk is shared
 
     @property
     def max_prompt_chars(self) -> int:

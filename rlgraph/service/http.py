@@ -269,7 +269,8 @@ def _session_routes(app: FastAPI, server: Server) -> None:
     async def heartbeat(request: Request) -> dict:
         owner, body = server.owner(request), await json_body(request)
         session_id = body.get("session_id") if isinstance(body, dict) else None
-        if not isinstance(session_id, str) or server.sessions.get(session_id) != owner:  # 410 stops the SDK's heartbeat (a session of a restarted server)
+        # 410 stops the SDK's heartbeat (a session of a restarted server, or one past the key's quota)
+        if not isinstance(session_id, str) or server.sessions.get(session_id) != owner:
             raise CallError(f"no live session {str(session_id)[:80]!r} for this API key (the server restarted?)",
                             field="session_id", status=410, fix="create a new ServiceClient")
         return {"type": "session_heartbeat"}
@@ -331,7 +332,8 @@ def _training_routes(app: FastAPI, server: Server) -> None:
         model_id = f"{body.session_id}:train:{body.model_seq_id}"
         call = lambda: service.create_model(owner, model_id, body.base_model, lora)  # noqa: E731
         return server.submit(owner, model_id, call, lambda mid: {"model_id": mid, "type": "create_model"},
-                             key=("create_model", model_id, body.model_seq_id), fingerprint=fingerprint(request), model_id=model_id)
+                             key=("create_model", model_id, body.model_seq_id), fingerprint=fingerprint(request),
+                             model_id=model_id)
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict:

@@ -48,22 +48,35 @@ class Store:
             _write_atomic(marker, json.dumps({"owner": owner, "model_id": model_id}).encode())
 
     def owner(self, model_id: str) -> str | None:
-        marker = self._run(model_id) / "owner.json"
-        return json.loads(marker.read_text())["owner"] if marker.is_file() else None
+        return self.owner_of_dir(self._run(model_id))
 
     def save(self, owner: str, model_id: str, kind: str, name: str, payload: dict[str, Any], *,
-             overwrite: bool) -> str:
+             overwrite: bool, max_states: int | None = None) -> str:
+        """Write `payload` as `owner`'s state `name`; a new file past the key's `max_states` is refused."""
         check_name(name, "path")
         self.claim(model_id, owner)
         target = self._run(model_id) / kind / f"{name}.pt"
         if target.exists() and not overwrite:
             raise CallError(f"a state named {name!r} exists for this model", field="path", status=400,
                             fix="pick another name, or save_state(name, overwrite=True)")
+        if max_states is not None and not target.exists() and self.count(owner) >= max_states:
+            raise CallError(f"this API key holds {max_states} saved states, the server's limit (disk is shared)",
+                            field="path", fix="overwrite an old name (overwrite=True), or ask the operator to "
+                                              "remove old states from --state-dir")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".tmp")
         torch.save(payload, tmp)
         os.replace(tmp, target)
         return tinker_path(model_id, kind, name)
+
+    def count(self, owner: str) -> int:
+        """How many state files `owner`'s runs hold (read from disk: states survive restarts)."""
+        return sum(len(list((run / kind).glob("*.pt"))) for run in self.root.iterdir()
+                   if run.is_dir() and self.owner_of_dir(run) == owner for kind in KINDS)
+
+    def owner_of_dir(self, run: Path) -> str | None:
+        marker = run / "owner.json"
+        return json.loads(marker.read_text())["owner"] if marker.is_file() else None
 
     def check(self, owner: str, path: object, field: str = "path", kinds: tuple[str, ...] = KINDS) -> Path:
         """The file of `path` if `owner` saved it; 404 otherwise (also for another key's path)."""

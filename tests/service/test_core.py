@@ -186,7 +186,7 @@ def test_sampling_stops_at_a_stop_token_or_string_and_says_so(local):
     text = tokenizer.decode([second])
     by_text = sampler.sample(prompt, 1, SampleParams(max_tokens=4, temperature=0.0, stop=text)).result().sequences[0]
     assert (by_text.tokens, by_text.stop_reason) == (cut, "stop")
-    for bad in ([""], [1.5], {"a": 1}):
+    for bad in ([""], [1.5], {"a": 1}, ["7"] * 17, "x" * 257):  # the last two: past the bounds (a plan cache key)
         with pytest.raises(CallError) as error:
             sampler.sample(prompt, 1, SampleParams(max_tokens=2, stop=bad)).result()
         assert error.value.field == "sampling_params.stop"
@@ -281,3 +281,25 @@ def test_a_state_saved_before_the_unembedding_was_adapted_still_loads(local):
     assert not tenant.lora.train_unembed
     saved = service.base.adapter_state(service.tenants[training.model_id].adapter)
     assert all(torch.equal(value, service.base.adapter_state(tenant.adapter)[name]) for name, value in saved.items())
+
+
+def test_a_key_may_hold_max_saved_states_on_disk(tmp_path):
+    import attrs
+
+    from rlgraph.service.core import Service
+
+    service = Service("tiny", state_dir=tmp_path)
+    service.limits = attrs.evolve(service.limits, max_saved_states=2)
+    client = LocalServiceClient(service=service, state_dir=tmp_path)
+    try:
+        training = client.create_lora_training_client("tiny", rank=2).result()
+        for name in ("a", "b"):
+            training.save_state(name).result()
+        with pytest.raises(CallError, match="holds 2 saved states") as error:
+            training.save_state("c").result()
+        assert error.value.field == "path"
+        training.save_state("a", overwrite=True).result()  # replacing one of its own is no new file
+        other = LocalServiceClient(service=service, scheduler=client.scheduler, state_dir=tmp_path, owner="other")
+        other.create_lora_training_client("tiny", rank=2).result().save_state("a").result()  # per key
+    finally:
+        client.scheduler.close()

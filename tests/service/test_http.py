@@ -20,7 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
 from tests.service.conftest import KEY_A, KEY_B, RunningServer, tinker  # noqa: E402
 
-SMALL = dict(max_body_bytes=64 * 1024, body_seconds=1.0, max_json_depth=8, max_queued_calls=4, max_kept_results=6,
+SMALL = dict(max_body_bytes=64 * 1024, body_seconds=0.5, max_json_depth=8, max_queued_calls=4, max_kept_results=6,
              max_sessions=3)
 
 
