@@ -312,7 +312,7 @@ def _overlap(program: Program, steps: list, options: CompileOptions) -> Overlap:
     generating = groups(tuple(i for i in rollout if getattr(steps[i], "phase", "") == "generate"))
     training = ranks(train_groups)
     shared, other = sorted(ranks(generating) & training), sorted(ranks(rollout_groups) & training)
-    role = program.primitive_nodes("generate")[0].args[0].meta["spec"].role
+    role = [*program.primitive_nodes("generate"), *program.primitive_nodes("rollout")][0].args[0].meta["spec"].role
     if shared:
         fix = (f"give generation ranks of its own, e.g. placement=split({_even_split(options, train_groups)}), or "
                "placement='auto', which ranks splits by the overlapped step time") if isinstance(options.placement, Colocated) \

@@ -21,7 +21,7 @@ import attrs
 import torch
 import torch.fx as fx
 
-from rlgraph.backends.protocols import ModelRef, RewardRef
+from rlgraph.backends.protocols import EnvRef, ModelRef, RewardRef
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir.program import Program, copy_program
 
@@ -54,7 +54,7 @@ class InFlight:
 # -- checkpoints: values of batches in flight as plain data (tensors, numbers, strings, containers) --
 # A checkpoint is loaded with `torch.load(weights_only=True)`, which never unpickles objects: the few
 # record types a batch holds are written as tagged dicts and rebuilt from their fields.
-_RECORDS = {cls.__name__: cls for cls in (Prompts, Rollouts, ModelRef, RewardRef)}
+_RECORDS = {cls.__name__: cls for cls in (Prompts, Rollouts, ModelRef, RewardRef, EnvRef)}
 
 
 def encode(value: Any) -> Any:

@@ -43,10 +43,15 @@ def test_staleness_on_an_algorithm_that_generates_nothing_is_refused():
     assert "fix: staleness=0" in str(error.value)
 
 
-def test_staleness_on_multi_turn_episodes_is_refused_naming_rollout():
-    with pytest.raises(ConfigError, match=r"runs multi-turn episodes \(rg.rollout\), which asynchronous RL does not overlap"):
-        rg.compile(ALGORITHMS["agent_grpo"], mesh="cpu:2", placement=rg.split({"policy": 1, "rollout": 1}),
-                   sizes={"B": 4, "P": 8, "T": 16}, n=2, staleness=1)
+def test_multi_turn_episodes_run_whole_in_the_rollout_lane_after_the_one_weight_sync():
+    # issue 32: refused before; an episode's env steps are inside its rollout, which runs on one synced version
+    compiled = rg.compile(ALGORITHMS["agent_grpo"], mesh="cpu:2", placement=rg.split({"policy": 1, "rollout": 1}),
+                          sizes={"B": 4, "P": 8, "T": 16}, n=2, staleness=1)
+    lanes = {node.name: node.meta["lane"] for node in compiled.program.graph.nodes if "lane" in node.meta}
+    (rollout,) = compiled.program.primitive_nodes("rollout")
+    assert lanes[rollout.name] == "rollout" and lanes["sync_policy"] == "rollout"
+    assert [node for node in compiled.program.primitive_nodes("update") if lanes[node.name] == "train"]
+    assert "async: staleness 1" in compiled.as_text()
 
 
 def test_a_ratio_free_loss_is_refused_off_policy_unless_truncated_importance_weights_correct_it():

@@ -33,9 +33,6 @@ REFUSALS = (
     (lambda c: c["algorithm"] == "sft", r"algorithm.name 'sft' trains on given rollouts"),
     (lambda c: c["runtime"] == "local" and c["placement"] == "split",
      r"on runtime.runtime=local: the local runtime runs every role in this one process"),
-    (lambda c: c["algorithm"] == "agent_grpo" and c["staleness"],
-     r"rollout.staleness=1: algorithm 'agent_grpo' runs multi-turn episodes \(rg.rollout\), which asynchronous RL "
-     r"does not overlap yet"),
 )
 
 ENV = textwrap.dedent('''
@@ -113,13 +110,16 @@ def run_case(**combination) -> dict:
 
 
 # `make test`: the issue's run (async + evaluation between steps on split spmd, resumed with a batch in
-# flight), a multi-turn run with LoRA and packing whose env file loads in an env worker, two refusals.
-EXAMPLES = [run_case(runtime="spmd", placement="split", staleness=1, packing=True, eval="every step"),
+# flight), here multi-turn, its env file loaded on the ranks from another directory; a multi-turn run
+# with LoRA and packing whose env file loads in an env worker; two refusals.
+EXAMPLES = [run_case(algorithm="agent_grpo", runtime="spmd", placement="split", staleness=1, packing=True,
+                     eval="every step"),
             run_case(algorithm="agent_grpo", lora=True, packing=True, eval="every step"),
             run_case(algorithm="sft"),
-            run_case(algorithm="agent_grpo", runtime="spmd", placement="split", staleness=1)]
+            run_case(placement="split")]
 # `make test-thorough` adds these to its fresh draws.
-THOROUGH_EXAMPLES = [run_case(algorithm="dapo", staleness=1, lora=True, packing=True, eval="every step"),
+THOROUGH_EXAMPLES = [run_case(runtime="spmd", placement="split", staleness=1, packing=True, eval="every step"),
+                     run_case(algorithm="dapo", staleness=1, lora=True, packing=True, eval="every step"),
                      run_case(algorithm="ppo", runtime="ray", lora=True),
                      run_case(runtime="ray", placement="split", staleness=1, eval="every step"),
                      run_case(algorithm="agent_grpo", runtime="spmd", placement="split")]

@@ -383,7 +383,8 @@ def test_compiled_decoding_where_it_would_not_reach_the_rollouts_is_refused(tmp_
 def test_a_bad_placement_names_the_key(tmp_path, placement, expected):
     from rlgraph.train.run import prepare
 
-    config, _ = make_config(tmp_path, "bad", [f"runtime.placement={placement}"])
+    # on spmd: the local runtime refuses every split first (tests/train/test_composition.py)
+    config, _ = make_config(tmp_path, "bad", [f"runtime.placement={placement}", "runtime.runtime=spmd", "runtime.nproc=2"])
     with pytest.raises(RLGraphError, match=expected):
         prepare(config)
 
