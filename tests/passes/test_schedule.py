@@ -14,7 +14,7 @@ from rlgraph.ir.infer import get_field
 from rlgraph.plan.plan import Offload, Stage
 
 SIZES = {"B": 32, "P": 8, "T": 5, "n": 8}
-PLACEMENTS = {"colocated": rg.colocated(), "split": rg.split({"policy": 1, "rollout": 1, "ref": "policy", "critic": "policy"})}
+PLACEMENTS = {"colocated": rg.colocated(), "split": rg.split({"policy": 1, "rollout": 1, "ref": "policy", "critic": "policy", "teacher": "policy"})}
 
 
 def is_read(node) -> bool:
