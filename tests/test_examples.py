@@ -119,3 +119,16 @@ def test_calculator_agent_example_raises_held_out_accuracy(tmp_path, monkeypatch
     result = train(config)
     assert result.eval_before >= 0.25                      # the warm start reached its target
     assert result.eval_after >= result.eval_before + 0.10  # seed 0 on one thread: 0.51 -> 0.69
+
+
+def test_the_vapo_and_pretrain_example_configs_compile(capsys):
+    """Their configs load, and their plans compile and print (`--dry-run`), without training."""
+    from rlgraph.algorithms import vapo
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import dry_run
+
+    vapo_config = load_config(ROOT / "examples/vapo/config.yaml")
+    assert "decoupled_gae" in str(vapo.trace(**vapo_config.algorithm.hparams, n=vapo_config.rollout.n))
+    dry_run(load_config(ROOT / "examples/pretrain/config.yaml"))
+    assert "pretrain" in capsys.readouterr().out
+    assert len(list((ROOT / "examples/pretrain/corpus").glob("*.txt"))) == 8
