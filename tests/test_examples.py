@@ -139,3 +139,15 @@ def test_distill_example_stages_run(tmp_path, stage):
     train(config)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("policy/grad_norm" in row for row in rows) == 2
+
+def test_the_vapo_and_pretrain_example_configs_load():
+    """Their configs load and the VAPO hyper-parameters trace (training them: tests/train/test_pretraining.py,
+    tests/algorithms/test_vapo.py; their figures: docs/benchmarks.md)."""
+    from rlgraph.algorithms import vapo
+    from rlgraph.train.config import load_config
+
+    vapo_config = load_config(ROOT / "examples/vapo/config.yaml")
+    assert "decoupled_gae" in str(vapo.trace(**vapo_config.algorithm.hparams, n=vapo_config.rollout.n))
+    pretrain_config = load_config(ROOT / "examples/pretrain/config.yaml")
+    assert pretrain_config.algorithm.name == "pretrain" and not pretrain_config.rewards
+    assert len(list((ROOT / pretrain_config.data.train).glob("*.txt"))) == 8

@@ -1,5 +1,6 @@
-"""VAPO (Yue et al., 2025, arXiv 2504.05118): value-model-augmented PPO for long reasoning, as PPO with
-a critic plus five changes (the first two from VC-PPO, arXiv 2503.01491):
+"""VAPO (Yue et al., 2025, arXiv 2504.05118): value-model-augmented PPO, i.e. PPO with a critic plus five changes.
+
+The first two come from VC-PPO (arXiv 2503.01491):
 
     value pre-training   the first `value_warmup` iterations train only the critic, on samples of the
                          warm-started policy (its loss is multiplied by 0 until then; verl: critic_warmup)
