@@ -140,6 +140,7 @@ def test_distill_example_stages_run(tmp_path, stage):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("policy/grad_norm" in row for row in rows) == 2
 
+
 def test_the_vapo_and_pretrain_example_configs_load():
     """Their configs load and the VAPO hyper-parameters trace (training them: tests/train/test_pretraining.py,
     tests/algorithms/test_vapo.py; their figures: docs/benchmarks.md)."""
