@@ -21,7 +21,7 @@ from rlgraph.train.logging import report_reward_failures
 from rlgraph.train.loop import Trainer
 from rlgraph.train.roles import BASE_FILE, lr_factor, role_optimizer
 from rlgraph.train.setup import Setup
-from rlgraph.train.user_code import resolved_hparams
+from rlgraph.train.user_code import accuracy_metric, resolved_hparams
 
 
 class _Session:
@@ -275,7 +275,7 @@ class _Session:
         # Asynchronous RL: the terms of the batch trained (scored when it was generated), not the newest
         terms = self.batch_terms.pop(step - 1) if self.runner.on_rollout is not None else self.pop_rewards("train")
         metrics.update(terms)
-        accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
+        accuracy = terms.get(f"reward/{accuracy_metric(self.config)}")
         if accuracy is not None:
             metrics["accuracy"] = accuracy
         metrics["lr"] = self.config.optimizer.lr * lr_factor(self.config, step - 1)
@@ -325,7 +325,7 @@ class _Session:
         prompts = to_prompts(self.setup.eval_rows if rows is None else rows, self.setup.tokenizer)
         _, metrics = runner.run(prompts)
         terms = self.pop_rewards("eval")
-        accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
+        accuracy = terms.get(f"reward/{accuracy_metric(self.config)}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
         self.last_eval = accuracy
         return {"eval/accuracy": accuracy, "eval/reward": metrics["accuracy"],
