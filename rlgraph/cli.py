@@ -9,9 +9,11 @@
     rlgraph train CONFIG --runtime spmd --nproc 2      the same, on 2 worker processes (= -o runtime.runtime=...)
     rlgraph train --resume RUN_DIR                     continue a run exactly where its last checkpoint left it
     rlgraph train --resume RUN_DIR --checkpoint 300    ... from an older checkpoint (the later ones are deleted)
+    rlgraph eval RUN_DIR [--data FILE]                 score a checkpoint of a run on held-out prompts
     rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
     rlgraph plot RUN_DIR                               PNG curves of a run's metrics
     rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side
+    rlgraph check estimator|loss <name>                the properties every estimator or loss must have
     rlgraph serve --keys FILE --state-dir DIR          a Tinker-compatible training server (docs/service.md)
 
 A value of -p or -o is read as YAML (1e-3 is a float, [a, b] a list, 'quoted' text a string).

@@ -446,3 +446,12 @@ def test_plan_staleness_prints_the_two_lanes_and_bad_values_name_the_flag(capsys
         assert code == 1 and out == "" and f"--staleness {bad}: not a whole number >= 0" in err and "fix: --staleness 1" in err
     code, _, err = run(capsys, "plan", "sft", "--staleness", "1")
     assert code == 1 and "staleness=1: algorithm 'sft' generates nothing" in err and "Traceback" not in err
+
+
+def test_the_help_summary_lists_every_command(capsys):
+    """The summary above the subcommand list shows a line for each command the parser takes."""
+    from rlgraph.cli import _parser
+
+    summary = _parser().description
+    commands = next(action for action in _parser()._actions if action.dest == "command").choices
+    assert [name for name in commands if f"    rlgraph {name} " not in summary] == []
