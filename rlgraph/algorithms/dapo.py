@@ -39,11 +39,13 @@ def check_overlong_buffer(max_new_tokens: int | None, buffer: int, coef: float) 
     from rlgraph.ir.errors import TraceError, user_location
 
     start = max_new_tokens - buffer
-    raise TraceError(f"dapo: overlong_buffer={buffer} covers {min(buffer, max_new_tokens)} of max_new_tokens="
-                     f"{max_new_tokens}: the soft overlong punishment starts after {max(start, 0)} token(s), so almost "
-                     "every response is punished for its length", user_location(sys._getframe(1)),
-                     fix=f"pass overlong_buffer <= {max_new_tokens // 2} (at most half of max_new_tokens; DAPO uses a "
-                         "fifth: 4096 of 20480), a larger max_new_tokens, or overlong_coef=0 to switch it off")
+    error = TraceError(f"dapo: overlong_buffer={buffer} covers {min(buffer, max_new_tokens)} of max_new_tokens="
+                       f"{max_new_tokens}: the soft overlong punishment starts after {max(start, 0)} token(s), so almost "
+                       "every response is punished for its length", user_location(sys._getframe(1)),
+                       fix=f"pass overlong_buffer <= {max_new_tokens // 2} (at most half of max_new_tokens; DAPO uses a "
+                           "fifth: 4096 of 20480), a larger max_new_tokens, or overlong_coef=0 to switch it off")
+    error.hparam = "overlong_buffer"
+    raise error
 
 
 @rg.algorithm
