@@ -9,9 +9,11 @@
     rlgraph train CONFIG --runtime spmd --nproc 2      the same, on 2 worker processes (= -o runtime.runtime=...)
     rlgraph train --resume RUN_DIR                     continue a run exactly where its last checkpoint left it
     rlgraph train --resume RUN_DIR --checkpoint 300    ... from an older checkpoint (the later ones are deleted)
+    rlgraph eval RUN_DIR [--data FILE]                 score a checkpoint of a run on held-out prompts
     rlgraph export RUN_DIR OUT                         the trained policy as a Hugging Face directory
     rlgraph plot RUN_DIR                               PNG curves of a run's metrics
     rlgraph bench [--config small|large]               rlgraph vs TRL's GRPOTrainer, side by side
+    rlgraph check estimator|loss <name>                the properties every estimator or loss must have
     rlgraph serve --keys FILE --state-dir DIR          a Tinker-compatible training server (docs/service.md)
 
 A value of -p or -o is read as YAML (1e-3 is a float, [a, b] a list, 'quoted' text a string).
@@ -207,8 +209,22 @@ def _trace(args) -> int:
     from rlgraph.train.user_code import load_algorithm
 
     algorithm = load_algorithm(args.algorithm, "algorithm")
-    print(algorithm.trace(**_pairs(args.param)).pretty(source=args.source))
+    print(_traced(algorithm, _pairs(args.param)).pretty(source=args.source))
     return 0
+
+
+def _traced(algorithm: Any, hparams: dict[str, Any]) -> Any:
+    """`algorithm.trace(**hparams)`; a hyper-parameter out of range names the `-p` flag that set it."""
+    from rlgraph.ir.errors import ConfigError, TraceError
+
+    try:
+        return algorithm.trace(**hparams)
+    except TraceError as error:
+        name = getattr(error, "hparam", None)
+        if name not in hparams:
+            raise
+        raise ConfigError(f"-p {name}={hparams[name]!r}: {error.summary}",
+                          fix=error.fix and error.fix.replace(f"pass {name}", f"-p {name}")) from None
 
 
 def _demo(args) -> int:
@@ -220,7 +236,7 @@ def _demo(args) -> int:
         raise ConfigError(f"--algorithm {args.algorithm!r} is not an RL algorithm of the demo"
                           f"{did_you_mean(args.algorithm, RL_ALGORITHMS)}", fix=f"one of {', '.join(RL_ALGORITHMS)}")
     hparams = _pairs(args.param)
-    ALGORITHMS[args.algorithm].trace(**hparams)  # a wrong name or hyper-parameter fails now, not after SFT
+    _traced(ALGORITHMS[args.algorithm], hparams)  # a wrong name or hyper-parameter fails now, not after SFT
     run_demo(DemoConfig(algorithm=args.algorithm, hparams=hparams, seed=args.seed, rl_seconds=args.rl_seconds,
                         rl_lr=args.rl_lr, critic_lr=args.critic_lr, run_dir=args.run_dir, runtime=args.runtime,
                         nproc=args.nproc, device=args.device, rl_max_steps=args.rl_steps, timeout_s=args.timeout,
@@ -430,6 +446,7 @@ def _plan(args) -> int:
     _check_output_dirs(args)
     sizes = _sizes(args.sizes)
     hparams = _pairs(args.param)
+    _traced(algorithm, hparams)  # a hyper-parameter out of range names its -p flag
     sizes.setdefault("n", hparams.get("n", 8))
     try:
         compiled = rg.compile(algorithm, mesh=args.mesh, placement=parse_placement(args.placement),

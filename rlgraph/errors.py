@@ -55,7 +55,7 @@ class TraceError(RLGraphError):
     """A mistake found while tracing an algorithm; names the user's file and line."""
 
     def __init__(self, message: str, where: SourceLocation | None = None, fix: str | None = None):
-        self.where = where
+        self.where, self.fix = where, fix
         self.summary = message
         parts = [message]
         if where is not None:

@@ -447,3 +447,23 @@ def test_plan_staleness_prints_the_two_lanes_and_bad_values_name_the_flag(capsys
         assert code == 1 and out == "" and f"--staleness {bad}: not a whole number >= 0" in err and "fix: --staleness 1" in err
     code, _, err = run(capsys, "plan", "sft", "--staleness", "1")
     assert code == 1 and "staleness=1: algorithm 'sft' generates nothing" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["trace", "grpo", "-p", "clip=-1"], "rlgraph trace: -p clip=-1: grpo: clip=-1 is not valid"),
+    (["plan", "ppo", "-p", "lam=1.5"], "rlgraph plan: -p lam=1.5: ppo: lam=1.5 is not valid"),
+    (["trace", "rloo", "-p", "n=1"], "rlgraph trace: -p n=1: rloo: n=1 samples per prompt"),
+])
+def test_a_bad_hyper_parameter_names_its_p_flag(capsys, argv, expected):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and "fix: -p " in err and "rlgraph/algorithms/" not in err
+
+
+def test_the_help_summary_lists_every_command(capsys):
+    """The summary above the subcommand list shows a line for each command the parser takes."""
+    from rlgraph.cli import _parser
+
+    summary = _parser().description
+    commands = next(action for action in _parser()._actions if action.dest == "command").choices
+    assert [name for name in commands if f"    rlgraph {name} " not in summary] == []

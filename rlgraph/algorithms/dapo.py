@@ -27,6 +27,27 @@ def overlong_penalty(mask: Tensor, *, max_length: int, buffer: int) -> Tensor:
     return ((max_length - buffer - length) / buffer).clamp(-1.0, 0.0)  # [N]
 
 
+def check_overlong_buffer(max_new_tokens: int | None, buffer: int, coef: float) -> None:
+    """Refuse a buffer over half the budget: the punishment would start before half of max_new_tokens
+    (the default buffer 4 with max_new_tokens=5 punishes from the first token: nearly every response,
+    silently). Refused rather than scaled: a scaled buffer would be a hyper-parameter nobody set.
+    DAPO's own setting is 4096 of 20480 (a fifth)."""
+    if coef == 0 or max_new_tokens is None or 2 * buffer <= max_new_tokens:
+        return
+    import sys
+
+    from rlgraph.ir.errors import TraceError, user_location
+
+    start = max_new_tokens - buffer
+    error = TraceError(f"dapo: overlong_buffer={buffer} covers {min(buffer, max_new_tokens)} of max_new_tokens="
+                       f"{max_new_tokens}: the soft overlong punishment starts after {max(start, 0)} token(s), so almost "
+                       "every response is punished for its length", user_location(sys._getframe(1)),
+                       fix=f"pass overlong_buffer <= {max_new_tokens // 2} (at most half of max_new_tokens; DAPO uses a "
+                           "fifth: 4096 of 20480), a larger max_new_tokens, or overlong_coef=0 to switch it off")
+    error.hparam = "overlong_buffer"
+    raise error
+
+
 @rg.algorithm
 def dapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0.28, max_new_tokens=20,
          overlong_buffer=4, overlong_coef=1.0, dynamic_sampling=True, max_rounds=4, temperature=1.0, top_p=1.0, stop=(), epochs=1,
@@ -34,6 +55,7 @@ def dapo(state: rg.State, prompts: rg.Prompts, *, n=8, clip_low=0.2, clip_high=0
     check_hparams("dapo", group_estimator="group_normalize", n=n, clip_low=clip_low, clip_high=clip_high,
                   max_new_tokens=max_new_tokens, overlong_buffer=overlong_buffer, max_rounds=max_rounds, epochs=epochs,
                   micro_batch_size=micro_batch_size)
+    check_overlong_buffer(max_new_tokens, overlong_buffer, overlong_coef)
     ro = rg.generate(state.policy, prompts, n=n, temperature=temperature, top_p=top_p,
                      max_new_tokens=max_new_tokens, stop=stop)  # Rollouts[N, T]
     r = rg.score(state.reward, ro)                                     # [N]

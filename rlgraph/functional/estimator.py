@@ -23,6 +23,7 @@ passed on only if `fn` takes a per-row argument named `mask` (see `rlgraph.funct
 from __future__ import annotations
 
 import functools
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch import Tensor
 from rlgraph.functional.registry import ESTIMATORS, get_estimator, register_estimator, same_definition
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
+from rlgraph.ir.errors import SourceLocation, TraceError
 from rlgraph.ir.ops import traceable
 
 
@@ -93,7 +95,10 @@ def _batched(per_group: Callable[..., Tensor], op_name: str) -> Callable[..., Te
                 raise ValueError(f"{op_name}: every per-row argument needs {rows} rows, got shape {tuple(tensor.shape)}")
         _check_groups(group, n, op_name)
         grouped = [t.reshape(rows // n, n, *t.shape[1:]) for t in (rewards, *per_row)]  # [B, n, ...]
-        out = torch.func.vmap(functools.partial(per_group, **hparams))(*grouped)  # [B, n, ...]
+        try:
+            out = torch.func.vmap(functools.partial(per_group, **hparams))(*grouped)  # [B, n, ...]
+        except RuntimeError as error:
+            raise _value_dependent(error, per_group, op_name) or error
         if out.shape[:2] != (rows // n, n):
             raise ValueError(f"{op_name}: the per-group function must return one value per row of the group "
                              f"([n, ...]), got {tuple(out.shape[1:])} for a group of {n}")
@@ -103,6 +108,24 @@ def _batched(per_group: Callable[..., Tensor], op_name: str) -> Callable[..., Te
     batched.__doc__ = per_group.__doc__
     batched.__module__ = per_group.__module__
     return batched
+
+
+def _value_dependent(error: RuntimeError, per_group: Callable, op_name: str) -> TraceError | None:
+    """vmap's "data-dependent control flow ... file an issue at pytorch" (an `if` on a tensor, `.item()`)
+    as rlgraph's own error at the line of the estimator that did it; None for any other error."""
+    text = str(error)
+    if "data-dependent control flow" not in text and ".item()" not in text:
+        return None
+    code = getattr(per_group, "__code__", None)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if code and frame.filename == code.co_filename]
+    where = SourceLocation(frames[-1].filename, frames[-1].lineno, frames[-1].name) if frames else None
+    what = "`.item()`" if ".item()" in text else "a Python `if` (or `and`/`or`/`while`) on a tensor"
+    return TraceError(
+        f"@F.estimator {op_name}: {what}: the estimator runs on every group at once (torch.func.vmap), so a "
+        "value of one group cannot choose a Python branch", where,
+        fix="express the choice as tensor math (torch.where, masks, clamp), e.g. "
+            "torch.where(r.max() > 0, r - r.mean(), torch.zeros_like(r)); a choice that is the same for every "
+            "group is a keyword argument of the estimator")
 
 
 __all__ = ["estimator", "get_estimator", "register_estimator"]  # the registry's functions too, for older imports

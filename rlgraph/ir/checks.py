@@ -47,8 +47,15 @@ def check_number(owner: str, name: str, value: Any, *, low: float | None = None,
     if need is None:
         return
     off = " or None" if optional else ""
-    raise TraceError(f"{owner}: {name}={value!r} is not valid; it must be {need}{off}" + (f" ({why})" if why else ""),
-                     where or user_location(sys._getframe(1)), fix=f"pass {name}= {need}{off}")
+    error = TraceError(f"{owner}: {name}={value!r} is not valid; it must be {need}{off}" + (f" ({why})" if why else ""),
+                       where or user_location(sys._getframe(1)), fix=f"pass {name}= {need}{off}")
+    error.hparam = name  # the CLI and `rlgraph train` name the flag or config line that set it
+    raise error
+
+
+def _about(hparam: str, error: TraceError) -> TraceError:
+    error.hparam = hparam
+    return error
 
 
 def check_group_size(owner: str, n: Any, estimator: str = "a group estimator", where: SourceLocation | None = None) -> None:
@@ -56,6 +63,6 @@ def check_group_size(owner: str, n: Any, estimator: str = "a group estimator", w
     where = where or user_location(sys._getframe(1))
     check_number(owner, "n", n, low=1, integer=True, where=where)
     if n < 2:
-        raise TraceError(f"{owner}: n={n} samples per prompt, but {estimator} compares each sample with the other "
-                         "samples of its prompt; with n=1 every advantage is 0 (or undefined) and nothing is learnt",
-                         where, fix="pass n >= 2, e.g. n=4")
+        raise _about("n", TraceError(
+            f"{owner}: n={n} samples per prompt, but {estimator} compares each sample with the other samples of its "
+            "prompt; with n=1 every advantage is 0 (or undefined) and nothing is learnt", where, fix="pass n >= 2, e.g. n=4"))

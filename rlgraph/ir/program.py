@@ -114,9 +114,13 @@ def verify(program: Program, *, after: str | None = None) -> None:
         for arg in node.all_input_nodes:
             arg_spec = arg.meta.get("spec")
             if isinstance(arg_spec, S.ModelSpec) and newest.get(arg_spec.role, -1) > arg_spec.version:
+                source = node.meta.get("source")  # the user's line, as every trace error names it
+                at = f"\n  at {source} in {source.function}():  {source.code}" if source is not None else ""
                 raise VerifyError(
                     f"{node.name} uses {arg_spec} after {arg_spec.role}@v+{newest[arg_spec.role]} was produced"
-                    f"{where}; only the newest version of a model exists on its workers"
+                    f"{where}; only the newest version of a model exists on its workers{at}\n  fix: read the "
+                    f"version rg.update returned ({arg_spec.role}@v+1) instead of state.{arg_spec.role}, or move "
+                    "this call before the update"
                 )
         if isinstance(spec, S.ModelSpec):
             newest[spec.role] = max(newest.get(spec.role, -1), spec.version)

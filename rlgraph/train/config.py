@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from rlgraph.ir.errors import ConfigError
 from rlgraph.ir.keyvalue import parse_assignment
@@ -218,6 +218,8 @@ class CheckpointSection(Section):
 
 
 class TrainConfig(Section):
+    _origins: dict[str, str] = PrivateAttr(default_factory=dict)  # dotted key -> "file.yaml:12" or "-o key=value"
+
     name: str = "run"
     run_dir: str | None = None                        # default: runs/<name>
     overwrite: bool = Field(False, strict=True)        # a fresh run may write into a run_dir holding files rlgraph did not write
@@ -263,6 +265,14 @@ class TrainConfig(Section):
         # cannot be loaded is the first thing to fix, not a name that refers to it.
         return self
 
+    def __eq__(self, other: object) -> bool:
+        """Equal settings are equal configs, wherever they were written (`_origins` is not compared)."""
+        if not isinstance(other, TrainConfig):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # mutable settings, as pydantic's own models
+
     @property
     def directory(self) -> Path:
         return Path(self.run_dir if self.run_dir is not None else f"runs/{self.name}")
@@ -291,10 +301,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
         _set(raw, key, value, item)
         overridden.add(key)
     try:
-        return TrainConfig.model_validate(raw)
+        config = TrainConfig.model_validate(raw)
     except ValidationError as error:
         raise ConfigError(_explain(error, where, lines, overridden),
                           fix="compare with the documented schema in docs/training.md (or rlgraph train --help)") from None
+    # where each key was set, for errors found later (a hyper-parameter out of range names its line or -o)
+    config._origins = {**{key: f"{where}:{line}" for key, line in lines.items()},
+                       **{key: f"-o {item}" for item in overrides for key in [_parse_override(item)[0]]}}
+    return config
 
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, int]]:

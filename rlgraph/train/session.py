@@ -23,7 +23,7 @@ from rlgraph.train.checkpoint import claim_file
 from rlgraph.train.manifest import claim, owns, remove_owned
 from rlgraph.train.roles import BASE_FILE, lr_factor, role_optimizer
 from rlgraph.train.setup import Setup
-from rlgraph.train.user_code import resolved_hparams
+from rlgraph.train.user_code import accuracy_metric, resolved_hparams
 
 
 class _Session:
@@ -292,7 +292,7 @@ class _Session:
         terms = self.batch_terms.pop(step - 1) if self.runner.on_rollout is not None else self.pop_rewards("train")
         self.log_transcripts(self.runner, "train")
         metrics.update(terms)
-        accuracy = terms.get(f"reward/{self.config.accuracy_reward}")
+        accuracy = terms.get(f"reward/{accuracy_metric(self.config)}")
         if accuracy is not None:
             metrics["accuracy"] = accuracy
         metrics["lr"] = self.config.optimizer.lr * lr_factor(self.config, step - 1)
@@ -343,7 +343,7 @@ class _Session:
         _, metrics = runner.run(prompts)
         terms = self.pop_rewards("eval")
         self.log_transcripts(runner, "eval")
-        accuracy = terms.get(f"reward/{self.config.accuracy_reward}", metrics["accuracy"])
+        accuracy = terms.get(f"reward/{accuracy_metric(self.config)}", metrics["accuracy"])
         self.first_eval = accuracy if self.first_eval is None else self.first_eval
         self.last_eval = accuracy
         return {"eval/accuracy": accuracy, "eval/reward": metrics["accuracy"],

@@ -17,7 +17,7 @@ from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.executor import check_tokenizer
 from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout
-from rlgraph.ir.errors import ConfigError, RLGraphError
+from rlgraph.ir.errors import ConfigError, RLGraphError, TraceError
 from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.config import TrainConfig
@@ -57,6 +57,7 @@ def prepare(config: TrainConfig) -> Setup:
         torch.set_num_threads(config.runtime.threads)
     _check_model_path(config)
     _check_generation(config)
+    _check_hparams(config)  # traced now, before the data loads: a bad value is the first error, not the last
     tokenizer = _tokenizer(config)
     data = config.data
     options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=data.extra_fields,
@@ -111,6 +112,24 @@ def model_roles(program: Any) -> set[str]:
     from rlgraph.ir import specs as S
 
     return {node.target for node in program.inputs if isinstance(node.meta.get("spec"), S.ModelSpec)}
+
+
+def _check_hparams(config: TrainConfig) -> None:
+    """Trace the algorithm with the config's hyper-parameters (no sizes needed): a value out of range is
+    a ConfigError naming the key and the line or `-o` flag that set it, not the library line that checks it."""
+    algorithm = load_algorithm(config.algorithm.name, "algorithm.name")
+    rollout = rollout_hparams(config, algorithm)
+    try:
+        algorithm.trace(**config.algorithm.hparams, **rollout)
+    except TraceError as error:
+        name = getattr(error, "hparam", None)
+        key = (f"algorithm.hparams.{name}" if name in config.algorithm.hparams else
+               f"rollout.{name}" if name in rollout else None)
+        if key is None:
+            raise
+        origin = config._origins.get(key, "the algorithm's default" if name not in config.algorithm.hparams else "")
+        raise ConfigError(f"{key}" + (f" ({origin})" if origin else "") + f": {error.summary}",
+                          fix=error.fix and error.fix.replace(f"pass {name}", f"set {key}")) from None
 
 
 def _check_env_is_used(config: TrainConfig, rl: Any) -> None:

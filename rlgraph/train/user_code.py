@@ -149,9 +149,44 @@ def reward_functions(config: TrainConfig) -> list[Any]:
     return [term.fn for term in _reward_terms(config)]
 
 
+# the pipeline's own metrics beside the terms': a term of that name would overwrite them
+_PIPELINE_METRICS = ("errors",)
+
+
+def reward_metric_names(names: Sequence[str]) -> list[str]:
+    """Each reward entry's metric name (`reward/<name>`): the function's name, so a metric does not
+    change when its file moves (`rewards/mine.py:exact` -> `exact`); on a clash (two files' `score`,
+    a function named like a built-in or `errors`) `<file stem>:<fn>`, and the entry as written if
+    that clashes too."""
+    def short(name: str) -> str:
+        return name.rpartition(":")[2]
+
+    def stem(name: str) -> str:
+        module, _, fn = name.rpartition(":")
+        return f"{Path(module).stem if module.endswith('.py') else module.rpartition('.')[2]}:{fn}" if module else name
+
+    shorts = [short(name) for name in names]
+    out = []
+    for name in names:
+        if ":" in name and shorts.count(short(name)) == 1 and short(name) not in _PIPELINE_METRICS:
+            out.append(short(name))
+        elif ":" in name and [stem(other) for other in names].count(stem(name)) == 1:
+            out.append(stem(name))
+        else:
+            out.append(name)
+    return out
+
+
+def accuracy_metric(config: TrainConfig) -> str:
+    """The metric name of the reward entry `eval.accuracy_reward` names (default: the first)."""
+    names = [reward.name for reward in config.rewards]
+    return reward_metric_names(names)[names.index(config.accuracy_reward)]
+
+
 def _reward_terms(config: TrainConfig) -> list[RewardTerm]:
     terms = []
     provided = ["answer", "text", *config.data.extra_fields]  # what every reward call passes (to_prompts' meta)
+    metric_names = reward_metric_names([reward.name for reward in config.rewards])
     for index, reward in enumerate(config.rewards):
         where = f"rewards[{index}] ({reward.name})"
         spec = load_object(reward.name, f"{where}:") if ":" in reward.name else reward.name
@@ -160,7 +195,7 @@ def _reward_terms(config: TrainConfig) -> list[RewardTerm]:
         except ConfigError as error:
             raise ConfigError(f"{where}: {error.summary}", fix=error.fix) from None
         _check_reward_fields(where, fn, provided)
-        terms.append(RewardTerm(reward.name, fn, reward.weight))
+        terms.append(RewardTerm(metric_names[index], fn, reward.weight))
     names = [reward.name for reward in config.rewards]
     if config.eval.accuracy_reward is not None and config.eval.accuracy_reward not in names:
         wanted, short = config.eval.accuracy_reward, {name.rpartition(":")[2]: name for name in names}

@@ -1,7 +1,9 @@
+import pytest
 import torch
 
 from rlgraph.algorithms import dapo
 from rlgraph.algorithms.dapo import overlong_penalty
+from rlgraph.ir.errors import TraceError
 from tests.algorithms._steps import two_steps
 
 
@@ -22,5 +24,15 @@ def test_dapo_filters_groups_shapes_rewards_clips_higher_and_averages_over_token
 
 
 def test_dapo_without_dynamic_sampling_has_no_filter():
-    text, metrics = two_steps(dapo, n=4, max_new_tokens=4, dynamic_sampling=False)
+    text, metrics = two_steps(dapo, n=4, max_new_tokens=4, overlong_buffer=2, dynamic_sampling=False)
     assert "filter_groups" not in text and "filter/rounds" not in metrics
+
+
+@pytest.mark.parametrize("max_new_tokens, buffer", [(4, 4), (5, 4), (5, 3)])
+def test_a_buffer_over_half_the_budget_is_refused_at_the_algorithms_line(max_new_tokens, buffer):
+    """The default buffer 4 with the math example's max_new_tokens=5 would punish nearly every response."""
+    with pytest.raises(TraceError, match=rf"dapo: overlong_buffer={buffer} covers {buffer} of max_new_tokens={max_new_tokens}"
+                                         rf"(.|\n)*at .*dapo.py:\d+ in dapo\(\)(.|\n)*fix: pass overlong_buffer <= {max_new_tokens // 2}"):
+        dapo.trace(max_new_tokens=max_new_tokens, overlong_buffer=buffer)
+    dapo.trace(max_new_tokens=max_new_tokens, overlong_buffer=buffer, overlong_coef=0.0)  # switched off: nothing to refuse
+    dapo.trace(max_new_tokens=2 * buffer, overlong_buffer=buffer)  # half the budget: DAPO's own is a fifth

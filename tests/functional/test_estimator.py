@@ -105,3 +105,37 @@ def test_every_code_block_of_the_tutorial_runs():
     for index, block in enumerate(re.findall(r"```python\n(.*?)```", text, re.S)):
         exec(compile(block, f"new-estimator.md block {index}", "exec"), namespace)
     assert namespace["state"]["policy"].version == 2
+
+
+def _value_dependent_estimators():
+    """Registered when the test runs, not at import: the registry is global to the session."""
+    @F.estimator(name="test_branching_estimator")
+    def branching_estimator(r):
+        if r.max() > 0:  # a Python branch on one group's values: vmap cannot take it
+            return r - r.mean()
+        return torch.zeros_like(r)
+
+    @F.estimator(name="test_item_estimator")
+    def item_estimator(r):
+        return r - r.mean().item()
+
+    return {"branching_estimator": branching_estimator, "item_estimator": item_estimator}
+
+
+@pytest.mark.parametrize("function, what, line", [
+    ("branching_estimator", "a Python `if`", "if r.max() > 0:"),
+    ("item_estimator", "`.item()`", "return r - r.mean().item()"),
+])
+def test_a_value_dependent_estimator_gets_rlgraphs_own_error_at_its_line(function, what, line):
+    import re
+
+    from rlgraph.algorithms import grpo
+    from rlgraph.ir.errors import TraceError
+
+    fn = _value_dependent_estimators()[function]
+    expected = (rf"@F.estimator {fn.__name__}: {re.escape(what)}(.|\n)*at .*test_estimator.py:\d+ in {function}\(\):  "
+                rf"{re.escape(line)}(.|\n)*fix: express the choice as tensor math")
+    with pytest.raises(TraceError, match=expected):  # traced in an algorithm
+        grpo.trace(estimator=fn.__name__)
+    with pytest.raises(TraceError, match=expected):  # and called on data
+        fn(torch.tensor([1.0, 0.0, 2.0, 2.0]), torch.tensor([0, 0, 1, 1]), n=2)

@@ -22,8 +22,11 @@ def test_versions_chain_through_updates():
 
 
 def test_verifier_refuses_a_stale_model_version():
-    with pytest.raises(VerifyError, match=r"uses policy@v after policy@v\+1"):
+    with pytest.raises(VerifyError, match=r"uses policy@v after policy@v\+1") as error:
         _two_updates(use_stale=True).trace()
+    # the user's line, as every other trace error names it, and the fix
+    assert "\n  at tests/ir/test_program.py:12 in algo():  second = rg.update(state.policy if use_stale" in str(error.value)
+    assert "fix: read the version rg.update returned (policy@v+1) instead of state.policy" in str(error.value)
 
 
 def test_loss_programs_are_nested_and_verified():

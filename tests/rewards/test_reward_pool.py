@@ -218,8 +218,8 @@ def test_a_training_run_whose_reward_attacks_the_controller_completes(here):
     result = train(config)
     assert result.steps == 2
     steps = [row for row in metrics_of(here / "run") if "reward" in row]
-    assert [row["reward/my_rewards.py:hostile/errors"] for row in steps] == [16.0, 16.0]  # N = 4 prompts x n=4
-    assert all(row["reward/my_rewards.py:hostile"] == 0.0 and "reward/math" in row for row in steps)
+    assert [row["reward/hostile/errors"] for row in steps] == [16.0, 16.0]  # N = 4 prompts x n=4
+    assert all(row["reward/hostile"] == 0.0 and "reward/math" in row for row in steps)
     plan = (here / "run" / "plan.txt").read_text()
     assert "reward functions on the controller's reward pool: 1 process (" in plan and "timeout 2 s" in plan
     assert no_process_left(here) == []
@@ -303,7 +303,7 @@ def test_a_training_run_whose_code_reward_faces_the_attacks_completes(here):
     config, _ = make_config(here, "run", overrides)
     assert train(config).steps == 1
     (row,) = [row for row in metrics_of(here / "run") if "reward" in row]
-    assert row["reward/attacked.py:code_attacks"] == 0.0 and row["reward/errors"] == 0.0  # scored, not failed
+    assert row["reward/code_attacks"] == 0.0 and row["reward/errors"] == 0.0  # scored, not failed
     assert no_process_left(here) == []
 
     assert within(5, lambda: not processes_named(marker))  # the setsid'd daemon's `sh` names the marker
@@ -317,7 +317,7 @@ def test_a_run_stopped_by_a_failing_reward_leaves_no_worker(here):
     overrides = ["reward_workers=2", "warm_start.steps=0", "data.eval_fraction=0", "train.steps=2",
                  "rewards=[{name: math}, {name: 'my_rewards.py:broken'}]"]
     config, _ = make_config(here, "run", overrides)
-    with pytest.raises(RewardError, match=r"reward 'my_rewards.py:broken' raised RuntimeError: grader down"):
+    with pytest.raises(RewardError, match=r"reward 'broken' raised RuntimeError: grader down"):
         train(config)
     assert no_process_left(here) == []
 

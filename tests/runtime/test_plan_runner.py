@@ -54,7 +54,7 @@ def test_dapo_with_dynamic_sampling_runs_the_same_through_the_plan():
 
 def test_over_remote_workers_the_runner_asks_for_the_controllers_executor():
     compiled = rg.compile(dapo, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
-                          sizes={"B": 4, "P": 8, "T": 4}, n=4, max_new_tokens=4)
+                          sizes={"B": 4, "P": 8, "T": 4}, n=4, max_new_tokens=4, overlong_buffer=1)
     with pytest.raises(rg.RLGraphError, match=r"pass controller=world.controller\(\)"):
         PlanRunner(compiled, WorkerPool())  # a remote transport's commands, no workers started: nothing is sent
 

@@ -74,7 +74,7 @@ def test_grpo_on_two_fsdp_ranks_matches_local_with_and_without_micro_batches():
             assert_same_metrics(local, spmd)
             assert_same_training(local_executor.models["policy"], transport.pull_state("policy"), before, steps=steps)
         assert local["policy/grad_norm"] > 0  # the step trained something
-        dapo = _compile("dapo", n=4, max_rounds=3)  # the same groups: one transport runs both programs
+        dapo = _compile("dapo", n=4, max_rounds=3, overlong_buffer=2)  # the same groups: one transport runs both programs
         more = iter([tiny_prompts(4, 4 * k) for k in range(1, 10)])
         local = PlanRunner(dapo, local_executor).run(prompts, more_prompts=lambda: next(more))[1]
         more = iter([tiny_prompts(4, 4 * k) for k in range(1, 10)])

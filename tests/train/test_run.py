@@ -407,6 +407,22 @@ def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected)
         prepare(config)
 
 
+@pytest.mark.parametrize("overrides, sections, expected", [
+    (["algorithm.hparams.kl=-0.5"], {}, r"algorithm.hparams.kl \(-o algorithm.hparams.kl=-0.5\): grpo: kl=-0.5 is not valid"
+                                        r"(.|\n)*fix: set algorithm.hparams.kl= a finite number >= 0"),
+    ([], {"algorithm": {"name": "grpo", "hparams": {"clip": -1}}},
+     r"algorithm.hparams.clip \(.*bad_hparam.yaml:\d+\): grpo: clip=-1 is not valid"),
+    (["rollout.n=1"], {}, r"rollout.n \(-o rollout.n=1\): grpo: n=1 samples per prompt"),
+])
+def test_a_bad_hyper_parameter_names_its_config_line_or_flag_before_the_data_loads(tmp_path, overrides, sections, expected):
+    from rlgraph.train.run import prepare
+
+    # the data file is missing too: the hyper-parameter is found first
+    config, _ = make_config(tmp_path, "bad_hparam", [*overrides, f"data.train={tmp_path / 'missing.jsonl'}"], **sections)
+    with pytest.raises(ConfigError, match=expected):
+        prepare(config)
+
+
 def test_a_tokenizer_without_eos_is_refused_naming_the_key_before_the_data_loads(tmp_path):
     from rlgraph.backends.local.executor import TokenizerError
     from rlgraph.backends.local.models import load_tokenizer

@@ -113,7 +113,7 @@ def test_a_reward_that_raises_fails_the_run_naming_the_sample_or_is_counted(tmp_
     module = tmp_path / "my_rewards.py"
     module.write_text("def broken(completions, **_):\n    raise RuntimeError('reward server down')\n")
     path = run_config(tmp_path, [{"name": "math"}, {"name": f"{module}:broken"}])
-    with pytest.raises(RewardError, match=r"reward '.*my_rewards.py:broken' raised RuntimeError: reward server down "
+    with pytest.raises(RewardError, match=r"reward 'broken' raised RuntimeError: reward server down "
                                           r"\(at .*my_rewards.py:2 in broken\) on sample 0 of \d+ \(prompt 'u:"):
         train(load_config(path))
     zero = run_config(tmp_path, [{"name": "math"}, {"name": f"{module}:broken", "weight": 0.5}],

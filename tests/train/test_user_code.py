@@ -120,3 +120,32 @@ def test_a_file_imports_its_siblings_as_python_file_py_would(tmp_path, monkeypat
     finally:
         for name in ("sibling_helpers_mod", "sibling_algo_mod"):
             sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["rewards/mine.py:exact", "math"], ["exact", "math"]),                        # the function's name: not its path
+    (["a/x.py:score", "b/y.py:score"], ["x:score", "y:score"]),                    # a clash: the file stems tell them apart
+    (["a/x.py:score", "b/x.py:score"], ["a/x.py:score", "b/x.py:score"]),          # stems clash too: as written
+    (["my.py:math", "math"], ["my:math", "math"]),                                 # a built-in's name stays the built-in's
+    (["my.py:errors"], ["my:errors"]),                                             # reward/errors is the pipeline's count
+    (["my_rewards:exact"], ["exact"]),                                             # a module:fn entry
+])
+def test_reward_metrics_are_named_by_the_function_and_disambiguated_only_on_a_clash(names, expected):
+    from rlgraph.train.user_code import reward_metric_names
+
+    assert reward_metric_names(names) == expected
+
+
+def test_the_accuracy_reward_and_the_run_metrics_use_the_functions_name(tmp_path):
+    from rlgraph.train.user_code import accuracy_metric, build_rewards
+
+    (tmp_path / "metric_rewards.py").write_text("def exact(completions, answer, **_):\n"
+                                                "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n")
+    config, _ = make_config(tmp_path, "named", [f"rewards=[{{name: '{tmp_path}/metric_rewards.py:exact'}}, {{name: math}}]"])
+    assert accuracy_metric(config) == "exact"
+    pipeline = build_rewards(config)
+    try:
+        pipeline(["7", "8"], answer=["7", "7"])
+        assert {"reward/exact", "reward/math"} <= set(pipeline.pop_metrics())
+    finally:
+        sys.modules.pop("metric_rewards", None)
