@@ -71,3 +71,16 @@ def test_missing_fields_and_bad_budgets_are_refused(images_dir):
     for bad in (0, 1.5, "1024"):
         with pytest.raises(DataError, match="max_pixels="):
             load_image_rows(path, max_pixels=bad)
+
+
+def test_parquet_rows_name_their_row_number(images_dir):
+    import pyarrow
+    import pyarrow.parquet
+
+    path = images_dir / "train.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(
+        [{"prompt": "a=", "image": "img/red.png"}, {"prompt": "b=", "image": "img/gone.png"}]), path)
+    with pytest.raises(ImageError, match=r"train.parquet row 2, field 'image': image file .*gone.png' does not exist"):
+        load_image_rows(path, max_pixels=32 * 32)
+    (images_dir / "img" / "gone.png").write_bytes(_png((8, 8)))
+    assert [row.images[0].size for row in load_image_rows(path, max_pixels=32 * 32)] == [(32, 32), (8, 8)]
