@@ -90,7 +90,8 @@ def _open(ref: Any, base: Path, where: str, max_pixels: int) -> Any:
             if width * height > max_pixels:
                 raise ImageError(f"{where}: {shown} is {width}x{height} = {width * height:,} pixels, over the pixel "
                                  f"budget of {max_pixels:,}",
-                                 fix="downscale the image, or raise the pixel budget (its image tokens and memory grow)")
+                                 fix="downscale the image, or raise the pixel budget (its image tokens and "
+                                     "memory grow)")
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as error:
         raise ImageError(f"{where}: {shown} is not a readable image ({type(error).__name__}: {error})",

@@ -177,7 +177,8 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
         prompt = sizes["P"] + image_tokens(options, role)  # a VLM's images are tokens of its prompts
         seq = prompt + sizes["T"]
         if prompt > sizes["P"] and (node.kwargs.get("micro_batch_tokens") or seq) < seq:
-            raise ConfigError(f"micro_batch_tokens={node.kwargs['micro_batch_tokens']} is smaller than the longest row of role {role!r}: "
+            raise ConfigError(f"micro_batch_tokens={node.kwargs['micro_batch_tokens']} is smaller than the longest "
+                              f"row of role {role!r}: "
                               f"P={sizes['P']} + {prompt - sizes['P']} image tokens + T={sizes['T']} = {seq}",
                               fix=f"micro_batch_tokens >= {seq}, or a smaller pixel_budget")
         batch = batch_rows(node, sizes)

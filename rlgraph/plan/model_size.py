@@ -189,7 +189,8 @@ class ModelShape:
         forward (backward = 2x), 4x with activation recomputation.
         """
         # text tokens only: a vision tower's FLOPs are per image (`VisionShape.flops_per_image`)
-        matmul_params = self.text_params - self.embedding_params + (self.embedding_params if self.tie_embeddings and not self.value_head else 0)
+        tied_head = self.embedding_params if self.tie_embeddings and not self.value_head else 0
+        matmul_params = self.text_params - self.embedding_params + tied_head
         forward = 2 * matmul_params + 4 * self.layers * seq_len * self.q_dim
         return float(forward * ((4 if recompute else 3) if training else 1))
 

@@ -5,7 +5,8 @@
     load_model_config("ckpt/")                # a directory holding config.json
 
 The presets copy the architecture fields of the models' published `config.json`; nothing is
-downloaded. `tiny-qwen2-vl` is the shipped tiny Qwen2-VL (`rlgraph/backends/local/vlm.py`). `tiny-qwen2` is the ~126k-parameter model the tests and the CPU demo build.
+downloaded. `tiny-qwen2-vl` is the shipped tiny Qwen2-VL (`rlgraph/backends/local/vlm.py`).
+`tiny-qwen2` is the ~126k-parameter model the tests and the CPU demo build.
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ def images_dir(tmp_path):
 
 
 def test_paths_and_inline_images_load_and_become_image_tokens(images_dir):
-    from rlgraph.backends.local.vlm import IMAGE_PAD, build_image_processor, build_vl_tokenizer, encode_vl_batch, vl_config
+    from rlgraph.backends.local.vlm import (
+        IMAGE_PAD, build_image_processor, build_vl_tokenizer, encode_vl_batch, vl_config,
+    )
 
     inline = "data:image/png;base64," + base64.b64encode(_png((24, 40), (0, 0, 255))).decode()
     path = _write(images_dir, [{"prompt": "colour=", "image": "img/red.png"},

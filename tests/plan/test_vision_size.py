@@ -23,7 +23,8 @@ def test_parameters_equal_a_random_init_transformers_model(kind):
     from transformers import AutoConfig
 
     fields = {"model_type": kind, "text_config": TEXT, "vision_config": VISION[kind]}
-    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(kind, text_config=TEXT, vision_config=VISION[kind]))
+    config = AutoConfig.for_model(kind, text_config=TEXT, vision_config=VISION[kind])
+    model = AutoModelForImageTextToText.from_config(config)
     shape = ModelShape.from_hf_config(fields)
     assert shape.vision.n_params == sum(p.numel() for p in model.model.visual.parameters())
     assert shape.n_params == sum(p.numel() for p in model.parameters())
@@ -41,8 +42,9 @@ def test_the_published_7b_and_its_pixel_budget():
     assert shape.vision.flops_per_image(DEFAULT_PIXEL_BUDGET, training=True) == 3 * frozen
     patches = 1280 * 4  # 2 FLOPs per weight per patch bound it from below
     assert frozen > 2 * patches * 32 * shape.vision.block_params
-    trained = shape.vision.activation_bytes_per_image(DEFAULT_PIXEL_BUDGET, torch.bfloat16, training=True)
-    assert trained > 32 * shape.vision.activation_bytes_per_image(DEFAULT_PIXEL_BUDGET, torch.bfloat16, training=False) / 2
+    trained, frozen_bytes = (shape.vision.activation_bytes_per_image(DEFAULT_PIXEL_BUDGET, torch.bfloat16, training=flag)
+                             for flag in (True, False))
+    assert trained > 16 * frozen_bytes  # 32 blocks kept against one block's working set (+ the output)
 
 
 def test_not_a_vision_model_is_refused_by_name():

@@ -22,7 +22,8 @@ from typing import Any
 
 import attrs
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast)
 
 from rlgraph.backends.local.models import ASSETS, ATTENTION, WEIGHT_FILES, build_char_tokenizer, load_tokenizer
 from rlgraph.errors import RLGraphError
