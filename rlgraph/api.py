@@ -50,7 +50,8 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
             models: Mapping[str, Any] | None = None, roles: Mapping[str, S.Spec] | None = None, engine: str = "auto",
             lora: Mapping[str, Any] | None = None, reward_pool: str = "", staleness: int = 0,
             staleness_policy: str = "wait", trained: Sequence[str] = (), env_workers: int | None = None,
-            env_memory_mb: int = 4096, micro_batch_tokens: int | None = None, **hparams: Any):
+            env_memory_mb: int = 4096, micro_batch_tokens: int | None = None, pixel_budget: int | None = None,
+            images_per_prompt: int = 1, **hparams: Any):
     """Trace `algo` and lower it for `mesh` and `placement`; returns a `Compiled` to inspect and run.
 
     `sizes` gives the concrete dims byte counts use (B, P, T; n comes from the hparams),
@@ -67,7 +68,10 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
     `rg.rollout` in k supervised worker processes per generating rank, each limited to
     `env_memory_mb` MiB (None: in the rank's own process; docs/agents.md).
     `micro_batch_tokens=k` packs every update's, logprobs' and values' rows into micro-batches of at
-    most k real tokens, run without padding (the `pack` pass; docs/training.md). Nothing is run.
+    most k real tokens, run without padding (the `pack` pass; docs/training.md). For a vision-language
+    model (Qwen2-VL, Qwen2.5-VL), `pixel_budget` is the most pixels an image keeps (None: 1280 tokens
+    of 28x28) and `images_per_prompt` how many a prompt carries: the plan counts their image tokens,
+    the vision tower's FLOPs and activations (docs/vlm.md). Nothing is run.
     """
     from rlgraph.passes import compile_program
     from rlgraph.passes.options import CompileOptions
@@ -80,7 +84,8 @@ def compile(algo: Algorithm, *, mesh: Any = None, placement: Any = None, sizes: 
     options = CompileOptions(mesh, placement or Colocated(), dict(sizes or {"B": 32, "n": 8, "P": 8, "T": 8}), dict(models or {}),
                              engine=engine, lora=lora, reward_pool=reward_pool, staleness=staleness,
                              staleness_policy=staleness_policy, trained=trained, env_workers=env_workers,
-                             env_memory_mb=env_memory_mb, micro_batch_tokens=micro_batch_tokens)
+                             env_memory_mb=env_memory_mb, micro_batch_tokens=micro_batch_tokens,
+                             pixel_budget=pixel_budget, images_per_prompt=images_per_prompt)
     return compile_program(algo.trace(roles=roles, **hparams), options)
 
 

@@ -155,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
                       "generating rank (default: in the rank's own process); the rollout stage says where")
     plan.add_argument("--micro-batch-tokens", help="packed sequences: micro-batches of at most this many real tokens, "
                       "no padding (docs/training.md); the plan prints them")
+    plan.add_argument("--pixel-budget", help="vision-language models: the most pixels an image keeps after resizing "
+                      "(default 1003520: 1280 image tokens of 28x28); the plan counts its image tokens (docs/vlm.md)")
+    plan.add_argument("--images-per-prompt", default="1", help="vision-language models: images a prompt carries")
     plan.add_argument("--dot", help="write the Graphviz diagram here (.dot; .svg/.png rendered if Graphviz is installed)")
     plan.add_argument("--json", help="write the plan as JSON here")
 
@@ -452,7 +455,10 @@ def _plan(args) -> int:
         compiled = rg.compile(algorithm, mesh=args.mesh, placement=parse_placement(args.placement),
                               sizes=sizes, models={"policy": args.model}, engine=args.engine,
                               staleness=_staleness(args.staleness), env_workers=_env_workers(args.env_workers),
-                              micro_batch_tokens=_micro_batch_tokens(args.micro_batch_tokens), **hparams)
+                              micro_batch_tokens=_micro_batch_tokens(args.micro_batch_tokens),
+                              pixel_budget=_whole(args.pixel_budget, "--pixel-budget", 1, "--pixel-budget 401408"),
+                              images_per_prompt=_whole(args.images_per_prompt, "--images-per-prompt", 0,
+                                                       "--images-per-prompt 1"), **hparams)
     except ValueError as exc:  # placement and model-size mistakes; RLGraphError is handled by main
         if isinstance(exc, ConfigError) and exc.summary.startswith("micro_batch_tokens="):  # named by its flag
             raise ConfigError(f"--micro-batch-tokens {exc.summary.split('=', 1)[1]}",
@@ -471,6 +477,17 @@ def _plan(args) -> int:
         with open(args.json, "w") as handle:
             handle.write(compiled.plan.to_json())
     return 0
+
+
+def _whole(text: str | None, flag: str, low: int, example: str) -> int | None:
+    """A flag's whole number >= `low` (None: not given), the flag named when it is not one."""
+    from rlgraph.ir.errors import ConfigError
+
+    if text is None:
+        return None
+    if not text.strip().isdigit() or int(text) < low:
+        raise ConfigError(f"{flag} {text}: not a whole number >= {low}", fix=example)
+    return int(text)
 
 
 def _micro_batch_tokens(text: str | None) -> int | None:

@@ -467,3 +467,13 @@ def test_the_help_summary_lists_every_command(capsys):
     summary = _parser().description
     commands = next(action for action in _parser()._actions if action.dest == "command").choices
     assert [name for name in commands if f"    rlgraph {name} " not in summary] == []
+
+
+def test_plan_a_vision_language_model_counts_its_tower_and_image_tokens(capsys):
+    code, out, _ = run(capsys, "plan", "grpo", "--model", "qwen2.5-vl-7b", "--mesh", "1x8:h100", "--placement", "auto")
+    assert code == 0
+    assert ("vision policy: tower 676,550,144 params (frozen); pixel budget 1,003,520 px an image -> <= 1280 image "
+            "tokens; 1 image(s) a prompt = 1280 tokens counted in every sequence beside P") in out
+    for bad in ("0", "-3", "many"):
+        code, _, err = run(capsys, "plan", "grpo", "--model", "qwen2.5-vl-7b", "--pixel-budget", bad)
+        assert code == 1 and f"--pixel-budget {bad}: not a whole number >= 1" in err

@@ -25,9 +25,62 @@ from rlgraph.plan import memory as M
 from rlgraph.plan.mesh import Colocated, Group, Mesh
 from rlgraph.plan.model_size import ModelShape
 from rlgraph.plan.presets import role_model_shape
+from rlgraph.plan.vision_size import DEFAULT_PIXEL_BUDGET
 
 def model_shape(options: CompileOptions, role: str) -> ModelShape:
     return role_model_shape(options.models, role)
+
+
+def pixel_budget(options: CompileOptions) -> int:
+    return options.pixel_budget if options.pixel_budget is not None else DEFAULT_PIXEL_BUDGET
+
+
+def image_tokens(options: CompileOptions, role: str) -> int:
+    """Image tokens a prompt of `role`'s model carries at the pixel budget (0 for a text-only model):
+    they lengthen every sequence of that role beyond P + T."""
+    vision = model_shape(options, role).vision
+    if vision is None:
+        return 0
+    per_image = vision.image_tokens(pixel_budget(options))
+    if per_image < 1:
+        side = vision.patch * vision.merge
+        raise ConfigError(f"pixel_budget={pixel_budget(options)} is smaller than one {side}x{side}-pixel block, "
+                          f"the least an image becomes in the vision tower of role {role!r} (one image token)",
+                          fix=f"pixel_budget >= {side * side}")
+    return options.images_per_prompt * per_image
+
+
+def vision_memory(options: CompileOptions, role: str, images: int, *, training: bool) -> M.MemoryBreakdown:
+    """The activations `images` images hold in one forward of `role`'s vision tower (none for a text
+    model, or a prompt with no image); a frozen tower keeps no activations for backward."""
+    shape = model_shape(options, role)
+    if shape.vision is None:
+        return M.MemoryBreakdown()
+    per_image = shape.vision.activation_bytes_per_image(pixel_budget(options), param_dtype(options.mesh),
+                                                        training=training and shape.train_vision)
+    return M.MemoryBreakdown(activations=images * options.images_per_prompt * per_image)
+
+
+def vision_facts(program: Program, options: CompileOptions) -> dict[str, dict[str, int]]:
+    """What the plan prints of each vision-language role: its tower and its images' tokens, FLOPs and bytes."""
+    roles = sorted({node.args[0].meta["spec"].role for node in program.graph.nodes
+                    if primitive_name(node) not in (None, "score", "filter_groups") and node.args
+                    and hasattr(node.args[0].meta.get("spec"), "role")})
+    facts = {}
+    for role in roles:
+        shape = model_shape(options, role)
+        if shape.vision is None:
+            continue
+        budget, dtype = pixel_budget(options), param_dtype(options.mesh)
+        facts[role] = {
+            "tower_params": shape.vision.n_params, "tower_trained": int(shape.train_vision),
+            "pixel_budget": budget, "images_per_prompt": options.images_per_prompt,
+            "tokens_per_image": shape.vision.image_tokens(budget),
+            "flops_per_image": int(shape.vision.flops_per_image(budget, training=shape.train_vision)),
+            "activation_bytes_per_image": shape.vision.activation_bytes_per_image(
+                budget, dtype, training=shape.train_vision),
+        }
+    return facts
 
 
 def param_dtype(mesh: Mesh) -> torch.dtype:
@@ -115,26 +168,36 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
     generations, two updates of one role), each sized by its own batch rows. Under `cpu_offload`
     the host's share is `host_memory`'s."""
     sizes = options.concrete(program.hparams.get("n"))
-    seq = sizes["P"] + sizes["T"]
     dtype = param_dtype(options.mesh)
     phases: dict[str, M.MemoryBreakdown] = {}
     for node in _primitives(program, group):
         prim = primitive_name(node)
-        shape = model_shape(options, node.args[0].meta["spec"].role)
+        role = node.args[0].meta["spec"].role
+        shape = model_shape(options, role)
+        prompt = sizes["P"] + image_tokens(options, role)  # a VLM's images are tokens of its prompts
+        seq = prompt + sizes["T"]
+        if prompt > sizes["P"] and (node.kwargs.get("micro_batch_tokens") or seq) < seq:
+            raise ConfigError(f"micro_batch_tokens={node.kwargs['micro_batch_tokens']} is smaller than the longest "
+                              f"row of role {role!r}: "
+                              f"P={sizes['P']} + {prompt - sizes['P']} image tokens + T={sizes['T']} = {seq}",
+                              fix=f"micro_batch_tokens >= {seq}, or a smaller pixel_budget")
         batch = batch_rows(node, sizes)
         rows = -(-batch // group.dp)
         if prim in ("update", "optimizer_step"):
             config = _train_config(node, group, options, rows, seq)
             packed = prim == "update" and node.kwargs.get("micro_batch_tokens") is not None
             phase, breakdown = "train", (M.packed_train_memory if packed else M.train_memory)(shape, config)
+            micro = micro_batching(node, rows, seq)[0] if prim == "update" else 0
+            breakdown += vision_memory(options, role, micro, training=True)
         elif prim == "rollout":  # multi-turn: each row's cache holds all its turns and observations
             phase, breakdown = "generate", rollout_memory(node, group, options, dtype)
         elif prim in GENERATORS:
             replicas = group.generate.dp
             phase, breakdown = "generate", M.generate_memory(shape, tp=group.generate.tp, batch_sequences=-(-batch // replicas),
-                                                             max_seq_len=seq, dtype=dtype, prompt_len=sizes["P"])
+                                                             max_seq_len=seq, dtype=dtype, prompt_len=prompt)
+            # each prompt's images are encoded once for its n samples
+            breakdown += vision_memory(options, role, -(-batch // (replicas * sizes["n"])), training=False)
         else:
-            role = node.args[0].meta["spec"].role
             budget = packed_tokens(node, rows, seq)  # packed forwards of <= budget tokens, with their mask
             phase, breakdown = "infer", M.infer_memory(shape, batch_tokens=rows * seq, dtype=dtype, shards=len(group.ranks),
                                                        micro_batch_tokens=budget,
@@ -142,6 +205,7 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
                                                        shared_weights=shares_lora_weights(options, role, group, groups))
             if budget is not None:
                 breakdown += M.MemoryBreakdown(activations=M.packed_mask_bytes(budget, dtype))
+            breakdown += vision_memory(options, role, budget // seq if budget else rows, training=False)
         if phase not in phases or breakdown.total > phases[phase].total:
             phases[phase] = breakdown
     return phases

@@ -89,6 +89,17 @@ def check_env_workers(workers: Any, memory_mb: Any, prefix: str = "env_") -> Non
                           "env worker process; one imports torch: ~700 MiB)", fix=f"{prefix}memory_mb=4096")
 
 
+def check_images(pixel_budget: Any, images_per_prompt: Any) -> None:
+    """Refuse a pixel budget that is not a whole number of pixels >= 1, or a negative image count."""
+    if pixel_budget is not None and number_problem(pixel_budget, low=1, integer=True) is not None:
+        raise ConfigError(f"pixel_budget={pixel_budget!r} is not a whole number of pixels >= 1",
+                          fix="pixel_budget=1003520 (1280 image tokens of 28x28 pixels, Qwen2.5-VL's max_pixels), "
+                              "or None for that default")
+    if number_problem(images_per_prompt, low=0, integer=True) is not None:
+        raise ConfigError(f"images_per_prompt={images_per_prompt!r} is not a whole number >= 0",
+                          fix="images_per_prompt=1")
+
+
 def check_micro_batch_tokens(budget: Any, sizes: Mapping[str, int]) -> None:
     """Refuse a token budget that is not a whole number >= 1, or that a full-length row (P prompt
     tokens + T response tokens) would not fit: rows are never split across micro-batches."""
@@ -175,6 +186,10 @@ class CompileOptions:
     env_memory_mb: int = 4096  # address space of each env worker process
     # packed sequences: every update, logprobs and values runs micro-batches of at most this many real tokens
     micro_batch_tokens: int | None = None
+    # vision-language models: the most pixels an image keeps after resizing (None: Qwen2.5-VL's 1280 tokens of
+    # 28x28) and the images a prompt carries; the plan counts their tokens, the tower's FLOPs and activations
+    pixel_budget: int | None = None
+    images_per_prompt: int = 1
 
     def __attrs_post_init__(self) -> None:
         check_engine(self.engine, self.mesh)
@@ -183,6 +198,7 @@ class CompileOptions:
         check_staleness(self.staleness, self.staleness_policy)
         check_env_workers(self.env_workers, self.env_memory_mb)
         check_micro_batch_tokens(self.micro_batch_tokens, self.sizes)
+        check_images(self.pixel_budget, self.images_per_prompt)
 
     @property
     def generation_engine(self) -> str:

@@ -34,6 +34,7 @@ from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.printer import op_name
 from rlgraph.ir.program import Program
 from rlgraph.ir.infer import get_field
+from rlgraph.passes.memory_plan import vision_facts
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER
 from rlgraph.plan.memory import PARKED
@@ -59,7 +60,7 @@ def _loop_steps(program: Program, steps: list) -> tuple[Loop, ...]:
 
 
 def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dict[str, int]) -> tuple[str, float]:
-    from rlgraph.passes.memory_plan import batch_rows, model_shape
+    from rlgraph.passes.memory_plan import batch_rows, image_tokens, model_shape, pixel_budget
 
     prim = primitive_name(node)
     groups = {group.name: group for group in program.annotations["groups"]}
@@ -73,12 +74,16 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     role = node.args[0].meta["spec"].role
     shape = model_shape(options, role)
     batch = batch_rows(node, sizes)  # B for an n=1 generation, N otherwise
-    tokens = batch * (sizes["P"] + sizes["T"])
+    seq = sizes["P"] + image_tokens(options, role) + sizes["T"]  # a VLM's image tokens lengthen every row
+    tokens = batch * seq
+    # the vision tower's forward FLOPs of one prompt's images (0 for a text model)
+    images = 0.0 if shape.vision is None else options.images_per_prompt * shape.vision.flops_per_image(
+        pixel_budget(options), training=False)
     if prim == "generate":
         layout = group.generate
         samples = sizes["B"] * node.kwargs["n"]  # this generate's own n (a greedy baseline has n=1)
         per_replica = -(-samples // layout.dp)
-        flops = shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * samples * (sizes["P"] + sizes["T"])
+        flops = shape.flops_per_token(seq, training=False) * samples * seq + sizes["B"] * images  # once a prompt
         return (f"{samples} samples ({sizes['B']} prompts x n={node.kwargs['n']}), <= {sizes['T']} new tokens"
                 f"{_sampling_text(node.kwargs)}; {layout.dp} replica(s) x tp={layout.tp}, {per_replica} sequences each"), flops
     if prim == "rollout":
@@ -86,7 +91,7 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     if prim in ("logprobs", "values"):
         packed = f", packed in micro-batches of <= {budget} tokens" if (budget := node.kwargs.get("micro_batch_tokens")) else ""
         return (f"forward only, {-(-batch // group.dp)} sequences/rank{packed}",
-                shape.flops_per_token(sizes["P"] + sizes["T"], training=False) * tokens)
+                shape.flops_per_token(seq, training=False) * tokens + batch * images)
     kwargs = node.kwargs
     if prim == "optimizer_step":
         settings = " ".join(f"{key}={kwargs[key]}" for key in ("lr", "betas", "eps", "weight_decay") if kwargs[key] is not None)
@@ -98,12 +103,13 @@ def _detail(node: fx.Node, program: Program, options: CompileOptions, sizes: dic
     loss = node.meta["program"].name
     micros = f"{count} micro-batch(es) of {min(micro, per_mini)} rows/rank"
     if kwargs.get("micro_batch_tokens"):
-        micros = _packed_text(kwargs["micro_batch_tokens"], per_mini, sizes["P"] + sizes["T"])
+        micros = _packed_text(kwargs["micro_batch_tokens"], per_mini, seq)
     text = (f"loss {loss}: {kwargs['epochs']} epoch(s) x {kwargs['minibatches']} minibatch(es) x {micros}; "
             f"grad clip {kwargs['grad_clip']}"
             + ("; gradients accumulated, no optimizer step" if not kwargs.get("step", True) else "")
             + ("; per-token outputs returned" if kwargs.get("outputs") else ""))
-    return text, shape.flops_per_token(sizes["P"] + sizes["T"], training=True) * tokens * kwargs["epochs"]
+    tower = 3 if shape.train_vision else 1  # a frozen tower runs forward only
+    return text, (shape.flops_per_token(seq, training=True) * tokens + tower * batch * images) * kwargs["epochs"]
 
 
 def _packed_text(budget: int, rows: int, seq: int) -> str:
@@ -281,7 +287,8 @@ def schedule(program: Program, options: CompileOptions) -> Plan:
     return Plan(program.name, options.mesh, _placement_text(options), program.annotations["groups"],
                 {k: sizes[k] for k in ("B", "n", "N", "P", "T")}, tuple(steps), memory, _notes(options),
                 _loop_steps(program, steps), host_memory=program.annotations.get("host_memory", {}),
-                overlap=_overlap(program, steps, options) if options.staleness else None)
+                overlap=_overlap(program, steps, options) if options.staleness else None,
+                vision=vision_facts(program, options))
 
 
 def _overlap(program: Program, steps: list, options: CompileOptions) -> Overlap:

@@ -291,8 +291,8 @@ def train_host_memory(shape: ModelShape, cfg: TrainMemoryConfig) -> MemoryBreakd
 
 
 def trainable_params(shape: ModelShape, cfg: TrainMemoryConfig) -> int:
-    """Parameters with gradients and optimizer state: all of them, or the LoRA adapters'."""
-    return shape.n_params if cfg.lora is None else shape.lora_params(cfg.lora)
+    """Parameters with gradients and optimizer state: all but a frozen vision tower, or the LoRA adapters'."""
+    return shape.trainable_params if cfg.lora is None else shape.lora_params(cfg.lora)
 
 
 def lora_activation_bytes(shape: ModelShape, lora: LoraShape | None, dtype: torch.dtype) -> int:

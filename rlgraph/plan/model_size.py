@@ -18,6 +18,8 @@ from typing import Any
 import attrs
 import torch
 
+from rlgraph.plan.vision_size import VISION_KINDS, VisionShape
+
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -67,6 +69,8 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False
     value_head: bool = False
+    vision: VisionShape | None = None  # a vision-language model's tower (Qwen2-VL, Qwen2.5-VL)
+    train_vision: bool = False  # whether the tower trains (frozen by default, as rlgraph builds it)
 
     def __attrs_post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -78,6 +82,9 @@ class ModelShape:
         if not isinstance(config, Mapping):
             config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
         kind = config.get("model_type", "unknown")
+        vision = VisionShape.from_hf_config(config) if kind in VISION_KINDS else None
+        if vision is not None:  # the language model's fields: top level (published configs) or text_config
+            config = {**config, **(config.get("text_config") or {}), "model_type": kind}
         missing = [key for key in _REQUIRED if config.get(key) is None]
         if missing:
             raise ValueError(
@@ -100,8 +107,9 @@ class ModelShape:
             kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
             intermediate=config["intermediate_size"], vocab=config["vocab_size"],
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or attention_bias, o_bias=attention_bias,
+            qkv_bias=kind in ("qwen2", *VISION_KINDS) or attention_bias, o_bias=attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)), qk_norm=kind == "qwen3", value_head=value_head,
+            vision=vision,
         )
 
     # -- sizes -------------------------------------------------------------------------------
@@ -151,8 +159,19 @@ class ModelShape:
 
     @property
     def n_params(self) -> int:
-        """Exact for HF Llama/Qwen2/Qwen3/Mistral (`sum(p.numel() for p in model.parameters())`)."""
+        """Exact for HF Llama/Qwen2/Qwen3/Mistral and Qwen2(.5)-VL (`sum(p.numel() for p in model.parameters())`)."""
+        return self.text_params + (self.vision.n_params if self.vision is not None else 0)
+
+    @property
+    def text_params(self) -> int:
+        """The language model's parameters (all of them for a text-only model)."""
         return self.embedding_params + self.layers * self.layer_params + self.hidden + self.head_params
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameters a full fine-tune trains: all but a frozen vision tower."""
+        frozen = self.vision.n_params if self.vision is not None and not self.train_vision else 0
+        return self.n_params - frozen
 
     @property
     def largest_unit_params(self) -> int:
@@ -169,7 +188,9 @@ class ModelShape:
         (Narayanan et al. 2021) count it; causal kernels skip about half of it. Training is 3x the
         forward (backward = 2x), 4x with activation recomputation.
         """
-        matmul_params = self.n_params - self.embedding_params + (self.embedding_params if self.tie_embeddings and not self.value_head else 0)
+        # text tokens only: a vision tower's FLOPs are per image (`VisionShape.flops_per_image`)
+        tied_head = self.embedding_params if self.tie_embeddings and not self.value_head else 0
+        matmul_params = self.text_params - self.embedding_params + tied_head
         forward = 2 * matmul_params + 4 * self.layers * seq_len * self.q_dim
         return float(forward * ((4 if recompute else 3) if training else 1))
 

@@ -215,6 +215,7 @@ class Plan:
     loops: tuple[Loop, ...] = ()
     host_memory: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)  # group -> {part: bytes, "total": ..} per rank
     overlap: Overlap | None = None  # staleness >= 1: the rollout and train lanes (asynchronous RL)
+    vision: Mapping[str, Mapping[str, int]] = attrs.field(factory=dict)  # role -> its tower and images (VLMs)
 
     # -- reading ---------------------------------------------------------------------------
     def group(self, name: str) -> Group:
@@ -241,6 +242,7 @@ class Plan:
         lines.append("steps:")
         lines.extend("  " + step.text().replace("\n", "\n  ") for step in self.steps)
         lines.extend(loop.text(f"B={self.sizes['B']}" if "B" in self.sizes else "B") for loop in self.loops)
+        lines.extend(self._vision_lines())
         lines.append("memory per rank (peak over phases):")
         for name, phases in self.memory.items():
             for phase, parts in phases.items():
@@ -253,6 +255,20 @@ class Plan:
         lines.extend(self.overlap.text(self) if self.overlap is not None else ())
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+    def _vision_lines(self) -> list[str]:
+        """Each vision-language role: its tower, the pixel budget and what an image costs (in P and the memory rows)."""
+        lines = []
+        for role, f in self.vision.items():
+            tokens = f["tokens_per_image"] * f["images_per_prompt"]
+            lines += [f"vision {role}: tower {f['tower_params']:,} params "
+                      f"({'trained' if f['tower_trained'] else 'frozen'}); pixel budget {f['pixel_budget']:,} px an image "
+                      f"-> <= {f['tokens_per_image']} image tokens; {f['images_per_prompt']} image(s) a prompt = "
+                      f"{tokens} tokens counted in every sequence beside P",
+                      f"  per image: {f['flops_per_image'] / 1e12:.3g} TFLOP "
+                      f"({'forward+backward' if f['tower_trained'] else 'forward only'}), activations "
+                      f"{_mib(f['activation_bytes_per_image'])} (in each phase's activations)"]
+        return lines
 
     def _host_memory_lines(self) -> list[str]:
         """What each rank keeps in host memory (offloaded training state), against a node's host memory."""

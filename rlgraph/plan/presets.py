@@ -5,7 +5,8 @@
     load_model_config("ckpt/")                # a directory holding config.json
 
 The presets copy the architecture fields of the models' published `config.json`; nothing is
-downloaded. `tiny-qwen2` is the ~126k-parameter model the tests and the CPU demo build.
+downloaded. `tiny-qwen2-vl` is the shipped tiny Qwen2-VL (`rlgraph/backends/local/vlm.py`).
+`tiny-qwen2` is the ~126k-parameter model the tests and the CPU demo build.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any
 from rlgraph.plan.model_size import ModelShape
 
 _TINY_QWEN2 = Path(__file__).resolve().parent.parent / "assets" / "tiny_qwen2.json"
+_SHIPPED = {"tiny-qwen2": _TINY_QWEN2, "tiny-qwen2-vl": _TINY_QWEN2.with_name("tiny_qwen2_vl.json")}
 
 
 def _qwen2(**fields: Any) -> dict[str, Any]:
-    return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
-                rope_theta=1_000_000.0, use_sliding_window=False, attention_dropout=0.0, **fields)
+    base = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
+                rope_theta=1_000_000.0, use_sliding_window=False, attention_dropout=0.0)
+    return {**base, **fields}
 
 
 def _llama3(**fields: Any) -> dict[str, Any]:
@@ -41,6 +44,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": _qwen2(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                          intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
                          max_position_embeddings=131072),
+    # Qwen/Qwen2.5-VL-7B-Instruct's config.json: the language model's fields at the top level, as published
+    "qwen2.5-vl-7b": _qwen2(
+        model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], hidden_size=3584,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+        vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=128000,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, bos_token_id=151643, eos_token_id=151645,
+        vision_start_token_id=151652, vision_end_token_id=151653, image_token_id=151655, video_token_id=151656,
+        vision_config={"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                       "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                       "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                       "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}),
     "llama3-8b": _llama3(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=14336),
     "llama3-70b": _llama3(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672),
 }
@@ -48,13 +62,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset_names() -> list[str]:
     """Every name `get_preset` accepts."""
-    return (["tiny-qwen2"] if _TINY_QWEN2.is_file() else []) + sorted(PRESETS)
+    return [name for name, path in _SHIPPED.items() if path.is_file()] + sorted(PRESETS)
 
 
 def get_preset(name: str) -> dict[str, Any]:
     """A fresh copy of the named config dict."""
-    if name == "tiny-qwen2" and _TINY_QWEN2.is_file():
-        return json.loads(_TINY_QWEN2.read_text())
+    if name in _SHIPPED and _SHIPPED[name].is_file():
+        return json.loads(_SHIPPED[name].read_text())
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}. "
                          "Or pass a config.json path or a directory holding one")

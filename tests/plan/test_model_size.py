@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from transformers import (
+    Qwen2_5_VLConfig,
     DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
     Qwen2ForTokenClassification, Qwen3Config, Qwen3ForCausalLM,
 )
@@ -98,15 +99,15 @@ def test_presets_are_fresh_copies_and_unknown_names_list_the_known_ones():
     config = get_preset("llama3-8b")
     config["hidden_size"] = 1
     assert get_preset("llama3-8b")["hidden_size"] == 4096
-    assert preset_names() == ["tiny-qwen2", *sorted(PRESETS)]
-    with pytest.raises(ValueError, match="unknown model preset 'gpt-5'; known presets: tiny-qwen2, llama3-70b"):
+    assert preset_names() == ["tiny-qwen2", "tiny-qwen2-vl", *sorted(PRESETS)]
+    with pytest.raises(ValueError, match="unknown model preset 'gpt-5'; known presets: tiny-qwen2, tiny-qwen2-vl, llama3-70b"):
         get_preset("gpt-5")
 
 
 def test_presets_build_real_transformers_configs():
     for name in PRESETS:
         config = get_preset(name)
-        cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[config["model_type"]]
+        cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen2_5_vl": Qwen2_5_VLConfig}[config["model_type"]]
         assert ModelShape.from_hf_config(cls(**config)) == ModelShape.from_hf_config(config)
 
 
