@@ -4,7 +4,9 @@ Every call takes the caller's `owner` (a digest of its API key) and touches only
 created: another owner's model, sampler or saved state reads as "not found". Calls are plain
 methods, run one at a time by the scheduler (`scheduler.py`), which gives fairness and order.
 Every model call runs as a compiled plan (`programs.py`), executed by the plan runner on the
-tenant's (or sampler's) `LocalExecutor`: `forward` through `logprobs`, `forward_backward` through
+tenant's (or sampler's) executor, in this process or on every spmd rank (`host.py`, `ranks.py`:
+the tenants' adapters are made, loaded, saved and picked by commands sent to where they live):
+`forward` through `logprobs`, `forward_backward` through
 `update(step=False)` (gradients accumulate until `optim_step`), `optim_step` through
 `optimizer_step`, `sample` through `generate`; `plan(call)` shows the plans. A failing call raises a `CallError` and leaves its tenant as it was: a non-finite
 loss or gradient restores the gradients the call found (the executor's non-finite guard raises
