@@ -63,12 +63,12 @@ class Sequence_:
 
 class Service:
     """One base model (`"tiny"` or a local HF directory) and its tenants; saved states in `state_dir`.
-    `nproc` > 1: the tenants live on that many worker ranks (`--runtime spmd`), the base FSDP2-sharded
+    `nproc` > 1: the tenants live on that many worker ranks (`runtime`: spmd or ray), the base FSDP2-sharded
     over them (`service/host.py`); here only the tokenizer and the model's config are read (and, for
     now, the model built once: BaseModel has no config-only form)."""
 
     def __init__(self, model: str = "tiny", *, state_dir: str | Path, limits: Limits | None = None, seed: int = 0,
-                 device: str = "cpu", nproc: int = 1):
+                 device: str = "cpu", nproc: int = 1, runtime: str = "spmd"):
         self.base = BaseModel.build(model, seed=seed, device=device)
         self.limits = limits or Limits(self.base.vocab_size, self.base.context)
         self.store = Store(state_dir)
@@ -83,7 +83,7 @@ class Service:
             self.ranks: LocalRanks | SpmdRanks = LocalRanks(TenantHost(self.base))
         else:
             self.ranks = SpmdRanks(model, nproc=nproc, plan=self.plans.get("logprobs").plan, seed=seed,
-                                   device=self.base.device.type, tokenizer=self.base.tokenizer)
+                                   device=self.base.device.type, tokenizer=self.base.tokenizer, runtime=runtime)
 
     def close(self) -> None:
         """Stop the worker ranks, if any (idempotent)."""

@@ -38,16 +38,20 @@ class LocalRanks:
 
 
 class SpmdRanks:
-    """The tenants on `nproc` worker processes (`SpmdTransport`), each holding its FSDP2 shard of
-    the base and every adapter whole. `plan`: any plan of the service on the ranks' mesh (the
-    transport sizes its workers by it)."""
+    """The tenants on `nproc` worker processes (`runtime="spmd"`: `SpmdTransport`) or Ray actors
+    (`"ray"`: `RayTransport`, a local cluster or the one `ray.init` joined), each holding its FSDP2
+    shard of the base and every adapter whole; the same commands reach either. `plan`: any plan of
+    the service on the ranks' mesh (the transport sizes its workers by it)."""
 
-    def __init__(self, model: str, *, nproc: int, plan: Any, seed: int = 0, device: str = "cpu", tokenizer: Any = None):
+    def __init__(self, model: str, *, nproc: int, plan: Any, seed: int = 0, device: str = "cpu", tokenizer: Any = None,
+                 runtime: str = "spmd"):
         from rlgraph.backends.local.executor import LocalExecutor
+        from rlgraph.runtime.ray_transport import RayTransport
         from rlgraph.runtime.spmd import SpmdTransport
 
         self.dp = nproc
-        self.transport = SpmdTransport(plan, ServiceWorld(model, seed), device=device)
+        transport = {"spmd": SpmdTransport, "ray": RayTransport}[runtime]
+        self.transport = transport(plan, ServiceWorld(model, seed), device=device)
         # The controller runs only the plans' math between gathers: an executor without models.
         self.controller = LocalExecutor({}, {}, tokenizer)
 

@@ -4,6 +4,7 @@
     RLGRAPH_SERVE_KEYS=tml-... rlgraph serve --model /models/qwen --state-dir states
     rlgraph serve --model tiny --insecure-local --state-dir /tmp/states      # no keys: this machine only
     rlgraph serve --model tiny --runtime spmd --nproc 2 --keys keys.txt --state-dir states   # the base on 2 ranks
+    rlgraph serve --model tiny --runtime ray --nproc 2 --keys keys.txt --state-dir states    # on 2 Ray actors
 
 A keys file holds one API key a line (`#` starts a comment). Keys start with `tml-` (the Tinker
 SDK refuses any other) and have at least 16 characters after it. Without keys the server
@@ -56,10 +57,6 @@ def check_options(host: str, port: int, runtime: str, keys: set[str] | None, ins
         raise ConfigError(f"--port {port} is not a TCP port", fix="--port 8000 (0 picks a free one)")
     if runtime not in ("local", "spmd", "ray"):
         raise ConfigError(f"--runtime {runtime!r} is not a runtime (local, spmd or ray)", fix="--runtime local or spmd")
-    if runtime == "ray":
-        raise ConfigError("--runtime ray: the server does not run on Ray actors yet (its tenant commands reach the "
-                          "ranks through the transport, but serving on Ray is untested; docs/service.md)",
-                          fix="--runtime spmd --nproc N (worker processes on this machine), or --runtime local")
     _check_nproc(runtime, nproc)
     if keys is None and not insecure_local:
         raise ConfigError("no API keys: the server refuses to start without them",
@@ -91,9 +88,9 @@ def _check_nproc(runtime: str, nproc: object) -> None:
     if runtime == "local" and nproc != 1:
         raise ConfigError(f"--nproc {nproc} with --runtime local: the local runtime is one process",
                           fix=f"--runtime spmd --nproc {nproc}")
-    if runtime == "spmd" and nproc < 2:
-        raise ConfigError("--runtime spmd --nproc 1: one rank is the local runtime without the worker process",
-                          fix="--runtime local, or --runtime spmd --nproc 2")
+    if runtime != "local" and nproc < 2:
+        raise ConfigError(f"--runtime {runtime} --nproc 1: one rank is the local runtime without the worker process",
+                          fix=f"--runtime local, or --runtime {runtime} --nproc 2")
 
 
 def _loopback(host: str) -> bool:
@@ -115,10 +112,10 @@ def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | 
 
     keys = read_keys(keys_file)
     device = check_options(host, port, runtime, keys, insecure_local, device, state_dir, nproc)
-    service = Service(model, state_dir=state_dir, device=device, nproc=nproc)
+    service = Service(model, state_dir=state_dir, device=device, nproc=nproc, runtime=runtime)
     try:
         app = build_app(service, keys)
-        ranks = f", {nproc} spmd ranks" if nproc > 1 else ""
+        ranks = f", {nproc} {runtime} ranks" if nproc > 1 else ""
         print(f"rlgraph serve: {service.base.name} on http://{host}:{port} ({len(keys or ())} keys{ranks}; "
               f"states in {state_dir})")
         try:

@@ -66,3 +66,26 @@ def test_two_ranks_give_the_single_process_numbers(servers):
                                       test_sdk.test_save_and_restore_give_identical_forward_results])
 def test_the_sdk_tests_pass_on_two_ranks(servers, sdk_test):
     sdk_test(tinker.ServiceClient(base_url=servers[1].url, api_key=KEY_A))
+
+
+def test_ray_actors_serve_with_the_same_commands_and_numbers(tmp_path):
+    """The tenant commands reach Ray actors through the same `WorkerPool.command` (a local cluster)."""
+    pytest.importorskip("ray")
+    from rlgraph.service.core import Service
+    from rlgraph.service.datums import Datum
+    from rlgraph.service.tenants import LoraSpec
+
+    def losses(service):
+        try:
+            tokenizer = service.base.tokenizer
+            service.create_model("owner", "m", "tiny", LoraSpec(rank=4, seed=0))
+            data = [Datum(seq[:-1], {"target_tokens": seq[1:]}) for seq in map(tokenizer.encode, TEXTS)]
+            found = [service.forward("owner", "m", data, "cross_entropy", backward=True)["metrics"]["loss:sum"]]
+            service.optim_step("owner", "m", {"learning_rate": 1e-2})
+            return found + [service.forward("owner", "m", data, "cross_entropy")["metrics"]["loss:sum"]]
+        finally:
+            service.close()
+
+    reference = losses(Service("tiny", state_dir=tmp_path / "local"))
+    assert losses(Service("tiny", state_dir=tmp_path / "ray", nproc=2, runtime="ray")) == pytest.approx(reference, rel=SAME_LOSS)
+    assert reference[1] < reference[0]  # the step moved the adapter

@@ -105,7 +105,7 @@ def test_the_command_serves_the_sdk(tmp_path):
 
 
 @pytest.mark.parametrize("runtime, nproc, message", [
-    ("ray", 2, r"--runtime ray: the server does not run on Ray actors yet(.|\n)*fix: --runtime spmd"),
+    ("ray", 1, r"--runtime ray --nproc 1: one rank is the local runtime(.|\n)*fix: --runtime local, or --runtime ray"),
     ("gpu", 1, r"--runtime 'gpu' is not a runtime \(local, spmd or ray\)"),
     ("spmd", 1, r"--runtime spmd --nproc 1: one rank is the local runtime"),
     ("spmd", 0, r"--nproc 0 is not a number of ranks in 1..64"),
