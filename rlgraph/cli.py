@@ -166,7 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="tiny", help="tiny, or a local Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--runtime", default="local", help="local (spmd and ray are not served yet)")
+    serve.add_argument("--runtime", default="local", help="local (one process), spmd (--nproc worker processes, the "
+                       "base FSDP2-sharded over them) or ray (--nproc Ray actors, likewise)")
+    serve.add_argument("--nproc", type=_positive_int, default=None, help="spmd/ray: worker ranks, >= 2 (default 2)")
     serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda is untested)")
     serve.add_argument("--keys", help="a file of API keys, one a line (or $RLGRAPH_SERVE_KEYS, comma-separated)")
     serve.add_argument("--state-dir", required=True, help="where saved states live (they survive a restart)")
@@ -204,7 +206,8 @@ def _serve(args) -> int:
     from rlgraph.service.serve import serve
 
     serve(args.model, host=args.host, port=args.port, state_dir=args.state_dir, keys_file=args.keys,
-          insecure_local=args.insecure_local, runtime=args.runtime, device=args.device)
+          insecure_local=args.insecure_local, runtime=args.runtime, device=args.device,
+          nproc=args.nproc if args.nproc is not None else (1 if args.runtime == "local" else 2))
     return 0
 
 

@@ -250,6 +250,11 @@ class WorkerPool(Transport):
     def fetch(self, name: str, rank: int) -> Any:
         return self._all([rank], "get", name)[rank]
 
+    def command(self, name: str, *args: Any, **kwargs: Any) -> dict[int, Any]:
+        """Every rank runs its executor's command `name` (one it declares: `Worker.executor_command`);
+        each rank's answer."""
+        return self._all(range(self.world), "executor_command", name, args, kwargs)
+
     def current(self, role: str, rank: int) -> ModelRef:
         return self._all([rank], "current", role)[rank]
 

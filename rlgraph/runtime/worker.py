@@ -113,6 +113,13 @@ class Worker:
     def read_parts(self, directory: str, roles: Any, shuffle_rng: Any, sampling: Any, where: str) -> None:
         self.executor.read_parts(directory, roles, shuffle_rng, sampling, where)
 
+    def executor_command(self, name: str, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        """A command the executor declares in `commands` (the training service's tenant commands,
+        `rlgraph.service.host`): the runtime carries it to every rank without knowing it."""
+        if name not in getattr(self.executor, "commands", ()):
+            raise KeyError(f"rank {self.rank}'s executor ({type(self.executor).__name__}) has no command {name!r}")
+        return getattr(self.executor, name)(*args, **kwargs)
+
 
 def serve(worker: Worker, command: str, args: tuple) -> tuple[str, Any]:
     """Run one command: `("ok", (result, seconds))`, or `("error", (type, message, traceback))`.

@@ -4,7 +4,9 @@ Every call takes the caller's `owner` (a digest of its API key) and touches only
 created: another owner's model, sampler or saved state reads as "not found". Calls are plain
 methods, run one at a time by the scheduler (`scheduler.py`), which gives fairness and order.
 Every model call runs as a compiled plan (`programs.py`), executed by the plan runner on the
-tenant's (or sampler's) `LocalExecutor`: `forward` through `logprobs`, `forward_backward` through
+tenant's (or sampler's) executor, in this process or on every spmd rank (`host.py`, `ranks.py`:
+the tenants' adapters are made, loaded, saved and picked by commands sent to where they live):
+`forward` through `logprobs`, `forward_backward` through
 `update(step=False)` (gradients accumulate until `optim_step`), `optim_step` through
 `optimizer_step`, `sample` through `generate`; `plan(call)` shows the plans. A failing call raises a `CallError` and leaves its tenant as it was: a non-finite
 loss or gradient restores the gradients the call found (the executor's non-finite guard raises
@@ -13,7 +15,6 @@ before any optimizer step).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,12 +24,14 @@ import attrs
 import torch
 
 from rlgraph.backends.local.executor import NonFiniteUpdate
-from rlgraph.backends.local.generation import SamplingStream
 from rlgraph.service import programs
+from rlgraph.batches import Prompts
 from rlgraph.service.datums import Datum, Limits, check_datums, check_tokens, to_prompts, to_rollouts
 from rlgraph.service.errors import CallError, not_found
 from rlgraph.service.losses import check_loss
 from rlgraph.service.store import Store
+from rlgraph.service.host import TenantHost
+from rlgraph.service.ranks import LocalRanks, SpmdRanks
 from rlgraph.service.tenants import BaseModel, LoraSpec, Sampler, Tenant
 
 PLAN_CALLS = ("forward", "forward_backward", "optim_step", "sample", "compute_logprobs")
@@ -59,10 +62,13 @@ class Sequence_:
 
 
 class Service:
-    """One base model (`"tiny"` or a local HF directory) and its tenants; saved states in `state_dir`."""
+    """One base model (`"tiny"` or a local HF directory) and its tenants; saved states in `state_dir`.
+    `nproc` > 1: the tenants live on that many worker ranks (`runtime`: spmd or ray), the base FSDP2-sharded
+    over them (`service/host.py`); here only the tokenizer and the model's config are read (and, for
+    now, the model built once: BaseModel has no config-only form)."""
 
     def __init__(self, model: str = "tiny", *, state_dir: str | Path, limits: Limits | None = None, seed: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", nproc: int = 1, runtime: str = "spmd"):
         self.base = BaseModel.build(model, seed=seed, device=device)
         self.limits = limits or Limits(self.base.vocab_size, self.base.context)
         self.store = Store(state_dir)
@@ -70,8 +76,18 @@ class Service:
         self.names = {self.base.name, self.public_name, model}
         self.tenants: dict[str, Tenant] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.plans = programs.Plans(_unwrapped(self.base.module).config.to_dict())
+        self.plans = programs.Plans(_unwrapped(self.base.module).config.to_dict(),
+                                    mesh=f"{self.base.device.type}:{nproc}")
         self._adapters = 0
+        if nproc == 1:
+            self.ranks: LocalRanks | SpmdRanks = LocalRanks(TenantHost(self.base))
+        else:
+            self.ranks = SpmdRanks(model, nproc=nproc, plan=self.plans.get("logprobs").plan, seed=seed,
+                                   device=self.base.device.type, tokenizer=self.base.tokenizer, runtime=runtime)
+
+    def close(self) -> None:
+        """Stop the worker ranks, if any (idempotent)."""
+        self.ranks.close()
 
     # -- tenants -------------------------------------------------------------------------------
     def check_base_model(self, name: object, field: str = "base_model") -> None:
@@ -85,20 +101,31 @@ class Service:
             raise CallError(f"model {model_id!r} exists", field="model_seq_id")
         _check_quota(self.tenants.values(), owner, self.limits.max_models, "training models", "base_model",
                      "save_state what you need and let old clients go (a server restart drops live models)")
-        adapter, params = self._new_adapter("t", lora)
-        # Not make_optimizer: it keeps only parameters that require grad, and an inactive peft adapter's do not.
-        optimizer = torch.optim.AdamW(params, **_adam_kwargs(ADAM_DEFAULTS))
-        executor = self.base.executor(params, optimizer, seed=lora.seed,
-                                      max_new_tokens=self.limits.max_new_tokens)
-        self.tenants[model_id] = Tenant(model_id, owner, adapter, lora, executor, optimizer)
+        adapter = self._new_adapter("t")
+        self.ranks.call("create", adapter, lora, self.limits.max_new_tokens)
+        executor = self._in_process(adapter)
+        self.tenants[model_id] = Tenant(model_id, owner, adapter, lora, executor,
+                                        executor and executor.models["policy"].optimizer)
         self.store.claim(model_id, owner)
         return model_id
 
-    def _new_adapter(self, prefix: str, lora: LoraSpec) -> tuple[str, Any]:
-        """A fresh adapter on the base (`t3` a tenant's, `s4` a sampler snapshot's) and its parameters."""
+    def _new_adapter(self, prefix: str) -> str:
+        """A fresh adapter's name (`t3` a tenant's, `s4` a sampler snapshot's, `b5` a base sampler's key)."""
         self._adapters += 1
-        adapter = f"{prefix}{self._adapters}"
-        return adapter, self.base.add_adapter(adapter, lora)
+        return f"{prefix}{self._adapters}"
+
+    def _in_process(self, key: str) -> Any:
+        """The executor of `key` when the tenants live in this process (tests read it); None on ranks."""
+        return self.ranks.host.executors[key] if isinstance(self.ranks, LocalRanks) else None
+
+    def _padded(self, checked: list[tuple[list[int], Any]]) -> list[tuple[list[int], Any]]:
+        """Datums made a multiple of the data-parallel ranks (each rank gets the same number of rows) by
+        copies of the first with weights and advantages 0: rows that add nothing to a loss or a gradient."""
+        tokens, inputs = checked[0]
+        blank = {**inputs, "weights": torch.zeros(len(tokens))}
+        if "advantages" in inputs:
+            blank["advantages"] = torch.zeros(len(tokens))
+        return list(checked) + [(tokens, blank)] * (-len(checked) % self.ranks.dp)
 
     def tenant(self, owner: str, model_id: object) -> Tenant:
         tenant = self.tenants.get(model_id) if isinstance(model_id, str) else None
@@ -121,25 +148,23 @@ class Service:
         tenant = self.tenant(owner, model_id)
         config = check_loss(loss_fn, loss_fn_config)
         checked = check_datums(data, loss_fn, self.limits)
-        rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
+        rollouts, _ = to_rollouts(self._padded(checked), self.base.tokenizer.pad_token_id)
         compiled = self._plan("forward_backward" if backward else "forward", lora=_trained(tenant, backward),
                               loss_fn=loss_fn, loss_config=config)
-        with self.base.active(tenant.adapter):
-            if not backward:
-                metrics, outputs = programs.run(compiled, tenant.executor, rollouts)
-                return _fb_result(checked, outputs["logprobs"], outputs["elementwise_loss"], metrics["loss:sum"])
-            saved = [None if p.grad is None else p.grad.clone() for p in tenant.params]
-            try:
-                metrics, outputs = programs.run(compiled, tenant.executor, rollouts)
-                if not math.isfinite(metrics["loss:sum"]):  # an inf loss whose gradient stayed finite
-                    raise NonFiniteUpdate(f"the loss is {metrics['loss:sum']}")
-            except NonFiniteUpdate:
-                _restore_grads(tenant.params, saved)
+        self.ranks.call("use", tenant.adapter, keep="grads" if backward else None)
+        undo = backward  # a failed forward_backward puts the gradients it found back
+        try:
+            metrics, outputs = self.ranks.run(compiled, rollouts)
+            if not math.isfinite(metrics["loss:sum"]) and backward:  # an inf loss whose gradient stayed finite
+                raise NonFiniteUpdate(f"the loss is {metrics['loss:sum']}")
+            undo = False
+        except Exception as error:
+            if _non_finite(error):
                 raise CallError("the loss or its gradient is not finite (NaN or inf); this call changed nothing",
                                 field="data", fix="check the advantages and log-probs sent") from None
-            except BaseException:
-                _restore_grads(tenant.params, saved)
-                raise
+            raise
+        finally:
+            self.ranks.call("done", undo=undo)
         return _fb_result(checked, outputs["logprobs"], outputs["elementwise_loss"], metrics["loss:sum"])
 
     def optim_step(self, owner: str, model_id: str, adam: Mapping[str, float]) -> dict[str, float]:
@@ -147,16 +172,20 @@ class Service:
         tenant = self.tenant(owner, model_id)
         settings = check_adam(adam)
         compiled = self._plan("optim_step", lora=tenant.lora.plan_settings, **settings)
-        before = _snapshot(tenant)
+        self.ranks.call("use", tenant.adapter, keep="all")
+        bad = 0
         try:
-            metrics, _ = programs.run(compiled, tenant.executor, None)
-        except NonFiniteUpdate as error:  # cannot happen through forward_backward's guard; kept as the last line
-            raise CallError(f"{error}", field="optim_step") from None
-        # The step's own arithmetic can still overflow (weights near the float limit); such a step is
-        # undone, so no non-finite value is ever kept, saved or sampled from.
-        bad = sum(int((~torch.isfinite(param)).sum()) for param in tenant.params)
+            metrics, _ = self.ranks.run(compiled, None)
+            # The step's own arithmetic can still overflow (weights near the float limit); such a step is
+            # undone, so no non-finite value is ever kept, saved or sampled from.
+            bad = self.ranks.call("bad_values")
+        except Exception as error:
+            if _non_finite(error):  # cannot happen through forward_backward's guard; kept as the last line
+                raise CallError(f"{error}", field="optim_step") from None
+            raise
+        finally:
+            self.ranks.call("done", undo=bad > 0)
         if bad:
-            _restore(tenant, before)
             raise CallError(f"this step made {bad} adapter values non-finite (NaN or inf) with learning_rate="
                             f"{settings['learning_rate']:g}, weight_decay={settings['weight_decay']:g}; it was undone: "
                             "the adapter, its optimizer state and its gradients are as before", field="adam_params",
@@ -167,9 +196,8 @@ class Service:
     # -- states --------------------------------------------------------------------------------
     def save_state(self, owner: str, model_id: str, name: str, *, overwrite: bool = False) -> str:
         tenant = self.tenant(owner, model_id)
-        payload = {"adapter": self.base.adapter_state(tenant.adapter), "optimizer": tenant.optimizer.state_dict(),
-                   "steps": tenant.steps, "lora": attrs.asdict(tenant.lora), "base_model": self.base.name,
-                   "sampling": attrs.asdict(tenant.executor.sampling)}
+        payload = {**self.ranks.call("state", tenant.adapter), "steps": tenant.steps, "lora": attrs.asdict(tenant.lora),
+                   "base_model": self.base.name}
         return self.store.save(owner, model_id, "weights", name, payload, overwrite=overwrite,
                                max_states=self.limits.max_saved_states)
 
@@ -178,15 +206,10 @@ class Service:
         its pending gradients are dropped. All or nothing."""
         tenant = self.tenant(owner, model_id)
         payload = self.store.load(owner, path, kinds=("weights",))
-        self.base.load_adapter_state(tenant.adapter, payload["adapter"], "path")
-        for param in tenant.params:
-            param.grad = None
+        self.ranks.call("load", tenant.adapter, payload["adapter"], "path", payload["optimizer"] if optimizer else None,
+                        payload["sampling"] if optimizer else None)
         if optimizer:
-            tenant.optimizer.load_state_dict(payload["optimizer"])
             tenant.steps = int(payload["steps"])
-            tenant.executor.sampling = SamplingStream(**payload["sampling"])
-        else:
-            tenant.optimizer.state.clear()
         return path
 
     def create_from_state(self, owner: str, model_id: str, path: str, *, optimizer: bool) -> str:
@@ -203,13 +226,13 @@ class Service:
 
     def drop_model(self, model_id: str) -> None:
         tenant = self.tenants.pop(model_id)
-        self.base.delete_adapter(tenant.adapter)
+        self.ranks.call("drop", tenant.adapter)
 
     # -- sampling ------------------------------------------------------------------------------
     def save_for_sampler(self, owner: str, model_id: str, sampler_id: str, name: str | None = None) -> tuple[str | None, str]:
         """Freeze the tenant's current adapter as sampler `sampler_id` (and, with `name`, on disk)."""
         tenant = self.tenant(owner, model_id)
-        tensors = self.base.adapter_state(tenant.adapter)
+        tensors = self.ranks.call("tensors", tenant.adapter)
         path = None
         if name is not None:
             path = self.store.save(owner, model_id, "sampler_weights", name,
@@ -225,15 +248,17 @@ class Service:
 
     def drop_sampler(self, sampler_id: str) -> None:
         sampler = self.samplers.pop(sampler_id, None)
-        if sampler is not None and sampler.adapter is not None:
-            self.base.delete_adapter(sampler.adapter)
+        if sampler is not None:
+            self.ranks.call("drop", sampler.key)
 
     def create_sampler(self, owner: str, sampler_id: str, *, model_path: str | None = None,
                        base_model: str | None = None) -> str:
         if model_path is None:
             self.check_base_model(base_model, "base_model")
-            executor = self.base.executor([], None, seed=0, max_new_tokens=self.limits.max_new_tokens)
-            self.samplers[sampler_id] = Sampler(sampler_id, owner, None, executor)
+            key = self._new_adapter("b")
+            self.ranks.call("add_sampler", key, None, None, "base_model", self.limits.max_new_tokens)
+            self.drop_sampler(sampler_id)
+            self.samplers[sampler_id] = Sampler(sampler_id, owner, None, self._in_process(key), key=key)
             return sampler_id
         payload = self.store.load(owner, model_path, field="model_path")
         self._add_sampler(owner, sampler_id, payload["adapter"], LoraSpec(**payload["lora"]), model_path)
@@ -247,15 +272,10 @@ class Service:
         others = [item for item in self.samplers.values() if item is not replaced]
         _check_quota(others, owner, self.limits.max_samplers, "samplers", "sampling_session_id",
                      "reuse a sampling client; a training model keeps only its newest snapshots")
-        adapter, _ = self._new_adapter("s", lora)
-        try:
-            self.base.load_adapter_state(adapter, tensors, "model_path")
-        except BaseException:
-            self.base.delete_adapter(adapter)
-            raise
-        executor = self.base.executor([], None, seed=lora.seed, max_new_tokens=self.limits.max_new_tokens)
+        adapter = self._new_adapter("s")
+        self.ranks.call("add_sampler", adapter, lora, tensors, "model_path", self.limits.max_new_tokens)
         self.drop_sampler(sampler_id)
-        self.samplers[sampler_id] = Sampler(sampler_id, owner, adapter, executor, path)
+        self.samplers[sampler_id] = Sampler(sampler_id, owner, adapter, self._in_process(adapter), path, key=adapter)
 
     def sampler(self, owner: str, sampler_id: object) -> Sampler:
         sampler = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
@@ -271,18 +291,16 @@ class Service:
         tokens = check_tokens(prompt, "prompt", self.limits)
         steps = check_sample(params, num_samples, len(tokens), self.limits)
         stops = _stop(params.stop)
-        executor = sampler.executor
-        stream = executor.sampling
-        if params.seed is not None:
-            executor.sampling = SamplingStream(int(params.seed))  # a seeded request leaves the sampler's stream alone
         compiled = self._sample_plan(params, num_samples, steps)
+        # A seeded request leaves the sampler's stream alone. With several data-parallel ranks each
+        # generates for a copy of the prompt; sampling is counter-based, so the first copy's samples
+        # are the ones one process draws (the others are dropped).
+        self.ranks.call("use", sampler.key, seed=params.seed)
         try:
-            with self.base.active(sampler.adapter):
-                rollouts = programs.run(compiled, executor, to_prompts(tokens))[1]["rollouts"]
-                scored = self._prompt_logprobs(executor, tokens) if prompt_logprobs else None
+            rollouts = self.ranks.run(compiled, _copies(to_prompts(tokens), self.ranks.dp))[1]["rollouts"]
+            scored = self._prompt_logprobs(tokens) if prompt_logprobs else None
         finally:
-            if params.seed is not None:
-                executor.sampling = stream
+            self.ranks.call("done")
         ids = [s for s in stops if isinstance(s, int)]
         sequences = [_sequence(rollouts, row, steps, self.base.tokenizer.eos_token_id, ids) for row in range(num_samples)]
         return {"sequences": sequences, "prompt_logprobs": scored}
@@ -320,12 +338,12 @@ class Service:
             return found + ([("prompt_logprobs", self._plan("logprobs"))] if include_prompt_logprobs else [])
         raise CallError(f"no call {call!r} runs a plan", field="call", fix=f"one of {', '.join(PLAN_CALLS)}")
 
-    def _prompt_logprobs(self, executor: Any, tokens: list[int]) -> list[float | None]:
+    def _prompt_logprobs(self, tokens: list[int]) -> list[float | None]:
         if len(tokens) < 2:
             return [None]
         checked = [(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])})]
-        rollouts, _ = to_rollouts(checked, self.base.tokenizer.pad_token_id)
-        lp = programs.run(self._plan("logprobs"), executor, rollouts)[1]["logprobs"][0]  # [P - 1]
+        rollouts, _ = to_rollouts(self._padded(checked), self.base.tokenizer.pad_token_id)
+        lp = self.ranks.run(self._plan("logprobs"), rollouts)[1]["logprobs"][0]  # [P - 1]
         return [None, *lp.tolist()]
 
 
@@ -338,25 +356,14 @@ def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
-def _snapshot(tenant: Tenant) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]:
-    """The adapter's values, gradients and optimizer state, to undo a step (an adapter is small)."""
-    params = [param.detach().clone() for param in tenant.params]
-    grads = [None if param.grad is None else param.grad.clone() for param in tenant.params]
-    return params, grads, copy.deepcopy(tenant.optimizer.state_dict())
+def _non_finite(error: BaseException) -> bool:
+    """The executor's non-finite guard, raised here or on a rank (where it reaches the server by name)."""
+    return isinstance(error, NonFiniteUpdate) or "NonFiniteUpdate" in str(error)
 
 
-def _restore(tenant: Tenant, saved: tuple[list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]) -> None:
-    params, grads, optimizer = saved
-    with torch.no_grad():
-        for param, value in zip(tenant.params, params):
-            param.copy_(value)
-    _restore_grads(tenant.params, grads)
-    tenant.optimizer.load_state_dict(optimizer)
-
-
-def _restore_grads(params: list[torch.nn.Parameter], saved: list[torch.Tensor | None]) -> None:
-    for param, grad in zip(params, saved):
-        param.grad = grad
+def _copies(prompts: Prompts, count: int) -> Prompts:
+    """`count` copies of the one prompt, one per data-parallel rank."""
+    return prompts if count == 1 else Prompts(prompts.ids.repeat(count, 1), prompts.mask.repeat(count, 1))
 
 
 def _fb_result(checked: Sequence[tuple[list[int], Any]], lp: torch.Tensor, per_token: torch.Tensor,
@@ -393,11 +400,6 @@ def _check_quota(held_by_all: Any, owner: str, limit: int, what: str, field: str
     held = sum(item.owner == owner for item in held_by_all)
     if held >= limit:
         raise CallError(f"this API key holds {held} {what}, the server's limit", field=field, fix=fix)
-
-
-def _adam_kwargs(params: Mapping[str, float]) -> dict[str, Any]:
-    return dict(lr=params["learning_rate"], betas=(params["beta1"], params["beta2"]), eps=params["eps"],
-                weight_decay=params["weight_decay"])
 
 
 def check_sample(params: SampleParams, num_samples: object, prompt_length: int, limits: Limits) -> int:

@@ -85,7 +85,8 @@ CALLS = {"forward": forward, "forward_backward": forward_backward, "optim_step":
 class Plans:
     """The compiled plan of each (call, settings), compiled on first use; the `size` most recent kept."""
 
-    def __init__(self, model: Mapping[str, Any] | None = None, size: int = 128):
+    def __init__(self, model: Mapping[str, Any] | None = None, size: int = 128, mesh: str = "cpu:1"):
+        self.mesh = mesh  # "cpu:2": the tenants live on 2 ranks (`rlgraph serve --runtime spmd --nproc 2`)
         self.models = {"policy": dict(model)} if model is not None else {}  # the served model's HF config
         self.size = size
         self._compiled: OrderedDict[tuple, Compiled] = OrderedDict()
@@ -103,8 +104,8 @@ class Plans:
         if compiled is None:
             sizes = ({"B": 1, "n": settings["num_samples"], "P": 8, "T": settings["max_tokens"]} if call == "sample"
                      else None)  # a sample call is one prompt
-            # One process holding every tenant: no offload, and the executor checkpoints no activations.
-            compiled = rg.compile(CALLS[call], mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
+            # Every rank holds every tenant: no offload, and the executor checkpoints no activations.
+            compiled = rg.compile(CALLS[call], mesh=self.mesh, placement=rg.colocated(offload=False, checkpointing=False),
                                   sizes=sizes, models=self.models, lora={"policy": dict(lora)} if lora else None,
                                   **settings)
             self._compiled[key] = compiled

@@ -3,6 +3,8 @@
     rlgraph serve --model tiny --keys keys.txt --state-dir states            # 127.0.0.1:8000
     RLGRAPH_SERVE_KEYS=tml-... rlgraph serve --model /models/qwen --state-dir states
     rlgraph serve --model tiny --insecure-local --state-dir /tmp/states      # no keys: this machine only
+    rlgraph serve --model tiny --runtime spmd --nproc 2 --keys keys.txt --state-dir states   # the base on 2 ranks
+    rlgraph serve --model tiny --runtime ray --nproc 2 --keys keys.txt --state-dir states    # on 2 Ray actors
 
 A keys file holds one API key a line (`#` starts a comment). Keys start with `tml-` (the Tinker
 SDK refuses any other) and have at least 16 characters after it. Without keys the server
@@ -49,20 +51,13 @@ def read_keys(path: str | None, environ: dict[str, str] | None = None) -> set[st
 
 
 def check_options(host: str, port: int, runtime: str, keys: set[str] | None, insecure_local: bool,
-                  device: str = "cpu", state_dir: str | None = None) -> str:
+                  device: str = "cpu", state_dir: str | None = None, nproc: object = 1) -> str:
     """Refuse bad options naming the flag; returns the device to serve on."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port", fix="--port 8000 (0 picks a free one)")
     if runtime not in ("local", "spmd", "ray"):
-        raise ConfigError(f"--runtime {runtime!r} is not a runtime (local, spmd or ray); the server runs on the local "
-                          "runtime only", fix="--runtime local")
-    if runtime != "local":
-        # Its calls are compiled plans, but the tenants' adapters are made, loaded and snapshotted in this
-        # process, outside any plan: worker ranks have no command for that yet.
-        raise ConfigError(f"--runtime {runtime}: the server runs on the local runtime only for now: its calls are "
-                          "compiled plans, but each tenant's LoRA adapter is created, loaded and snapshotted in the "
-                          "server's process, and spmd/ray ranks have no command to do that (docs/service.md)",
-                          fix="--runtime local (one process, CPU or one GPU: --device)")
+        raise ConfigError(f"--runtime {runtime!r} is not a runtime (local, spmd or ray)", fix="--runtime local or spmd")
+    _check_nproc(runtime, nproc)
     if keys is None and not insecure_local:
         raise ConfigError("no API keys: the server refuses to start without them",
                           fix=f"--keys FILE (one tml-... key a line) or ${KEYS_ENV}; or --insecure-local on a "
@@ -84,6 +79,20 @@ def check_options(host: str, port: int, runtime: str, keys: set[str] | None, ins
     return device
 
 
+MAX_NPROC = 64
+
+
+def _check_nproc(runtime: str, nproc: object) -> None:
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= MAX_NPROC:
+        raise ConfigError(f"--nproc {nproc!r} is not a number of ranks in 1..{MAX_NPROC}", fix="--nproc 2")
+    if runtime == "local" and nproc != 1:
+        raise ConfigError(f"--nproc {nproc} with --runtime local: the local runtime is one process",
+                          fix=f"--runtime spmd --nproc {nproc}")
+    if runtime != "local" and nproc < 2:
+        raise ConfigError(f"--runtime {runtime} --nproc 1: one rank is the local runtime without the worker process",
+                          fix=f"--runtime local, or --runtime {runtime} --nproc 2")
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -94,7 +103,7 @@ def _loopback(host: str) -> bool:
 
 
 def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | None, insecure_local: bool,
-          runtime: str = "local", device: str = "cpu") -> None:
+          runtime: str = "local", device: str = "cpu", nproc: int = 1) -> None:
     """Check the options, build the service and run uvicorn until interrupted."""
     import uvicorn
 
@@ -102,11 +111,16 @@ def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | 
     from rlgraph.service.http import build_app
 
     keys = read_keys(keys_file)
-    device = check_options(host, port, runtime, keys, insecure_local, device, state_dir)
-    service = Service(model, state_dir=state_dir, device=device)
-    app = build_app(service, keys)
-    print(f"rlgraph serve: {service.base.name} on http://{host}:{port} ({len(keys or ())} keys; states in {state_dir})")
+    device = check_options(host, port, runtime, keys, insecure_local, device, state_dir, nproc)
+    service = Service(model, state_dir=state_dir, device=device, nproc=nproc, runtime=runtime)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        app = build_app(service, keys)
+        ranks = f", {nproc} {runtime} ranks" if nproc > 1 else ""
+        print(f"rlgraph serve: {service.base.name} on http://{host}:{port} ({len(keys or ())} keys{ranks}; "
+              f"states in {state_dir})")
+        try:
+            uvicorn.run(app, host=host, port=port, log_level="warning")
+        finally:
+            app.state.server.scheduler.close()
     finally:
-        app.state.server.scheduler.close()
+        service.close()

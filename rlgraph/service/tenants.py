@@ -91,8 +91,8 @@ class Tenant:
     owner: str
     adapter: str
     lora: LoraSpec
-    executor: TenantExecutor
-    optimizer: torch.optim.AdamW
+    executor: TenantExecutor | None  # None when the tenants live on worker ranks (`service/host.py`)
+    optimizer: torch.optim.AdamW | None
     steps: int = 0
     snapshots: list[str] = attrs.field(factory=list)  # its sampler ids, oldest first
 
@@ -108,8 +108,9 @@ class Sampler:
     sampler_id: str
     owner: str
     adapter: str | None
-    executor: LocalExecutor
+    executor: LocalExecutor | None  # None when the samplers live on worker ranks
     model_path: str | None = None
+    key: str | None = None  # its name where the samplers live (`service/host.py`): the adapter, or a base sampler's own
 
 
 class BaseModel:

@@ -148,3 +148,22 @@ def test_an_iteration_of_one_runner_keeps_what_another_runner_holds():
     transport.hold("rl", ())  # trained: the RL runner holds nothing more
     transport.begin({})
     assert transport.worker.store == {}
+
+
+def test_a_worker_runs_only_the_commands_its_executor_declares():
+    from rlgraph.runtime.worker import Worker, serve
+
+    class Declares:
+        commands = ("add",)
+        device = torch.device("cpu")
+
+        def add(self, a, b=0):
+            return a + b
+
+        def secret(self):
+            return "never"
+
+    worker = Worker(Declares(), rank=3)
+    assert worker.executor_command("add", (2,), {"b": 5}) == 7
+    status, (kind, message, _) = serve(worker, "executor_command", ("secret", (), {}))
+    assert (status, kind) == ("error", "KeyError") and "rank 3" in message and "no command 'secret'" in message

@@ -49,6 +49,7 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.app.state.server.scheduler.close()
+        self.service.close()  # the worker ranks of a server on spmd
 
     def healthy(self) -> bool:
         import httpx

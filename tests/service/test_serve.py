@@ -42,7 +42,6 @@ def test_bad_keys_files_are_refused_naming_the_line(tmp_path, content, message):
     ("127.0.0.1", 8000, "local", None, False, "refuses to start without them"),
     ("0.0.0.0", 8000, "local", None, True, "only on a loopback host"),
     ("127.0.0.1", 70000, "local", {KEY_A}, False, "not a TCP port"),
-    ("127.0.0.1", 8000, "spmd", {KEY_A}, False, "local runtime only"),
     ("127.0.0.1", 8000, "local", {KEY_A}, True, "pick one")])
 def test_bad_serve_options_are_refused(host, port, runtime, keys, insecure, message):
     with pytest.raises(ConfigError, match=message):
@@ -105,11 +104,15 @@ def test_the_command_serves_the_sdk(tmp_path):
         process.wait(timeout=30)
 
 
-@pytest.mark.parametrize("runtime, message", [
-    ("spmd", r"--runtime spmd: the server runs on the local runtime only for now(.|\n)*no command(.|\n)*fix: --runtime local"),
-    ("ray", r"--runtime ray: the server runs on the local runtime only"),
-    ("gpu", r"--runtime 'gpu' is not a runtime \(local, spmd or ray\)"),
+@pytest.mark.parametrize("runtime, nproc, message", [
+    ("ray", 1, r"--runtime ray --nproc 1: one rank is the local runtime(.|\n)*fix: --runtime local, or --runtime ray"),
+    ("gpu", 1, r"--runtime 'gpu' is not a runtime \(local, spmd or ray\)"),
+    ("spmd", 1, r"--runtime spmd --nproc 1: one rank is the local runtime"),
+    ("spmd", 0, r"--nproc 0 is not a number of ranks in 1..64"),
+    ("spmd", "2", r"--nproc '2' is not a number of ranks"),
+    ("local", 2, r"--nproc 2 with --runtime local: the local runtime is one process(.|\n)*fix: --runtime spmd --nproc 2"),
 ])
-def test_a_runtime_other_than_local_is_refused_saying_why(runtime, message):
+def test_bad_runtimes_and_rank_counts_are_refused_saying_why(runtime, nproc, message):
     with pytest.raises(ConfigError, match=message):
-        check_options("127.0.0.1", 8000, runtime, {KEY_A}, False)
+        check_options("127.0.0.1", 8000, runtime, {KEY_A}, False, nproc=nproc)
+    check_options("127.0.0.1", 8000, "spmd", {KEY_A}, False, nproc=2)  # the good form passes
