@@ -57,12 +57,12 @@ def compile_pretrain(config: TrainConfig, device: str) -> Any:
 
 
 def train_pretrain(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | None = None,
-                   console: Console | None = None) -> Any:
+                   console: Console | None = None, overwrite: bool = False) -> Any:
     """Run `config` (algorithm pretrain) in `config.directory`; `resume` continues its latest checkpoint."""
     from rlgraph.train.run import RunResult
 
     console = console or Console()
-    trainer, logger, first = _open_run(config, resume, checkpoint, console)
+    trainer, logger, first = _open_run(config, resume, checkpoint, console, overwrite)
     start, train = time.perf_counter(), config.train
     remaining = None if train.steps is None else max(train.steps - trainer.step, 0)
     last: dict[str, float] = {}
@@ -89,7 +89,8 @@ def train_pretrain(config: TrainConfig, *, resume: bool = False, checkpoint: str
     return RunResult(config.directory, trainer.step, seconds, None, None)
 
 
-def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Console) -> tuple[Any, Any, dict]:
+def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Console,
+              overwrite: bool = False) -> tuple[Any, Any, dict]:
     """(the Trainer over the compiled plan and the packer, resumed if asked; the metric logger; the
     first logged step's metrics on a resume, else {})."""
     import torch
@@ -99,11 +100,12 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
     from rlgraph.data.pretrain import Packer, TextStream
     from rlgraph.runtime.plan_runner import PlanRunner
     from rlgraph.runtime.pool import resolve_device
-    from rlgraph.train.checkpoint import latest_checkpoint
-    from rlgraph.train.logging import MetricLogger, make_sinks
+    from rlgraph.train.checkpoint import claim_file
+    from rlgraph.train.logging import METRICS_FILE, MetricLogger, make_sinks
+    from rlgraph.train.manifest import claim
     from rlgraph.train.loop import Trainer
     from rlgraph.train.roles import build_policy, lr_factor, role_optimizer
-    from rlgraph.train.run import _resume_point
+    from rlgraph.train.run import _refuse_foreign, _resume_point
     from rlgraph.train.setup import tokenizer_source
     from rlgraph.train.user_code import import_modules
 
@@ -115,9 +117,8 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
     if checkpoint is not None and not resume:
         raise ConfigError(f"--checkpoint {checkpoint}: a checkpoint to start from is only taken with --resume",
                           fix=f"rlgraph train --resume {run_dir} --checkpoint {checkpoint}")
-    if not resume and latest_checkpoint(run_dir) is not None:
-        raise ConfigError(f"run directory {run_dir} already holds checkpoints",
-                          fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
+    if not resume:  # the run directory rule of every run: nothing rlgraph did not write is overwritten
+        _refuse_foreign(run_dir, overwrite or config.overwrite)
     saved = _resume_point(run_dir, checkpoint) if resume else None
     if saved is not None:
         _refuse_other_corpus(config, saved)
@@ -128,7 +129,10 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
                     seq_len=config.pretrain.seq_len, packs_per_step=config.pretrain.packs_per_step)
     compiled = compile_pretrain(config, device)
     run_dir.mkdir(parents=True, exist_ok=True)
+    claim(run_dir, "plan.txt", METRICS_FILE, "summary.json", *(["tensorboard"] if config.logging.tensorboard else []),
+          *(["wandb"] if config.logging.wandb is not None else []))  # before writing: a crash leaves nothing unrecorded
     (run_dir / "config.yaml").write_text(config.to_yaml())
+    claim_file(run_dir, "config.yaml")  # read back by resume, eval and export: recorded with its sha256
     (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
     model = build_policy(config, tokenizer).to(device)
     executor = LocalExecutor({"policy": LMWorker(model, role_optimizer(config, model, config.optimizer.lr))}, {},

@@ -83,7 +83,7 @@ def train(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | 
     if config.algorithm.name == "pretrain":  # continued pre-training on raw text (train/pretraining.py)
         from rlgraph.train.pretraining import train_pretrain
 
-        return train_pretrain(config, resume=resume, checkpoint=checkpoint, console=console)
+        return train_pretrain(config, resume=resume, checkpoint=checkpoint, console=console, overwrite=overwrite)
     with Run(config, resume=resume, checkpoint=checkpoint, console=console, overwrite=overwrite) as run:
         seconds = run.session.loop(run.trainer)
         return run.finish(seconds)

@@ -72,3 +72,19 @@ def test_bad_packing_values_are_config_errors_naming_the_key(tmp_path, override)
 def test_rl_algorithms_still_need_a_reward(tmp_path):
     with pytest.raises(ConfigError, match="rewards: algorithm 'grpo' scores its samples"):
         config_of(tmp_path, "bad", "algorithm.name=grpo")
+
+
+def test_a_pretraining_run_keeps_the_run_directory_rule(tmp_path):
+    """As every run: a fresh run into a directory holding the user's files is refused unless overwrite, and
+    the files it writes are recorded in the manifest (so a later resume deletes only those)."""
+    from rlgraph.train.manifest import owns
+
+    config = config_of(tmp_path, "mine", "train.steps=1", "checkpoint.every=1")
+    config.directory.mkdir(parents=True)
+    (config.directory / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError, match="holds files rlgraph did not write \\(notes.txt\\)"):
+        train(config)
+    run_dir = train(config, overwrite=True).run_dir
+    assert (run_dir / "notes.txt").read_text() == "the user's"
+    assert all(owns(run_dir, name) for name in ("config.yaml", "plan.txt", "metrics.jsonl", "summary.json", "step-000001"))
+    assert not owns(run_dir, "notes.txt")
