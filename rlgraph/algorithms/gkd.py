@@ -25,11 +25,11 @@ from rlgraph.ir.checks import check_number
 
 @rg.algorithm
 def gkd(state: rg.State, prompts: rg.Prompts, *, n=4, beta=0.5, lam=1.0, teachers=("teacher",), teacher_weights=None,
-        temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None, grad_clip=1.0):
+        temperature=1.0, top_p=1.0, stop=(), max_new_tokens=None, grad_clip=1.0, micro_batch_size=None):
     teachers, weights = check_teachers("gkd", teachers, teacher_weights)
     check_number("gkd", "beta", beta, low=0, high=1, why="0 is the forward KL, 1 the reverse KL")
     check_number("gkd", "lam", lam, low=0, high=1, why="the fraction of the gradient from the student's own sequences")
-    check_hparams("gkd", n=n, max_new_tokens=max_new_tokens)
+    check_hparams("gkd", n=n, max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size)
     sample = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=stop)
     parts = (("student", state.policy, lam), ("teacher", getattr(state, teachers[0]), 1.0 - lam))
     parts = [part for part in parts if part[2] > 0]                              # lam 0 or 1: one source
@@ -40,9 +40,10 @@ def gkd(state: rg.State, prompts: rg.Prompts, *, n=4, beta=0.5, lam=1.0, teacher
 
         loss = jsd_loss(ro, teacher_lp, beta, share)
         if len(parts) == 1:
-            policy = rg.update(policy, ro, loss, temperature=temperature, grad_clip=grad_clip)
+            policy = rg.update(policy, ro, loss, temperature=temperature, grad_clip=grad_clip, micro_batch_size=micro_batch_size)
         else:
-            policy = rg.update(policy, ro, loss, temperature=temperature, grad_clip=None, step=False)
+            policy = rg.update(policy, ro, loss, temperature=temperature, grad_clip=None, step=False,
+                               micro_batch_size=micro_batch_size)
         metrics[f"gkd/{source}_tokens"] = ro.mask.sum()
     if len(parts) > 1:
         policy = rg.optimizer_step(policy, grad_clip=grad_clip)

@@ -46,8 +46,10 @@ class OnesEnv:
 def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: float = 0.1, optimizer: str = "sgd",
                   critic_lr: float | None = None, reward: Callable[..., list[float]] = length_parity_reward,
                   max_new_tokens: int = 4) -> LocalExecutor:
-    """A local executor holding `roles`: "policy" and "critic" train, any other role (e.g. "ref")
-    is a frozen copy of the initial policy (the usual reference model: KL is 0 at the start).
+    """A local executor holding `roles`: "policy" and "critic" train; a teacher role ("teacher",
+    "teacher_b", ...) is another frozen model (seeded `seed + 2`: distillation has something to
+    learn); any other role (e.g. "ref") is a frozen copy of the initial policy (the usual
+    reference model: KL is 0 at the start).
 
     SGD by default, so a step is exactly the gradient: comparisons between two runs see the
     gradient's differences instead of Adam's normalised signs. The critic is `build_critic`
@@ -63,7 +65,7 @@ def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: floa
             module = build_causal_lm(tokenizer=tokenizer, seed=seed)
             models[role] = LMWorker(module, _optimizer(optimizer, module, lr))
         else:
-            models[role] = LMWorker(build_causal_lm(tokenizer=tokenizer, seed=seed))
+            models[role] = LMWorker(build_causal_lm(tokenizer=tokenizer, seed=seed + 2 if role.startswith("teacher") else seed))
     return LocalExecutor(models, {"reward": RewardWorker(reward)}, tokenizer, max_new_tokens=max_new_tokens, seed=seed,
                          envs={"env": OnesEnv})
 

@@ -106,7 +106,7 @@ def test_every_library_algorithm_is_micro_batch_invariant_end_to_end(name):
     if name == "agent_grpo":  # multi-turn: two turns of the tiny executor's OnesEnv, observations between them
         hparams = {"max_total_tokens": 10, "max_tokens_per_turn": 3, "max_turns": 2, "n": 2}
     rgt.assert_update_microbatch_invariant(
-        algorithm, executor=lambda: rgt.tiny_executor(("policy", "ref", "critic")),
+        algorithm, executor=lambda: rgt.tiny_executor(("policy", "ref", "critic", "teacher")),
         batches=[rgt.tiny_prompts(2, offset=2 * i) for i in range(2)],
         more_prompts=[rgt.tiny_prompts(2, offset=20 + 2 * i) for i in range(8)], **hparams)
 
