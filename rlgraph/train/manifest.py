@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlgraph.ir.errors import ConfigError
+from rlgraph.train.modes import follow_umask
 
 MANIFEST = "rlgraph-manifest.json"
 _FORMAT = 1
@@ -69,6 +70,7 @@ def _write(run_dir: Path, entries: dict[str, dict[str, Any]]) -> None:
                       sort_keys=True)
             handle.flush()
             os.fsync(handle.fileno())
+        follow_umask(tmp)  # mkstemp makes 0600: the run directory's one rule (rlgraph.train.modes)
         os.replace(tmp, run_dir / MANIFEST)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
