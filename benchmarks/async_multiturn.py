@@ -121,7 +121,7 @@ def measure(raw: dict) -> dict[str, float]:
     steps = [row for row in rows if "time/step_s" in row][1:]  # the first step is not timed
     seconds = sum(row["time/step_s"] for row in steps)
     episodes = raw["rollout"]["prompts_per_step"] * raw["rollout"]["n"]
-    mean = lambda key: statistics.fmean(row[key] for row in steps)  # noqa: E731
+    mean = lambda key: statistics.fmean(row.get(key, 0.0) for row in steps)  # noqa: E731
     return {"samples/s": len(steps) * episodes / seconds, "s/step": seconds / len(steps),
             "tool calls": mean("env/tool_calls"), "turns": mean("env/turns"), "lag": mean("rollout/staleness"),
             "reward": mean("reward")}
