@@ -23,6 +23,18 @@ load_profile()  # "fast" (CI) unless HYPOTHESIS_PROFILE=thorough (nightly): see 
 
 
 @pytest.fixture(autouse=True)
+def _forget_user_files_after_each_test():
+    """A test that loads a user's file by path must not make the later tests of its worker send that file
+    to their ranks (`rlgraph.user_files` remembers what this process loaded, as a run should)."""
+    from rlgraph import user_files
+
+    loaded = dict(user_files._LOADED)
+    yield
+    user_files._LOADED.clear()
+    user_files._LOADED.update(loaded)
+
+
+@pytest.fixture(autouse=True)
 def _one_torch_thread_after_each_test():
     """A run whose config asks for more threads (`runtime.threads`, the demo's 2) sets them for the whole
     process; without this the worker's later tests run on them too and fight the other xdist worker."""

@@ -231,7 +231,10 @@ def test_check_runs_the_properties_of_a_registered_estimator(capsys):
     assert main(["check", "estimator", "rloo"]) == 0
     out = capsys.readouterr().out
     assert "estimator rloo: padding invariance holds" in out and "group-permutation equivariance holds" in out
-    assert "finiteness holds" in out and "singleton groups give 0 holds" in out and "warning" not in out
+    assert "finiteness holds" in out and "singleton groups give 0 holds" in out
+    # rloo itself warns nothing; a HypothesisDeprecationWarning about the global `random` state can come
+    # from what an earlier test in the same worker left behind, and is summarised, not repeated
+    assert [line for line in out.splitlines() if "warning" in line and "HypothesisDeprecationWarning" not in line] == []
 
 
 def test_check_prints_the_counterexample_of_a_broken_estimator(capsys):

@@ -118,6 +118,7 @@ def _check_hparams(config: TrainConfig) -> None:
     """Trace the algorithm with the config's hyper-parameters (no sizes needed): a value out of range is
     a ConfigError naming the key and the line or `-o` flag that set it, not the library line that checks it."""
     algorithm = load_algorithm(config.algorithm.name, "algorithm.name")
+    _check_takes_prompts(algorithm, config.algorithm.name)  # SFT's refusal says more than its missing `n`
     rollout = rollout_hparams(config, algorithm)
     try:
         algorithm.trace(**config.algorithm.hparams, **rollout)
