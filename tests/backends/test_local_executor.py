@@ -9,7 +9,8 @@ log-probs of magnitude ~4 move by a few 1e-2).
 import pytest
 import torch
 
-from rlgraph.backends.local.executor import LocalExecutor, TokenizerError
+from rlgraph.backends.local.executor import LocalExecutor
+from rlgraph.backends.local.generation import TokenizerError
 from rlgraph.backends.protocols import LossCounts, ModelRef, UpdateConfig
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.batches import Rollouts

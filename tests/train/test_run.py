@@ -424,7 +424,7 @@ def test_a_bad_hyper_parameter_names_its_config_line_or_flag_before_the_data_loa
 
 
 def test_a_tokenizer_without_eos_is_refused_naming_the_key_before_the_data_loads(tmp_path):
-    from rlgraph.backends.local.executor import TokenizerError
+    from rlgraph.backends.local.generation import TokenizerError
     from rlgraph.backends.local.models import load_tokenizer
     from rlgraph.train.run import prepare
 

@@ -31,8 +31,8 @@ import torch
 
 from rlgraph.backends.local.decode_compile import (CompileLedger, Decision, DecodeCompile, model_signature,
                                                   padded_width)
-from rlgraph.backends.local.generation import (  # noqa: F401 - TokenizerError re-exported: its old home
-    NativeGenerator, SamplingParams, SamplingStream, TokenizerError, cut_at_stop, token_id,
+from rlgraph.backends.local.generation import (
+    NativeGenerator, SamplingParams, SamplingStream, cut_at_stop, token_id,
 )
 from rlgraph.backends.local.lean_decode import lean_unsupported
 from rlgraph.backends.local.logprobs import head_fits_one_block, sequence_logprobs
