@@ -174,7 +174,7 @@ def test_a_vlm_grpo_step_on_two_fsdp_ranks_one_without_images_matches_local(vl, 
                       {"reward": length_parity_reward}, tokenizer=str(tmp_path / "tokenizer"), max_new_tokens=4)
     prompts = _prompts(vl, [("ab=", [(16, 16, 0)]), ("no image=", [])])
     compiled = rg.compile(grpo, mesh="cpu:2", placement=rg.colocated(offload=False, checkpointing=False),
-                          sizes={"B": 2, "P": prompts.ids.shape[1], "T": 4}, n=2, max_new_tokens=4)
+                          sizes={"B": 2, "P": prompts.ids.shape[1], "T": 4}, n=4, max_new_tokens=4)
     local_executor = world.build_local()
     before = state_of(local_executor.models["policy"])
     with SpmdTransport(compiled.plan, world, device="cpu") as transport:

@@ -106,6 +106,17 @@ def is_vl_source(source: Any) -> bool:
         return False  # not a readable config: the text builder names what is wrong with it
 
 
+def build_language_model(source: Any = None, *, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,
+                         dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """`build_vision_lm` for a Qwen2-VL / Qwen2.5-VL source, else `build_causal_lm`: for the builders that
+    take any model source (a worker's roles and generation engines)."""
+    if is_vl_source(source):
+        return build_vision_lm(source, tokenizer=tokenizer, seed=seed, dtype=dtype)
+    from rlgraph.backends.local.models import build_causal_lm
+
+    return build_causal_lm(source, tokenizer=tokenizer, seed=seed, dtype=dtype)
+
+
 def build_vision_lm(
     source: str | Path | Mapping[str, Any] | None = None, *, tokenizer: PreTrainedTokenizerFast | None = None,
     seed: int = 0, dtype: torch.dtype = torch.float32, train_vision: bool = False,
