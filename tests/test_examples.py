@@ -152,3 +152,24 @@ def test_the_vapo_and_pretrain_example_configs_load():
     pretrain_config = load_config(ROOT / "examples/pretrain/config.yaml")
     assert pretrain_config.algorithm.name == "pretrain" and not pretrain_config.rewards
     assert len(list((ROOT / pretrain_config.data.train).glob("*.txt"))) == 8
+
+
+def test_the_vision_example_runs_shortened_and_its_data_is_what_make_data_draws(tmp_path, monkeypatch):
+    """examples/vision_shapes, shortened to 2 warm-start and 2 GRPO steps on 8 held-out images (its
+    learning figures over 3 seeds: docs/benchmarks.md); the shipped data files are make_data.py's output."""
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import train
+
+    spec = importlib.util.spec_from_file_location("vision_make_data", ROOT / "examples/vision_shapes/make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    monkeypatch.setattr(make_data, "HERE", tmp_path)
+    make_data.main()
+    for name in ("train.jsonl", "test.jsonl"):
+        assert (tmp_path / name).read_text() == (ROOT / "examples/vision_shapes" / name).read_text()
+    config = load_config(ROOT / "examples/vision_shapes/config.yaml",
+                         [f"run_dir={tmp_path / 'run'}", "train.steps=2", "warm_start.steps=2", "eval.max_prompts=8",
+                          "rollout.prompts_per_step=4", "logging.progress=false", "runtime.threads=1"])
+    result = train(config)
+    assert result.steps == 2 and result.eval_after is not None
+    assert "vision policy: tower" in (tmp_path / "run" / "plan.txt").read_text()
