@@ -154,11 +154,12 @@ def test_the_vapo_and_pretrain_example_configs_load():
     assert len(list((ROOT / pretrain_config.data.train).glob("*.txt"))) == 8
 
 
-def test_the_vision_example_runs_shortened_and_its_data_is_what_make_data_draws(tmp_path, monkeypatch):
-    """examples/vision_shapes, shortened to 2 warm-start and 2 GRPO steps on 8 held-out images (its
-    learning figures over 3 seeds: docs/benchmarks.md); the shipped data files are make_data.py's output."""
+def test_the_vision_example_prepares_and_its_data_is_what_make_data_draws(tmp_path, monkeypatch):
+    """examples/vision_shapes: the shipped data files are make_data.py's output, and the config prepares
+    (every image decoded and checked, the plan compiled with the tower counted). A run of the same
+    machinery on the same drawings: tests/train/test_vision.py; the example's figures: docs/benchmarks.md."""
     from rlgraph.train.config import load_config
-    from rlgraph.train.run import train
+    from rlgraph.train.setup import prepare
 
     spec = importlib.util.spec_from_file_location("vision_make_data", ROOT / "examples/vision_shapes/make_data.py")
     make_data = importlib.util.module_from_spec(spec)
@@ -167,9 +168,6 @@ def test_the_vision_example_runs_shortened_and_its_data_is_what_make_data_draws(
     make_data.main()
     for name in ("train.jsonl", "test.jsonl"):
         assert (tmp_path / name).read_text() == (ROOT / "examples/vision_shapes" / name).read_text()
-    config = load_config(ROOT / "examples/vision_shapes/config.yaml",
-                         [f"run_dir={tmp_path / 'run'}", "train.steps=2", "warm_start.steps=2", "eval.max_prompts=8",
-                          "rollout.prompts_per_step=4", "logging.progress=false", "runtime.threads=1"])
-    result = train(config)
-    assert result.steps == 2 and result.eval_after is not None
-    assert "vision policy: tower" in (tmp_path / "run" / "plan.txt").read_text()
+    setup = prepare(load_config(ROOT / "examples/vision_shapes/config.yaml", ["runtime.threads=1"]))
+    assert len(setup.train_rows) == 1500 and len(setup.images.images) == 1700  # both splits' images, decoded
+    assert "pixel budget 256 px an image -> <= 4 image tokens" in setup.rl.as_text()
