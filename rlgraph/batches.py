@@ -58,6 +58,58 @@ def _first_appearance(group: torch.Tensor) -> torch.Tensor:
     return rank[inverse]  # [R]
 
 
+def _check_images(record: Any, rows: int) -> None:
+    """A record's images: none, or `pixel_values` f32[R, K, D] (each row's image patches in order,
+    zero-padded after its own) with `image_grid_thw` i64[R, I, 3] (each row's images' patch grids
+    (t, h, w); all-zero rows pad), whose patches fit the row's K."""
+    where = type(record).__name__
+    pixels, grid = record.pixel_values, record.image_grid_thw
+    if pixels is None and grid is None:
+        return
+    if pixels is None or grid is None:
+        raise BatchError(f"{where}: pixel_values and image_grid_thw come together; got only "
+                         f"{'pixel_values' if grid is None else 'image_grid_thw'}",
+                         fix="build both with rlgraph.backends.local.vlm.vl_prompts (or pass neither for text)")
+    if pixels.dim() != 3 or pixels.shape[0] != rows or not pixels.is_floating_point():
+        raise BatchError(f"{where}.pixel_values must be a float [R, K, D] with R={rows} rows (each row's patches), got "
+                         f"{pixels.dtype} {tuple(pixels.shape)}")
+    if grid.dim() != 3 or grid.shape[0] != rows or grid.shape[2] != 3 or grid.dtype != torch.long:
+        raise BatchError(f"{where}.image_grid_thw must be i64[R, I, 3] with R={rows} rows (each row's image grids), "
+                         f"got {grid.dtype} {tuple(grid.shape)}")
+    if grid.is_meta or not grid.numel():
+        return
+    patches = grid.prod(-1).sum(-1)  # [R]: each row's patches
+    if bool((grid < 0).any()) or bool((patches > pixels.shape[1]).any()):
+        row = _first_row((grid < 0).any(-1) | (patches > pixels.shape[1])[:, None])
+        raise BatchError(f"{where}: row {row}'s image grids {grid[row].tolist()} need {int(patches[row])} patches but "
+                         f"pixel_values holds {pixels.shape[1]} a row (or a grid is negative)",
+                         fix="build the images with rlgraph.backends.local.vlm.vl_prompts (it pads each row's patches)")
+
+
+def _pad_images(parts: Sequence[Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The parts' images, rows in order, padded to the widest K and I (a part without images has none)."""
+    held = [part for part in parts if part.image_grid_thw is not None]
+    if not held:
+        return None, None
+    width = max(part.pixel_values.shape[1] for part in held)
+    depth = held[0].pixel_values.shape[2]
+    count = max(part.image_grid_thw.shape[1] for part in held)
+    pixels, grids = [], []
+    for part in parts:
+        rows = len(part)
+        if part.image_grid_thw is None:
+            pixels.append(held[0].pixel_values.new_zeros(rows, width, depth))  # [R, K, D]
+            grids.append(held[0].image_grid_thw.new_zeros(rows, count, 3))  # [R, I, 3]
+            continue
+        pixels.append(torch.nn.functional.pad(part.pixel_values, (0, 0, 0, width - part.pixel_values.shape[1])))
+        grids.append(torch.nn.functional.pad(part.image_grid_thw, (0, 0, 0, count - part.image_grid_thw.shape[1])))
+    return torch.cat(pixels), torch.cat(grids)
+
+
+def _rows_of(value: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if value is None else value[index.to(value.device)]
+
+
 def _positions(prompts: Prompts) -> torch.Tensor:
     return torch.arange(prompts.ids.shape[0] if prompts.ids.dim() else 0, device=prompts.ids.device)
 
@@ -142,12 +194,18 @@ class Prompts:
     `index` i64[B] is each prompt's position in the batch the controller built (default
     0..B-1). It is the prompt's identity for sampling: a data-parallel shard keeps it, so a
     prompt draws the same samples whichever rank generates it.
+
+    A vision-language batch adds each row's images: `pixel_values` f32[B, K, D] (the row's image
+    patches, zero-padded to K) and `image_grid_thw` i64[B, I, 3] (their grids; zero rows pad). Per
+    row, like every other field, so shards, moves and selections carry them unchanged.
     """
 
     ids: torch.Tensor
     mask: torch.Tensor
     meta: Meta = attrs.field(factory=dict)
     index: torch.Tensor = attrs.field(default=attrs.Factory(_positions, takes_self=True))
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.ids.shape != self.mask.shape or self.ids.dim() != 2:
@@ -159,14 +217,16 @@ class Prompts:
                 f"got {self.index.dtype} {tuple(self.index.shape)}; leave it out for 0..B-1, or keep it with `select`"
             )
         _check_meta(self.meta, rows, "Prompts")
+        _check_images(self, rows)
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
     def select(self, index: Sequence[int] | torch.Tensor) -> Prompts:
-        """Rows `index`; each keeps its `index` value (its sampling identity)."""
+        """Rows `index`; each keeps its `index` value (its sampling identity) and its images."""
         index = torch.as_tensor(index, dtype=torch.long)
-        return Prompts(self.ids[index], self.mask[index], _take(self.meta, index.tolist()), self.index[index])
+        return Prompts(self.ids[index], self.mask[index], _take(self.meta, index.tolist()), self.index[index],
+                       _rows_of(self.pixel_values, index), _rows_of(self.image_grid_thw, index))
 
 
 @attrs.frozen
@@ -190,6 +250,8 @@ class Rollouts:
     group: torch.Tensor
     meta: Meta = attrs.field(factory=dict)
     context_mask: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         rows = self.response_ids.shape[0]
@@ -207,6 +269,7 @@ class Rollouts:
                 f"{tuple(self.response_ids.shape)}, {tuple(self.mask.shape)}, {tuple(self.logprobs.shape)}"
             )
         _check_meta(self.meta, rows, "Rollouts")
+        _check_images(self, rows)
         if not _DERIVED.get():  # rows taken, padded or moved from checked rollouts keep their values
             _check_rollout_values(self)
 
@@ -226,6 +289,7 @@ class Rollouts:
                 self.prompt_ids[index], self.prompt_mask[index], self.response_ids[index], self.mask[index],
                 self.logprobs[index], self.group[index], _take(self.meta, index.tolist()),
                 None if self.context_mask is None else self.context_mask[index],
+                _rows_of(self.pixel_values, index), _rows_of(self.image_grid_thw, index),
             )
 
     def pad_responses(self, steps: int, *, pad_id: int = 0) -> Rollouts:
@@ -270,6 +334,7 @@ class Rollouts:
             torch.cat(groups),                                                                      # [N]
             {key: [value for part in parts for value in part.meta[key]] for key in keys},
             _concat_context(parts, steps),
+            *_pad_images(parts),
             )
 
     @staticmethod
@@ -279,6 +344,7 @@ class Rollouts:
         return Rollouts(
             prompts.ids, prompts.mask, response_ids, mask.bool(),
             torch.zeros(response_ids.shape, dtype=torch.float32), torch.arange(rows), dict(prompts.meta),
+            pixel_values=prompts.pixel_values, image_grid_thw=prompts.image_grid_thw,
         )
 
 

@@ -1,5 +1,6 @@
-"""Prompts: the sampling index. Rollouts.concat: padding, group renumbering, metadata. to_device."""
+"""Prompts: the sampling index. Rollouts.concat: padding, group renumbering, metadata. to_device. Images per row."""
 
+import attrs
 import pytest
 import torch
 
@@ -112,3 +113,43 @@ def test_rollouts_made_from_checked_rollouts_skip_the_value_checks(monkeypatch):
     bad[1, 0] = float("nan")
     with pytest.raises(ValueError, match="sample 1, token 0"):
         Rollouts(ro.prompt_ids, ro.prompt_mask, ro.response_ids, torch.ones_like(ro.mask), bad, ro.group)
+
+
+def _images(rows, width, count, patches):
+    """Per-row images: `patches[r]` patches of row r in one image of grid (1, 1, patches[r]), padded to `width`."""
+    pixels = torch.zeros(rows, width, 3)
+    grid = torch.zeros(rows, count, 3, dtype=torch.long)
+    for row, used in enumerate(patches):
+        pixels[row, :used] = row + 1.0
+        if used:
+            grid[row, 0] = torch.tensor([1, 1, used])
+    return pixels, grid
+
+
+def test_images_travel_with_their_rows_through_select_concat_and_demonstrations():
+    pixels, grid = _images(3, 4, 1, [4, 2, 0])
+    batch = Prompts(torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.bool), {"id": [0, 1, 2]},
+                    pixel_values=pixels, image_grid_thw=grid)
+    shard = batch.select([2, 0])
+    assert shard.pixel_values[:, 0, 0].tolist() == [0.0, 1.0] and shard.image_grid_thw[:, 0, 2].tolist() == [0, 4]
+    demos = Rollouts.from_demonstrations(batch, torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2, dtype=torch.bool))
+    wide_pixels, wide_grid = _images(1, 6, 2, [6])
+    wide = attrs.evolve(rollouts([0], 2, 2), pixel_values=wide_pixels, image_grid_thw=wide_grid)
+    both = Rollouts.concat([demos.select([1]), wide, rollouts([0], 2, 2)])
+    # padded to the widest K (6) and most images (2); a part without images gets zero grids
+    assert both.pixel_values.shape == (3, 6, 3) and both.image_grid_thw.shape == (3, 2, 3)
+    assert both.image_grid_thw[:, 0, 2].tolist() == [2, 6, 0] and both.pixel_values[0, :, 0].tolist() == [2, 2, 0, 0, 0, 0]
+    moved = to_device(both.select([1]), "cpu")
+    assert torch.equal(moved.pixel_values, wide_pixels)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"pixel_values": torch.zeros(2, 4, 3)}, "come together; got only pixel_values"),
+    ({"pixel_values": torch.zeros(2, 4), "image_grid_thw": torch.zeros(2, 1, 3, dtype=torch.long)}, r"float \[R, K, D\]"),
+    ({"pixel_values": torch.zeros(2, 4, 3), "image_grid_thw": torch.zeros(2, 1, 3)}, r"i64\[R, I, 3\]"),
+    ({"pixel_values": torch.zeros(2, 4, 3), "image_grid_thw": torch.tensor([[[1, 1, 2]], [[1, 2, 3]]])},
+     r"row 1's image grids \[\[1, 2, 3\]\] need 6 patches but pixel_values holds 4"),
+])
+def test_bad_images_are_refused_naming_the_field_and_row(bad, message):
+    with pytest.raises(ValueError, match=message):
+        Prompts(torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2, dtype=torch.bool), **bad)

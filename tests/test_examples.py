@@ -152,3 +152,22 @@ def test_the_vapo_and_pretrain_example_configs_load():
     pretrain_config = load_config(ROOT / "examples/pretrain/config.yaml")
     assert pretrain_config.algorithm.name == "pretrain" and not pretrain_config.rewards
     assert len(list((ROOT / pretrain_config.data.train).glob("*.txt"))) == 8
+
+
+def test_the_vision_example_prepares_and_its_data_is_what_make_data_draws(tmp_path, monkeypatch):
+    """examples/vision_shapes: the shipped data files are make_data.py's output, and the config prepares
+    (every image decoded and checked, the plan compiled with the tower counted). A run of the same
+    machinery on the same drawings: tests/train/test_vision.py; the example's figures: docs/benchmarks.md."""
+    from rlgraph.train.config import load_config
+    from rlgraph.train.setup import prepare
+
+    spec = importlib.util.spec_from_file_location("vision_make_data", ROOT / "examples/vision_shapes/make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    monkeypatch.setattr(make_data, "HERE", tmp_path)
+    make_data.main()
+    for name in ("train.jsonl", "test.jsonl"):
+        assert (tmp_path / name).read_text() == (ROOT / "examples/vision_shapes" / name).read_text()
+    setup = prepare(load_config(ROOT / "examples/vision_shapes/config.yaml", ["runtime.threads=1"]))
+    assert len(setup.train_rows) == 1500 and len(setup.images.images) == 1700  # both splits' images, decoded
+    assert "pixel budget 256 px an image -> <= 4 image tokens" in setup.rl.as_text()

@@ -70,13 +70,15 @@ class Step:
 
     `observation`: text (a text env) or token ids (a token env) given to the policy before its
     next turn ("" or [] for none); `reward`: this turn's reward (the episode's reward is the sum);
-    `done`: the episode ends here; `info`: anything to log (numbers are averaged into metrics).
+    `done`: the episode ends here; `info`: anything to log (numbers are averaged into metrics);
+    `image`: a PIL image shown before the observation (a vision-language policy only, docs/vlm.md).
     """
 
     observation: Any = ""
     reward: float = attrs.field(default=0.0, converter=_number)
     done: bool = False
     info: Mapping[str, Any] = attrs.field(factory=dict)
+    image: Any = None
 
 
 @runtime_checkable

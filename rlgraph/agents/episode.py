@@ -45,6 +45,9 @@ class Episode:
     done: bool = False
     budget_cut: bool = False
     stats: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(EPISODE_FIELDS, 0.0))
+    # a vision-language policy's image encoder: image -> (its tokens, pixels [k, D], grid [3]); None: a text policy
+    show: Any = None
+    images: list = attrs.field(factory=list)  # (pixels, grid) of each image observation, in order
 
     @property
     def remaining(self) -> int:
@@ -57,13 +60,17 @@ class Episode:
         self.turn_ends.append(len(self.ids) - 1)
         self.stats["turns"] += 1
 
-    def add_observation(self, tokens: Sequence[int]) -> list[int]:
-        """Append the observation's ids (cut to the budget, which ends the episode); the ids appended."""
+    def add_observation(self, tokens: Sequence[int], image: Any = None) -> list[int]:
+        """Append the observation's ids (cut to the budget, which ends the episode); the ids appended.
+        With `image` ((pixels, grid) whose tokens `tokens` holds), an observation that does not fit is
+        dropped whole: a cut image would leave tokens without their features."""
         room = self.remaining - 1  # at least one policy token must follow an observation
         if len(tokens) > room:
-            tokens = list(tokens[: max(room, 0)])
+            tokens = list(tokens[: max(room, 0)]) if image is None else []
             self.done, self.budget_cut = True, True
             self.stats["budget_cut"] = 1.0
+        elif image is not None:
+            self.images.append(image)
         self.ids += tokens
         self.policy += [False] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
@@ -165,7 +172,13 @@ def _apply(episode: Episode, step: Step, seconds: float, where: str, vocab: int)
         episode.done = True
         return []
     _check_ids(step.observation, vocab, where)
-    return episode.add_observation(step.observation)
+    if getattr(step, "image", None) is None:
+        return episode.add_observation(step.observation)
+    if episode.show is None:
+        raise EnvError(f"{where} answered with an image, but the policy reads no images (a text model)",
+                       fix="train a vision-language policy (the vision: section), or answer with text")
+    tokens, pixels, grid = episode.show(step.image)  # the image's own tokens, then the observation's
+    return episode.add_observation([*tokens, *step.observation], image=(pixels, grid))
 
 
 MAX_ABS_REWARD = 1e6  # a step reward beyond this is a bug, not a task: sums and group statistics overflow float32

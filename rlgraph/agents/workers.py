@@ -94,6 +94,9 @@ class EnvHost:
         problem = oversized(step.observation, self.limit)
         if problem is not None:  # never serialized: the worker answers a line, not 20 MB of JSON
             return {"failed": problem}
+        if step.image is not None:  # a JSON answer cannot carry it: refused, not silently dropped
+            return {"failed": "its step answered with an image, which env worker processes do not carry yet "
+                              "(image observations run with env.workers: null, in the generating process)"}
         info = {key: value for key, value in step.info.items()
                 if isinstance(value, (int, float)) and not isinstance(value, bool)}  # what metrics read
         return {"observation": step.observation, "reward": step.reward, "done": step.done, "info": info,

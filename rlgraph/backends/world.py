@@ -98,7 +98,7 @@ class RoleSpec:
         `source`: its config only): for a build under `parameters_on_meta`, whose parameters a rank
         fills from `weight_source()`."""
         from rlgraph.backends.local.critic import build_critic
-        from rlgraph.backends.local.models import build_causal_lm
+        from rlgraph.backends.local.vlm import build_language_model
 
         assert self.base_of is None, "a view of another role builds nothing of its own"
         weights = None if empty else self.weight_source()
@@ -109,8 +109,8 @@ class RoleSpec:
             module = self._build_lora(source, weights, tokenizer, dtype, merged)
         elif self.kind == "critic":
             module = build_critic(source, tokenizer=tokenizer, seed=self.seed, backbone_seed=self.backbone_seed, dtype=dtype)
-        else:
-            module = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+        else:  # a causal LM, or a Qwen2-VL / Qwen2.5-VL (its vision tower frozen)
+            module = build_language_model(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
         if weights is not None and self.kind == "critic" and not any(name.startswith("backbone.") for name in weights):
             module.backbone.load_state_dict(weights, strict=True)  # a language model's weights: the critic's backbone
         elif weights is not None and self.lora is None:

@@ -55,11 +55,7 @@ def load_image_rows(path: str | Path, *, max_pixels: int, text_field: str = "pro
             if field not in record:
                 raise DataError(f"{source}: no field {field!r} (the row has {', '.join(map(repr, record)) or 'none'})",
                                 fix=f"add {field!r} to every row, or name the field that holds it")
-        value = record[image_field]
-        refs = value if isinstance(value, list) else [value]
-        where = f"{source}, field {image_field!r}"
-        images = tuple(_open(ref, base, f"{where}[{i}]" if isinstance(value, list) else where, max_pixels)
-                       for i, ref in enumerate(refs))
+        images = _field_images(record[image_field], base, f"{source}, field {image_field!r}", max_pixels)
         rows.append(ImageRow(str(record[text_field]), images, dict(record), source))
     return rows
 
@@ -101,3 +97,25 @@ def _open(ref: Any, base: Path, where: str, max_pixels: int) -> Any:
 def image_rows_texts(rows: Sequence[ImageRow]) -> tuple[list[str], list[list[Any]]]:
     """(texts, images per row) as `rlgraph.backends.local.vlm.encode_vl_batch` takes them."""
     return [row.text for row in rows], [list(row.images) for row in rows]
+
+
+def open_row_images(rows: Sequence[Any], path: str | Path, *, image_field: str, max_pixels: int
+                    ) -> dict[str, tuple[Any, ...]]:
+    """{row.source: its images decoded to RGB} for prompt rows of `path` (`load_prompts`'s rows, which
+    keep `image_field` among their fields): every image opened and checked now, before step 1."""
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    images = {}
+    for row in rows:
+        if image_field not in row.fields:
+            raise DataError(f"{row.source}: no field {image_field!r} (the row has {', '.join(map(repr, row.fields))})",
+                            fix=f"add {image_field!r} to every row, or set vision.image_field to the field that holds them")
+        images[row.source] = _field_images(row.fields[image_field], base, f"{row.source}, field {image_field!r}",
+                                           max_pixels)
+    return images
+
+
+def _field_images(value: Any, base: Path, where: str, max_pixels: int) -> tuple[Any, ...]:
+    """The images one row's image field names (one reference or a list of them), decoded and checked."""
+    if isinstance(value, list):
+        return tuple(_open(ref, base, f"{where}[{i}]", max_pixels) for i, ref in enumerate(value))
+    return (_open(value, base, where, max_pixels),)

@@ -144,6 +144,15 @@ class EnvSection(Section):
         return self
 
 
+class VisionSection(Section):
+    """A vision-language run (docs/vlm.md): each data row names its images in `image_field`; the policy is
+    a Qwen2-VL / Qwen2.5-VL (model.path, or the shipped tiny one when it is null)."""
+
+    image_field: str = "image"                        # a path relative to the data file, a data: URI, or a list
+    pixel_budget: int = Field(1024, strict=True, ge=1)  # the most pixels an image may have (width * height)
+    train_tower: bool = False                         # train the vision tower too (frozen by default)
+
+
 class RuntimeSection(Section):
     runtime: Literal["local", "spmd", "ray"] = "local"
     nproc: int = Field(1, ge=1)                       # spmd/ray: worker processes (mesh ranks)
@@ -236,6 +245,7 @@ class TrainConfig(Section):
     rollout: RolloutSection = RolloutSection()
     generation: GenerationSection = GenerationSection()
     env: EnvSection | None = None                     # multi-turn algorithms (agent_grpo): what rg.rollout steps
+    vision: VisionSection | None = None               # images in the prompts: a vision-language policy
     runtime: RuntimeSection = RuntimeSection()
     optimizer: OptimizerSection = OptimizerSection()
     warm_start: WarmStartSection = WarmStartSection()

@@ -99,6 +99,10 @@ def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
     its adapters (seeded too), so a run, its resume, its evaluation and its export build the same
     module. A LoRA run that warm-started keeps its merged base in RUN_DIR/base.safetensors: the
     adapters of its checkpoints apply to that base."""
+    if config.vision is not None:  # a Qwen2-VL / Qwen2.5-VL (no LoRA: `check_vision`)
+        from rlgraph.train.vision import build_vision_policy
+
+        return build_vision_policy(config, tokenizer)
     model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
     if config.model.lora is None:
         return model

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from rlgraph.algorithms import sft
 from rlgraph.backends.local.executor import LocalExecutor
-from rlgraph.data.prompts import to_demonstrations, to_prompts
+from rlgraph.data.prompts import to_demonstrations
 from rlgraph.data.sampler import Sampler
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
@@ -74,7 +74,7 @@ class _Session:
         return self.executor.decode_ledger.pop_seconds() if self.executor is not None else 0.0
 
     def next_batch(self) -> Any:
-        return to_prompts(self.sampler.next_batch(), self.setup.tokenizer)
+        return self.setup.prompts(self.sampler.next_batch())
 
     def trainer(self, run_dir: Path) -> Trainer:
         """The RL and eval plan runners over this process (local) or worker processes (spmd, ray)."""
@@ -215,6 +215,8 @@ class _Session:
         """rows -> an SFT batch: the answers, or with `warm_start.trace_field` multi-turn traces whose
         observations are rendered as the rollouts render them (context, never targets)."""
         field, tokenizer = self.config.warm_start.trace_field, self.setup.tokenizer
+        if field is None and self.setup.images is not None:  # a vision run: the prompts keep their images
+            return self.setup.images.demonstrations
         if field is None:
             return lambda rows: to_demonstrations(rows, tokenizer)
         from rlgraph.agents.demonstrations import trace_demonstrations
@@ -339,7 +341,7 @@ class _Session:
         runner = runner or self.eval_runner
         runner.versions.clear()  # the RL plan moved the policy on since: ask for the live version
         self.setup.rewards.pop_metrics()
-        prompts = to_prompts(self.setup.eval_rows if rows is None else rows, self.setup.tokenizer)
+        prompts = self.setup.prompts(self.setup.eval_rows if rows is None else rows)
         _, metrics = runner.run(prompts)
         terms = self.pop_rewards("eval")
         self.log_transcripts(runner, "eval")

@@ -16,12 +16,13 @@ from rlgraph.ir.primitives import primitive_name
 from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.executor import check_tokenizer
 from rlgraph.backends.local.models import load_tokenizer
-from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout
+from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout, to_prompts
 from rlgraph.ir.errors import ConfigError, RLGraphError, TraceError
 from rlgraph.rewards import RewardPipeline
 from rlgraph.runtime.pool import resolve_device
 from rlgraph.train.config import TrainConfig
 from rlgraph.train.teachers import check_teacher_sources, check_teachers_read, teacher_roles
+from rlgraph.train.vision import check_vision, vision_batches, vision_models, vision_tokenizer
 from rlgraph.train.user_code import (ROLLOUT_HPARAMS, build_env, build_rewards, import_modules, load_algorithm,
                                      with_resolved_hparams)
 
@@ -42,11 +43,16 @@ class Setup:
     env: Any = None         # the env: section's environment recipe (multi-turn algorithms), or None
     warm: Any = None        # Compiled: the warm start's `sft` plan on the spmd/ray workers (None: local, or none)
     warm_eval_rows: list | None = None  # warm_start.eval's prompts (its target's dev split); None: eval_rows
+    images: Any = None      # a vision run's `VisionBatches` (rows -> batches carrying their images); None: text
 
     @property
     def target_rows(self) -> list:
         """The prompts the warm start's target accuracy is measured on."""
         return self.eval_rows if self.warm_eval_rows is None else self.warm_eval_rows
+
+    def prompts(self, rows: list) -> Any:
+        """A batch of `rows` as `Prompts` (with their images in a vision run)."""
+        return to_prompts(rows, self.tokenizer) if self.images is None else self.images.prompts(rows)
 
 
 # -- setup ----------------------------------------------------------------------------------------
@@ -55,12 +61,18 @@ def prepare(config: TrainConfig) -> Setup:
     import_modules(config.imports, "imports")  # the same rules as every command's --import
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
+    if config.vision is not None:  # what a vision run cannot do yet, before anything else is checked
+        check_vision(config)
     _check_model_path(config)
     _check_generation(config)
     _check_hparams(config)  # traced now, before the data loads: a bad value is the first error, not the last
     tokenizer = _tokenizer(config)
     data = config.data
-    options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=data.extra_fields,
+    extra_fields = data.extra_fields
+    if config.vision is not None:  # the rows keep their image references; the images are decoded below
+        field = config.vision.image_field
+        extra_fields = [*extra_fields, *([field] if field not in extra_fields else [])]
+    options = dict(prompt_field=data.prompt_field, answer_field=data.answer_field, extra_fields=extra_fields,
                    chat_template=data.chat_template, system_prompt=data.system_prompt,
                    max_prompt_tokens=data.max_prompt_tokens, format=data.format, split=data.split)
     train_rows, train_report = load_prompts(data.train, tokenizer, **options)
@@ -88,6 +100,11 @@ def prepare(config: TrainConfig) -> Setup:
         raise ConfigError(f"data.train {data.train}: {len(train_rows)} usable prompts, fewer than "
                           f"rollout.prompts_per_step={config.rollout.prompts_per_step}",
                           fix="add prompts or lower rollout.prompts_per_step")
+    images = None
+    if config.vision is not None:  # every image of every split decoded and checked now, before step 1
+        splits = [(train_rows, data.train), (eval_rows, data.eval or data.train)]
+        images = vision_batches(config, tokenizer, splits + ([(warm_eval_rows, config.warm_start.eval)]
+                                                            if warm_eval_rows is not None else []))
     rewards = build_rewards(config)
     config = with_resolved_hparams(config)
     device = _device(config)
@@ -104,7 +121,7 @@ def prepare(config: TrainConfig) -> Setup:
         if warm_eval_rows is not None:
             _check_splits(config, evaluation, len(warm_eval_rows), "the warm start's held-out prompts", "warm_start.eval")
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env, warm,
-                 warm_eval_rows)
+                 warm_eval_rows, images)
 
 
 def model_roles(program: Any) -> set[str]:
@@ -211,7 +228,8 @@ def _tokenizer(config: TrainConfig) -> Any:
     """The run's tokenizer, refused here (before the data loads) when generation could not use it."""
     source = tokenizer_source(config)
     key = "model.tokenizer" if config.model.tokenizer else "model.path"
-    return check_tokenizer(load_tokenizer(source), None if source is None else f"the tokenizer of {key} {source!r}")
+    loaded = load_tokenizer(source) if config.vision is None else vision_tokenizer(source)  # + the vision tokens
+    return check_tokenizer(loaded, None if source is None else f"the tokenizer of {key} {source!r}")
 
 
 def _check_takes_prompts(algorithm: Any, name: str) -> None:
@@ -277,6 +295,10 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
                           "every role in this one process (a mesh of 1 rank), so no role can have ranks of its own",
                           fix="--runtime spmd --nproc 2 (or ray) for a split, or runtime.placement: colocated")
     models = {"policy": config.model.path} if config.model.path else {}
+    vision = {}
+    if config.vision is not None:  # the plan counts the images: the tower, its image tokens, the pixel budget
+        models = vision_models(config)
+        vision = {"pixel_budget": config.vision.pixel_budget}
     models.update(config.model.teachers)  # the memory model sizes each teacher from its own config
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
@@ -293,7 +315,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
         extra.update(micro_batch_tokens=config.train.micro_batch_tokens)
     try:
         rl = compile_algorithm(algorithm, mesh=mesh, placement=placement, engine=runtime.engine,
-                               sizes=sizes, models=models, reward_pool=reward_pool, **extra, **hparams)
+                               sizes=sizes, models=models, reward_pool=reward_pool, **vision, **extra, **hparams)
     except ConfigError as error:  # name the config key the option came from
         key = next((key for key in ("rollout.staleness", "train.micro_batch_tokens")
                     if error.summary.startswith(key.split(".")[1] + "=")), None)
@@ -319,7 +341,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     vllm = {"trained": ("policy",)} if runtime.engine == "vllm" else {}
     evaluation = compile_algorithm(chosen, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
                                    engine=runtime.engine, models=models, reward_pool=reward_pool, **vllm,
-                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens},
+                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens}, **vision,
                                    **{key: extra[key] for key in ("env_workers", "env_memory_mb") if key in extra},
                                    **eval_hparams)
     return rl, evaluation

@@ -192,3 +192,42 @@ def test_a_tool_call_s_closing_tag_ends_the_turn():
     said = [ord(c) for c in "<tool>calculator(1)</tool"]
     assert not ends_turn(0, said) and ends_turn(0, said + [ord(">")])
     assert not ends_turn(1, said + [ord(">")])  # an env without stop strings: EOS or the cap end its turns
+
+
+class ShowsColour(rg.Env):
+    """Answers the policy's first turn with a 16x16 image (4 image tokens of the tiny Qwen2-VL) and a text."""
+
+    def reset(self, row):
+        self.turn = 0
+
+    def step(self, text):
+        from PIL import Image
+
+        self.turn += 1
+        return rg.Step("look", reward=float(len(text) % 2), done=self.turn >= 2, image=Image.new("RGB", (16, 16), (0, 90, 200)))
+
+
+def test_an_environment_that_answers_with_an_image_is_seen_by_the_policy_and_the_trainer_alike():
+    """A VLM rollout whose prompt and whose env observation carry images: each row holds both images
+    (prompt's first), the observation's image tokens sit in its context, and the training forward
+    (one pass, mrope over prompt, turns and image) gives the sampling log-probs (fp32, 1e-5)."""
+    from PIL import Image
+
+    from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
+    from rlgraph.backends.local.vlm import build_image_processor, build_vision_lm, build_vl_tokenizer, vl_prompts
+
+    tokenizer = build_vl_tokenizer()
+    model = build_vision_lm(tokenizer=tokenizer, seed=0)
+    executor = LocalExecutor({"policy": LMWorker(model)}, {"reward": RewardWorker(lambda c, **_: [0.0] * len(c))},
+                             tokenizer, seed=0)
+    processor = build_image_processor(model.config, max_pixels=16 * 16)
+    prompts = vl_prompts(tokenizer, processor, ["what now=", "go="], [[Image.new("RGB", (8, 8), (200, 0, 0))], []])
+    ro, _, _ = run(executor, ShowsColour, prompts, max_turns=2, max_tokens_per_turn=3, max_total_tokens=24)
+    pad = model.config.image_token_id
+    observed = ro.context_mask & ~ro.mask  # [N, T]
+    assert ((ro.response_ids == pad) & observed).sum(1).tolist() == [4] * 4  # each row saw the env's image
+    assert ro.image_grid_thw[:2, :, 1:].tolist() == [[[2, 2], [4, 4]]] * 2  # the prompt's 8x8, then the env's 16x16
+    assert ro.image_grid_thw[2:, :1, 1:].tolist() == [[[4, 4]]] * 2  # the imageless prompt: only the env's
+    with torch.no_grad():
+        recomputed = sequence_logprobs(model.eval(), ro)  # [N, T]
+    assert torch.allclose(recomputed, ro.logprobs, atol=1e-5), (recomputed - ro.logprobs).abs().max()

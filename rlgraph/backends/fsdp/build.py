@@ -213,11 +213,11 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
     trained = next((other.train for other in plan_groups if other.name == served), None) is not None
     if trained:  # every generate of a trained role follows a sync_weights step: the first one fills the engine
         from rlgraph.backends.fsdp.loading import allocate
-        from rlgraph.backends.local.models import build_causal_lm
+        from rlgraph.backends.local.vlm import build_language_model
         from rlgraph.backends.world import _config_only
 
         with parameters_on_meta():  # the plain model (a LoRA role's engine serves its merged weights)
-            engine = build_causal_lm(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
+            engine = build_language_model(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
         allocate(engine, device)
         return engine.eval().requires_grad_(False)
     return spec.build_module(tokenizer, engine_dtype(device), merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged

@@ -38,6 +38,8 @@ from rlgraph.backends.local.lean_decode import lean_unsupported
 from rlgraph.backends.local.logprobs import head_fits_one_block, sequence_logprobs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
 from rlgraph.backends.local.packing import pack_rows, row_tokens
+from rlgraph.backends.local.vlm import image_encoder
+from rlgraph.backends.local.vlm_forward import is_vision_lm
 from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
                                         UpdateConfig)
 from rlgraph.functional.aggregate import global_counts
@@ -206,6 +208,7 @@ class LocalExecutor:
         envs = (self._worker_environments(env, rows, env_workers, env_memory_mb) if env_workers is not None
                 else [self._environment(env) for _ in range(rows)])
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=limits.per_turn)
+        show = image_encoder(engine, self.tokenizer) if is_vision_lm(engine) else None  # image observations
         was_training = engine.training
         engine.eval()
         try:
@@ -213,7 +216,8 @@ class LocalExecutor:
                 outputs = multi_turn_rollouts(
                     engine, to_device(prompts, self.device), envs, n=n, params=params, limits=limits,
                     seed=self.sampling.seed, call=self.sampling.advance(temperature), eos=self.tokenizer.eos_token_id,
-                    pad=self.tokenizer.pad_token_id, decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+                    pad=self.tokenizer.pad_token_id, decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                    show=show)
         finally:
             engine.train(was_training)
         return to_device(outputs, home)

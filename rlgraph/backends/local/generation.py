@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -31,6 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rlgraph.backends.local.decode_compile import CompileLedger, chunk_steps, model_signature, padded_width
 from rlgraph.backends.local.lean_decode import LeanDecoder, lean_unsupported
+from rlgraph.backends.local.vlm_forward import is_vision_lm, prompt_inputs
 from rlgraph.kernels import sampling as fused
 from rlgraph.kernels.sampling import (  # noqa: F401 - re-exported
     argmax_and_logprob, gumbel_noise, splitmix64, uniform_from_bits,
@@ -364,14 +366,21 @@ class NativeGenerator:
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, P']
         chunk = self._chunk(len(keys), params)
         decode = self._decode_chunked if chunk else self._decode_stepwise
+        if prompts.image_grid_thw is not None or is_vision_lm(self.model):
+            # each prompt's images enter its prefill once (B rows, not N); mrope positions [3, B, P]
+            embeds, positions = prompt_inputs(self.model, ids, mask, prompts.pixel_values, prompts.image_grid_thw,
+                                              prompts.index)
+            decode = functools.partial(self._decode_stepwise, embeds=embeds)
         tokens, logprobs, alive = decode(ids, mask, positions, keys, n, params, chunk)  # [N, S'] each, S' >= 1
         length = int(alive.any(0).nonzero().max()) + 1  # T: the longest response produced
         group = torch.arange(len(prompts), device=device).repeat_interleave(n)  # [N]
         meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
         prompt_ids = prompts.ids.to(device).repeat_interleave(n, dim=0)  # [N, P]
         prompt_mask = prompts.mask.to(device).bool().repeat_interleave(n, dim=0)  # [N, P]
+        images = [None if value is None else value.to(device).repeat_interleave(n, dim=0)  # a sample keeps its prompt's
+                  for value in (prompts.pixel_values, prompts.image_grid_thw)]
         return Rollouts(prompt_ids, prompt_mask, tokens[:, :length], alive[:, :length], logprobs[:, :length], group,
-                        meta)
+                        meta, None, *images)
 
     def _chunk(self, rows: int, params: SamplingParams) -> int | None:
         """k, the decode steps one compiled call runs with their sampling (`decode_chunk`), or None for
@@ -384,10 +393,12 @@ class NativeGenerator:
         return k if rows * k * vocab <= CHUNK_NOISE_WORDS else None
 
     def _decode_stepwise(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                         n: int, params: SamplingParams, chunk: None) -> tuple[torch.Tensor, ...]:
-        """(tokens, logprobs, alive) [N, S'] of one model call and one sampling per token."""
+                         n: int, params: SamplingParams, chunk: None, embeds: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, ...]:
+        """(tokens, logprobs, alive) [N, S'] of one model call and one sampling per token; `embeds`
+        [B, P, H]: prefill from these input embeddings (a VLM's, images in place) on the HF path."""
         steps = params.max_new_tokens
-        start = self._lean_start if self.lean else self._hf_start
+        start = self._lean_start if self.lean and embeds is None else functools.partial(self._hf_start, embeds=embeds)
         # each prompt is prefilled once; its cache is shared by its n samples
         logits, advance = start(ids, mask, positions, steps, n)  # [N, V], tokens [N] -> [N, V]
         sample = self._sampler(keys, logits.shape[-1], steps, params)
@@ -472,22 +483,26 @@ class NativeGenerator:
 
         return logits, compiled
 
-    def _hf_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int, n: int):
-        """(first logits [N, V], step function) of one Hugging Face forward per token over prompts [B, P]."""
+    def _hf_start(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, steps: int, n: int,
+                  embeds: torch.Tensor | None = None):
+        """(first logits [N, V], step function) of one Hugging Face forward per token over prompts [B, P].
+        `positions`: [B, P], or a VLM's mrope [3, B, P] with its prefill `embeds` [B, P, H]."""
         width = ids.shape[1]
         state = {"step": 0, "cache": DynamicCache(config=self.model.config)}
-        out = self.model(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
+        first = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+        out = self.model(**first, attention_mask=mask.long(), position_ids=positions,
                          past_key_values=state["cache"], use_cache=True, logits_to_keep=1)
         if n > 1:  # the prompts' cache rows repeated for their samples: row i*n + j is sample j of prompt i
             state["cache"].batch_repeat_interleave(n)
-        mask, positions = mask.repeat_interleave(n, 0), positions.repeat_interleave(n, 0)  # [N, P] each
+        # [N, P] each (mrope: [3, N, P]); a decode step is the last prompt position + step on every axis
+        mask, positions = mask.repeat_interleave(n, 0), positions.repeat_interleave(n, positions.dim() - 2)
         attention = torch.ones(len(mask), width + steps, dtype=torch.long, device=ids.device)  # [N, P+steps]
         attention[:, :width] = mask
 
         def advance(token: torch.Tensor) -> torch.Tensor:
             state["step"] += 1
             out = self.model(input_ids=token[:, None], attention_mask=attention[:, : width + state["step"]],
-                             position_ids=positions[:, -1:] + state["step"], past_key_values=state["cache"],
+                             position_ids=positions[..., -1:] + state["step"], past_key_values=state["cache"],
                              use_cache=True, logits_to_keep=1)
             return out.logits[:, -1]  # [N, V]
 

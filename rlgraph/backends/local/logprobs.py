@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from rlgraph.backends.local.packing import packed_hidden_states
+from rlgraph.backends.local.packing import packed_hidden_states, predicting_columns
+from rlgraph.backends.local.vlm_forward import is_vision_lm, vision_response_states
 from rlgraph.batches import Rollouts
 from rlgraph.kernels.logprob_head import BLOCK_FLOOR_ELEMENTS, token_logprobs
 
@@ -57,6 +58,8 @@ def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts, *, packed
 
     `packed`: one forward over the rows' real tokens laid end to end (`packing.packed_hidden_states`)
     instead of the padded [N, P+T] batch; the same states up to fp32 summation order."""
+    if getattr(rollouts, "image_grid_thw", None) is not None or is_vision_lm(model):  # images, or a VLM's token check
+        return vision_response_states(model, rollouts, packed=packed)
     if packed:
         return packed_hidden_states(_decoder(model), rollouts, model.config._attn_implementation, model.dtype)
     width = rollouts.prompt_ids.shape[1]
@@ -68,11 +71,7 @@ def response_hidden_states(model: PreTrainedModel, rollouts: Rollouts, *, packed
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [N, P+T]
     hidden = _decoder(model)(input_ids=ids, attention_mask=mask, position_ids=positions,
                              use_cache=False).last_hidden_state  # [N, P+T, H]
-    # token t is predicted by the state of the last real token before it: t-1, unless padding sits
-    # between turns of a multi-turn rollout (a padding column's state reads a pad id, not the context)
-    columns = torch.arange(ids.shape[1], device=ids.device)  # [P+T]
-    last_real = torch.where(mask.bool(), columns, 0).cummax(dim=1).values  # [N, P+T]: last real column <= j
-    before = last_real[:, width - 1 : width - 1 + steps]  # [N, T]: last real column < the response's column t
+    before = predicting_columns(mask.bool(), width, steps)  # [N, T]: last real column < the response's column t
     return hidden.gather(1, before[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [N, T, H]
 
 

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from rlgraph.agents import episode as E
 from rlgraph.backends.local.generation import SamplingParams, StepNoise, _check_prompts, sample_tokens, sampling_keys
+from rlgraph.backends.local.vlm_forward import flat_images, image_inputs, is_vision_lm
 from rlgraph.batches import Prompts, Rollouts
 
 
@@ -47,24 +48,35 @@ class TurnDecoder:
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.attention: torch.Tensor | None = None  # [R, L] long: 1 on the cache's real columns
-        self.positions: torch.Tensor | None = None  # [R]: real tokens each row holds so far
+        self.positions: torch.Tensor | None = None  # [R]: each row's next position (its real tokens so far;
+        # a VLM's next mrope position: an image advances it by its grid's side, not its token count)
         self.logits: torch.Tensor | None = None  # [R, V]: what predicts each row's next token
         self.fed_tokens = 0
+        self.vision = is_vision_lm(model)
 
-    def feed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def feed(self, ids: torch.Tensor, mask: torch.Tensor, images: tuple | None = None) -> torch.Tensor:
+        """`images` (a VLM's): (image positions bool [R, L], pixels, grids of them in row order)."""
         rows = ids.shape[0]
         if self.attention is None:
             self.attention = torch.zeros(rows, 0, dtype=torch.long, device=ids.device)  # [R, 0]
             self.positions = torch.zeros(rows, dtype=torch.long, device=ids.device)  # [R]
         mask = mask.bool()
-        positions = (self.positions[:, None] + mask.long().cumsum(-1) - 1).clamp(min=0)  # [R, L]
         attention = torch.cat([self.attention, mask.long()], dim=1)  # [R, L_cache + L]
-        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=self.cache,
+        if self.vision:  # the block's own mrope positions, from the row's next position on
+            image, pixels, grid = images if images is not None else (torch.zeros_like(mask), None, None)
+            embeds, block = image_inputs(self.model, ids, mask, image, pixels, grid)  # [R, L, H], [3, R, L]
+            positions = block + self.positions[None, :, None]  # [3, R, L]
+            advance = torch.where(mask[None], block, -1).amax(dim=(0, 2)) + 1  # [R]: 0 for an empty block
+            inputs = {"inputs_embeds": embeds}
+        else:
+            positions = (self.positions[:, None] + mask.long().cumsum(-1) - 1).clamp(min=0)  # [R, L]
+            advance, inputs = mask.sum(dim=1), {"input_ids": ids}
+        out = self.model(**inputs, attention_mask=attention, position_ids=positions, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()  # [R, V]
         has_new = mask.any(dim=1)  # [R]
         self.logits = logits if self.logits is None else torch.where(has_new[:, None], logits, self.logits)  # [R, V]
-        self.attention, self.positions = attention, self.positions + mask.sum(dim=1)
+        self.attention, self.positions = attention, self.positions + advance
         self.fed_tokens += int(mask.sum())
         return self.logits
 
@@ -154,27 +166,77 @@ def stop_checker(envs: Sequence[Any], decode: Callable[[list[int]], str]) -> Cal
 
 def multi_turn_rollouts(model: torch.nn.Module, prompts: Prompts, envs: Sequence[Any], *, n: int, params: SamplingParams,
                         limits: TurnLimits, seed: int, call: int, eos: int, pad: int,
-                        decode: Callable[[list[int]], str]) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
+                        decode: Callable[[list[int]], str], show: Callable[[Any], tuple] | None = None
+                        ) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
     """(Rollouts[N, total], episode statistics f32[N, E], turn rewards f32[N, total]) of `envs`
-    (N = B*n token environments, row i*n + j for sample j of prompt i), in eval mode without gradients."""
+    (N = B*n token environments, row i*n + j for sample j of prompt i), in eval mode without gradients.
+    `show` (a VLM's): image -> (its tokens, pixels, grid), for environments that answer with an image."""
     vocab = model.get_input_embeddings().num_embeddings
     _check_prompts(prompts, vocab)
     device = model.device
     keys = sampling_keys(seed, call, prompts.index.to(device), n)  # [N]
-    prompt_ids = prompts.ids.repeat_interleave(n, dim=0)  # [N, P]
-    prompt_mask = prompts.mask.bool().repeat_interleave(n, dim=0)  # [N, P]
+    repeated = prompts.select(torch.arange(len(prompts)).repeat_interleave(n))  # the N rows, each its prompt's
     episodes = E.start(envs, episode_rows(prompts, n), limits.total, vocab, limits.step_timeout)
+    for episode, (pixels, grid) in zip(episodes, _row_images(repeated)):
+        episode.show, episode.images = show, _split(pixels, grid)  # the prompt's images come first
     try:
-        _run_turns(TurnDecoder(model), episodes, prompt_ids, prompt_mask, keys, limits, params, eos, pad,
+        _run_turns(TurnDecoder(model), episodes, repeated.ids, repeated.mask.bool(), keys, limits, params, eos, pad,
                    stop_checker(envs, decode), vocab)
     finally:
         E.close_all(episodes)
     tensors = E.to_tensors(episodes, limits.total, pad)
     meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
     group = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
-    rollouts = Rollouts(prompt_ids, prompt_mask, tensors["response_ids"], tensors["mask"], tensors["logprobs"], group,
-                        meta, tensors["context_mask"])
+    rollouts = Rollouts(repeated.ids, repeated.mask.bool(), tensors["response_ids"], tensors["mask"], tensors["logprobs"],
+                        group, meta, tensors["context_mask"], *_episode_images(episodes))
     return rollouts, tensors["stats"], tensors["turn_rewards"]
+
+
+def _row_images(prompts: Prompts) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each row's own (pixels [k, D], grids [i, 3]) of its prompt's images, or (None, None)."""
+    if prompts.image_grid_thw is None:
+        return [(None, None)] * len(prompts)
+    return [flat_images(prompts.pixel_values[row:row + 1], prompts.image_grid_thw[row:row + 1])
+            for row in range(len(prompts))]
+
+
+def _split(pixels: torch.Tensor | None, grid: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A row's flat images as one (pixels [k, D], grid [1, 3]) a image."""
+    if grid is None or not len(grid):
+        return []
+    return list(zip(torch.split(pixels, grid.prod(-1).tolist()), grid.split(1)))
+
+
+def _episode_images(episodes: Sequence[E.Episode]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows' images (prompt's, then each image observation's) as `Rollouts.pixel_values` [N, K, D] and
+    `image_grid_thw` [N, I, 3], zero-padded; (None, None) when no row has one."""
+    if not any(episode.images for episode in episodes):
+        return None, None
+    depth = next(pixels.shape[1] for episode in episodes for pixels, _ in episode.images)
+    width = max(sum(len(pixels) for pixels, _ in episode.images) for episode in episodes)
+    count = max(len(episode.images) for episode in episodes)
+    pixels = torch.zeros(len(episodes), width, depth)  # [N, K, D]
+    grids = torch.zeros(len(episodes), count, 3, dtype=torch.long)  # [N, I, 3]
+    for row, episode in enumerate(episodes):
+        if episode.images:
+            pixels[row, :sum(len(p) for p, _ in episode.images)] = torch.cat([p for p, _ in episode.images])
+            grids[row, :len(episode.images)] = torch.cat([g for _, g in episode.images])
+    return pixels, grids
+
+
+def _block_images(decoder: TurnDecoder, rows: Sequence[list[int]], shown: Sequence[list[bool]],
+                  images: Sequence[list[tuple]], device: torch.device) -> tuple | None:
+    """A VLM block's (image positions [R, L], pixels, grids): image tokens where `shown` marks the
+    environment's (and the prompt's) tokens, with `images` each row's new images in order."""
+    if not decoder.vision:
+        return None
+    image_id = decoder.model.config.image_token_id
+    flags = [[int(token == image_id and ok) for token, ok in zip(row, marks)] for row, marks in zip(rows, shown)]
+    image = left_pad(flags, 0, device)[0].bool()  # [R, L], aligned as the ids
+    new = [item for row in images for item in row]
+    if not new:
+        return image, None, None
+    return image, torch.cat([p for p, _ in new]).to(device), torch.cat([g for _, g in new]).to(device)
 
 
 def _run_turns(decoder: TurnDecoder, episodes: list[E.Episode], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -184,8 +246,10 @@ def _run_turns(decoder: TurnDecoder, episodes: list[E.Episode], prompt_ids: torc
     active = list(range(len(episodes)))  # episode of each decoder row
     # the first block: each prompt's real ids and its first observation (already in the response)
     new = [prompt_ids[r][prompt_mask[r]].tolist() + episodes[r].ids for r in active]
+    shown = [[True] * len(row) for row in new]  # every token of the first block may be an image's
+    images = [list(episodes[r].images) for r in active]
     for turn in range(limits.max_turns):
-        decoder.feed(*left_pad(new, pad, device))
+        decoder.feed(*left_pad(new, pad, device), _block_images(decoder, new, shown, images, device))
         caps = [min(limits.per_turn, episodes[r].remaining) for r in active]
         sampled = decode_turn(decoder, keys[active], caps, turn, limits, params, eos,
                               lambda row, ids: ends_turn(active[row], ids))
@@ -193,12 +257,16 @@ def _run_turns(decoder: TurnDecoder, episodes: list[E.Episode], prompt_ids: torc
             episodes[r].add_policy(sampled.tokens[row], sampled.logprobs[row])
         # every row's turn goes to its env, a turn cut by the budget too (the env judges what was
         # written); an observation that no longer fits ends the episode (`Episode.add_observation`)
+        seen = [len(episodes[r].images) for r in active]
         observations = E.step_all([episodes[r] for r in active], sampled.tokens, turn=turn,
                                   timeout_s=limits.step_timeout, vocab=vocab)
         keep = [row for row, r in enumerate(active) if not episodes[r].done]
         if not keep:
             return
         new = [sampled.pending[row] + observations[row] for row in keep]
+        shown = [[False] * len(sampled.pending[row]) + [True] * len(observations[row]) for row in keep]  # a sampled
+        # image-pad token is text, as the training forward reads it; the observation's may be an image's
+        images = [episodes[active[row]].images[seen[row]:] for row in keep]
         active = [active[row] for row in keep]
         decoder.keep(torch.tensor(keep, device=device))
     for r in active:  # max_turns reached with the episode still going

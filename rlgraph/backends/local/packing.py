@@ -106,13 +106,27 @@ def packed_hidden_states(decoder: torch.nn.Module, rollouts: Rollouts, implement
     packed_ids, positions, mask = _packed_inputs(ids, rank_in_row, real, lengths, implementation, dtype)
     hidden = decoder(input_ids=packed_ids, attention_mask=mask, position_ids=positions,
                      use_cache=False).last_hidden_state[0]  # [L, H]
-    starts = lengths.cumsum(0) - lengths  # [N]: where each row begins in the packed sequence
-    columns = torch.arange(ids.shape[1], device=ids.device)  # [P+T]
+    return hidden[packed_state_index(real, predicting_columns(real, width, steps))]  # [N, T, H]
+
+
+def predicting_columns(real: torch.Tensor, width: int, steps: int) -> torch.Tensor:
+    """i64[N, T]: the column of rows `real` bool[N, P+T] whose state predicts response token t, the
+    last real column before it: t-1, unless padding sits between turns of a multi-turn rollout (a
+    padding column's state reads a pad id, not the context)."""
+    columns = torch.arange(real.shape[1], device=real.device)  # [P+T]
     last_real = torch.where(real, columns, 0).cummax(dim=1).values  # [N, P+T]: last real column <= j
-    before = last_real[:, width - 1: width - 1 + steps]  # [N, T]
+    return last_real[:, width - 1: width - 1 + steps]  # [N, T]
+
+
+def packed_state_index(real: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """i64[N, T]: where the padded columns `before` [N, T] of rows `real` bool[N, P+T] land in the
+    packed sequence of the rows' real tokens laid end to end."""
+    lengths = real.sum(1)  # [N]
+    starts = lengths.cumsum(0) - lengths  # [N]: where each row begins in the packed sequence
+    rank_in_row = real.long().cumsum(-1) - 1  # [N, P+T]: a real token's position in its own row
     packed_index = starts[:, None] + rank_in_row.gather(1, before)  # [N, T]
     # a column with no real token before it (only at unmasked positions) reads row r's first state
-    return hidden[torch.maximum(packed_index, starts[:, None])]  # [N, T, H]
+    return torch.maximum(packed_index, starts[:, None])  # [N, T]
 
 
 # Under torch.compile (`train.compile`) the packing stays eager: L (the real tokens) is

@@ -26,6 +26,7 @@ from transformers import (AutoConfig, AutoModelForImageTextToText, PretrainedCon
                           PreTrainedTokenizerFast)
 
 from rlgraph.backends.local.models import ASSETS, ATTENTION, WEIGHT_FILES, build_char_tokenizer, load_tokenizer
+from rlgraph.batches import Prompts
 from rlgraph.errors import RLGraphError
 
 TINY_VL_CONFIG = ASSETS / "tiny_qwen2_vl.json"
@@ -89,6 +90,31 @@ def vl_config(source: str | Path | Mapping[str, Any] | None) -> tuple[Pretrained
                          f"{', '.join(VL_MODEL_TYPES)} (a text-only model is built by build_causal_lm)")
     fields.pop("transformers_version", None)
     return AutoConfig.for_model(kind, **fields), checkpoint
+
+
+def is_vl_source(source: Any) -> bool:
+    """Whether `source` (a config dict, a config JSON, or a model directory) is a Qwen2-VL / Qwen2.5-VL:
+    what a builder that takes any model source dispatches on (None, the tiny Qwen2, is not)."""
+    if isinstance(source, Mapping):
+        return source.get("model_type") in VL_MODEL_TYPES
+    if not isinstance(source, (str, Path)):
+        return False
+    path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+    try:
+        return json.loads(path.read_text()).get("model_type") in VL_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False  # not a readable config: the text builder names what is wrong with it
+
+
+def build_language_model(source: Any = None, *, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,
+                         dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """`build_vision_lm` for a Qwen2-VL / Qwen2.5-VL source, else `build_causal_lm`: for the builders that
+    take any model source (a worker's roles and generation engines)."""
+    if is_vl_source(source):
+        return build_vision_lm(source, tokenizer=tokenizer, seed=seed, dtype=dtype)
+    from rlgraph.backends.local.models import build_causal_lm
+
+    return build_causal_lm(source, tokenizer=tokenizer, seed=seed, dtype=dtype)
 
 
 def build_vision_lm(
@@ -171,6 +197,58 @@ def encode_vl_batch(tokenizer: PreTrainedTokenizerFast, processor: Any, texts: S
     tokens = tokenizer(rendered, return_tensors="pt", padding=True)
     pixels = encoded["pixel_values"] if flat else torch.zeros(0, 0)
     return VLBatch(tokens["input_ids"], tokens["attention_mask"], pixels, grid, tuple(len(row) for row in images))
+
+
+def row_images(batch: VLBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`pixel_values` f32[B, K, D], `image_grid_thw` i64[B, I, 3]): the batch's flat images as the
+    per-row fields of `Prompts` / `Rollouts`, each row's patches zero-padded to the widest row's K
+    and its grids to the most images I (a row without images: zeros)."""
+    rows, patches = len(batch.images_per_row), batch.image_grid_thw.prod(-1).tolist()
+    depth = batch.pixel_values.shape[-1] if batch.pixel_values.dim() == 2 else 0
+    widths, at = [], 0
+    for count in batch.images_per_row:
+        widths.append(sum(patches[at:at + count]))
+        at += count
+    pixels = batch.pixel_values.new_zeros(rows, max(widths, default=0), depth)  # [B, K, D]
+    grid = torch.zeros(rows, max(batch.images_per_row, default=0), 3, dtype=torch.long)  # [B, I, 3]
+    patch_at, image_at = 0, 0
+    for row, count in enumerate(batch.images_per_row):
+        pixels[row, :widths[row]] = batch.pixel_values[patch_at:patch_at + widths[row]]
+        grid[row, :count] = batch.image_grid_thw[image_at:image_at + count]
+        patch_at, image_at = patch_at + widths[row], image_at + count
+    return pixels, grid
+
+
+def vl_prompts(tokenizer: PreTrainedTokenizerFast, processor: Any, texts: Sequence[str],
+               images: Sequence[Sequence[Any]], meta: Mapping[str, Sequence[Any]] | None = None) -> Prompts:
+    """Left-padded `Prompts` whose rows carry their images (`encode_vl_batch`, then `row_images`):
+    what `rg.generate`, `rg.logprobs` and `rg.update` take for a vision-language model."""
+    batch = encode_vl_batch(tokenizer, processor, texts, images)
+    if not bool(batch.mask[:, -1].all()):
+        raise ValueError("vl_prompts: the tokenizer pads on the right; prompts are left-padded "
+                         "(tokenizer.padding_side = 'left')")
+    pixels, grid = row_images(batch)
+    return Prompts(batch.ids, batch.mask.bool(), dict(meta or {}), pixel_values=pixels, image_grid_thw=grid)
+
+
+# The most pixels an environment's image observation keeps (Qwen2.5-VL's recommended max_pixels; larger
+# ones are resized down by the processor, as the observation's own choice of resolution is not checked data).
+OBSERVATION_MAX_PIXELS = 1280 * 28 * 28
+
+
+def image_encoder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+                  max_pixels: int = OBSERVATION_MAX_PIXELS) -> Any:
+    """`show(image) -> (its tokens: start + one pad a merged patch + end, pixels [k, D], grid [1, 3])`:
+    how an environment's image observation enters a rollout (the same expansion as `encode_vl_batch`)."""
+    processor = build_image_processor(model.config, max_pixels=max_pixels)
+    start, pad, end = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
+
+    def show(image: Any) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        encoded = processor([image], return_tensors="pt")
+        grid = encoded["image_grid_thw"]  # [1, 3]
+        return [start, *[pad] * image_token_counts(grid, processor.merge_size)[0], end], encoded["pixel_values"], grid
+
+    return show
 
 
 def check_image_tokens(batch: VLBatch, image_token_id: int, merge: int) -> None:

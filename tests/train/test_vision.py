@@ -1,0 +1,92 @@
+"""`rlgraph train` with a `vision:` section: rows carry images from the data file to every primitive
+(warm start, GRPO, evaluation), every image is checked before step 1, and what is not built is refused."""
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlgraph.ir.errors import ConfigError
+from rlgraph.data.images import ImageError
+from rlgraph.train.config import load_config
+from rlgraph.train.run import train
+from rlgraph.train.setup import prepare
+
+ROOT = Path(__file__).resolve().parents[2]
+_SPEC = importlib.util.spec_from_file_location("vision_shapes_data", ROOT / "examples" / "vision_shapes" / "make_data.py")
+shapes = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(shapes)  # the example's own drawing: one source of the task
+
+
+def _write(tmp_path, rows=24, seed=0):
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(rows):
+        uri, colour = shapes.draw(rng)
+        lines.append(json.dumps({"prompt": "colour=", "image": uri, "answer": colour}))
+    path = tmp_path / "shapes.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(tmp_path, overrides=(), **sections):
+    config = {
+        "name": "v", "run_dir": str(tmp_path / "run"),
+        "vision": {"pixel_budget": 256},
+        "data": {"train": str(_write(tmp_path)), "eval_fraction": 0.25, "chat_template": False},
+        "rewards": [{"name": "exact_match"}],
+        "algorithm": {"name": "grpo", "hparams": {"kl": 0.04}},
+        "rollout": {"prompts_per_step": 4, "n": 2, "max_new_tokens": 4},
+        "optimizer": {"lr": 1e-3},
+        "warm_start": {"steps": 2, "batch_size": 8, "lr": 2e-3},
+        "train": {"steps": 2, "seed": 0},
+        "runtime": {"threads": 1},
+        "checkpoint": {"every": 2, "keep_last": 1},
+        "logging": {"tensorboard": False, "progress": False, "plots": False, "samples": 0},
+    }
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values} if isinstance(values, dict) else values
+    path = tmp_path / "v.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return load_config(path, list(overrides))
+
+
+def test_a_vision_run_warm_starts_trains_and_evaluates_with_its_images(tmp_path):
+    result = train(_config(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert result.steps == 2 and result.eval_before is not None and result.eval_after is not None
+    trained = [row for row in rows if "policy/grad_norm" in row]
+    assert len(trained) == 2 and all(row["policy/grad_norm"] == row["policy/grad_norm"] for row in trained)
+    plan = (tmp_path / "run" / "plan.txt").read_text()
+    assert "vision policy: tower" in plan and "pixel budget 256 px" in plan  # the plan counts the images
+
+
+@pytest.mark.parametrize("override, message", [
+    ("runtime.runtime=spmd", "runtime.runtime: a vision run"),
+    ("runtime.engine=vllm", "runtime.engine: a vision run"),
+    ("vision.pixel_budget=16", "vision.pixel_budget: build_image_processor: max_pixels=16 must be an int >= 64"),
+])
+def test_what_a_vision_run_cannot_do_is_refused_before_a_model_exists(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        prepare(_config(tmp_path, [override]))
+
+
+@pytest.mark.parametrize("image, message", [
+    ("missing.png", r"shapes.jsonl:2, field 'image': image file .*missing.png' does not exist"),
+    ("data:image/png;base64,@@@", r"shapes.jsonl:2, field 'image': the inline image is not valid base64"),
+    (None, r"shapes.jsonl:2, field 'image': None is not an image reference"),
+])
+def test_a_bad_image_is_named_by_file_row_and_field_before_step_1(tmp_path, image, message):
+    config = _config(tmp_path)
+    path = Path(config.data.train)
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[1])
+    row["image"] = image
+    lines[1] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ImageError, match=message):
+        train(config)
+    assert not (tmp_path / "run").exists()  # refused before the run wrote anything, before any model was built
