@@ -44,6 +44,9 @@ BUCKET = 5  # parameters per bucket: the tiny model's 24 arrive in 5 buckets tha
 # A larger init than the shipped 0.02 spreads the logits, so greedy argmaxes are not near-ties that
 # the two engines' different (both fp32) GEMM orders could flip.
 INIT_RANGE = 0.3
+# The engine's KV block, the prefix cache's unit: the smallest vLLM's CPU attention takes (a multiple
+# of 32; its default is 128), so the multi-turn tests' short contexts fill whole blocks.
+BLOCK_TOKENS = 32
 
 
 def buckets(model, size=BUCKET):
@@ -73,6 +76,6 @@ def vllm_live(tmp_path_factory):
     # fp32 on CUDA too (make gpu-check runs these modules there), so the parity bounds hold on both
     engine = VLLMEngine.build(directory, role="policy", eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id, load_format="dummy", enforce_eager=True,
-                              max_model_len=64, dtype="float32")
+                              max_model_len=64, dtype="float32", block_size=BLOCK_TOKENS)
     sync(engine, model, 0)
     return engine, model, tokenizer

@@ -248,7 +248,7 @@ def test_build_asks_for_an_in_process_engine_with_sleep_mode_and_processed_logpr
     assert engine.llm.kwargs == dict(model="/models/tiny", dtype="bfloat16", seed=5, gpu_memory_utilization=0.5,
                                      enable_sleep_mode=True, skip_tokenizer_init=True,
                                      distributed_executor_backend="external_launcher",
-                                     logprobs_mode="processed_logprobs", load_format="dummy")
+                                     logprobs_mode="processed_logprobs", load_format="dummy", enable_prefix_caching=True)
 
 
 def test_generate_sends_one_seeded_request_per_row_and_returns_rollouts(fake_vllm):
@@ -380,6 +380,43 @@ def test_a_failed_start_names_the_rank_the_role_and_the_fix(fake_vllm):
     with pytest.raises(VLLMError, match=r"(?s)rank 3's vLLM engine for 'policy' .* failed to start.*fix: a smaller "
                                         "kv_cache_memory_bytes"):
         VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD, rank=3)
+
+
+def test_an_engine_core_that_fails_mid_generate_is_named_and_never_used_again(fake_vllm):
+    engine = synced_engine()
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+    engine.llm.generate = dead
+    with pytest.raises(VLLMError, match=r"(?s)rank 1's vLLM engine for 'policy' failed during generate: RuntimeError: "
+                                        r"EngineCore .*not used again\n  fix: .*rlgraph train --resume RUN_DIR") as caught:
+        engine.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 3))
+    assert caught.value.rank == 1  # the plan runner names the rank and the step with it (RankFailure)
+    engine.llm.generate = FakeLLM().generate  # even if the core answered again, its state is unknown
+    for call in (lambda: engine.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 3)),
+                 lambda: engine.load_weights([("a.weight", torch.ones(1))]),
+                 lambda: engine.continue_rows([[5, 6]], [2], [0], PARAMS, ModelRef("policy", 3))):
+        with pytest.raises(VLLMError, match="failed earlier \\(RuntimeError: EngineCore .* \\(during generate\\)\\)"):
+            call()
+
+
+def test_a_failed_start_releases_what_vllm_set_up_in_a_process_that_had_no_world(fake_vllm, monkeypatch):
+    released = []
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.cleanup_dist_env_and_memory = lambda: released.append(True)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", types.ModuleType("vllm.distributed"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", parallel_state)
+
+    def kv_cache_too_small(**kwargs):
+        raise ValueError("To serve at least one request with the model's max seq len (4096), (0.5 GiB KV cache is "
+                         "needed, which is larger than the available KV cache memory (0.06 GiB)")
+
+    fake_vllm.LLM = kv_cache_too_small
+    with pytest.raises(VLLMError, match=r"(?s)rank 0's vLLM engine .* failed to start \(before the plan's first step\)"
+                                        r".*fix: a smaller kv_cache_memory_bytes"):
+        VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD)
+    assert released == [True]
 
 
 def test_a_bucket_that_fails_closes_the_reload_and_leaves_no_version(fake_vllm):

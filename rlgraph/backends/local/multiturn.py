@@ -169,12 +169,26 @@ def multi_turn_rollouts(model: torch.nn.Module, prompts: Prompts, envs: Sequence
                    stop_checker(envs, decode), vocab)
     finally:
         E.close_all(episodes)
-    tensors = E.to_tensors(episodes, limits.total, pad)
+    return episode_outputs(episodes, prompts, n, limits.total, pad)
+
+
+def episode_outputs(episodes: Sequence[E.Episode], prompts: Prompts, n: int, total: int,
+                    pad: int) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
+    """(Rollouts[N, total], episode statistics f32[N, E], turn rewards f32[N, total]) of finished episodes."""
+    tensors = E.to_tensors(episodes, total, pad)
     meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
     group = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
-    rollouts = Rollouts(prompt_ids, prompt_mask, tensors["response_ids"], tensors["mask"], tensors["logprobs"], group,
-                        meta, tensors["context_mask"])
+    rollouts = Rollouts(prompts.ids.repeat_interleave(n, dim=0), prompts.mask.bool().repeat_interleave(n, dim=0),
+                        tensors["response_ids"], tensors["mask"], tensors["logprobs"], group, meta,
+                        tensors["context_mask"])
     return rollouts, tensors["stats"], tensors["turn_rewards"]
+
+
+def mark_budget_cut(episodes: Sequence[E.Episode]) -> None:
+    """Episodes still going when `max_turns` is reached were cut by the budget."""
+    for episode in episodes:
+        episode.budget_cut = True
+        episode.stats["budget_cut"] = 1.0
 
 
 def _run_turns(decoder: TurnDecoder, episodes: list[E.Episode], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -201,9 +215,7 @@ def _run_turns(decoder: TurnDecoder, episodes: list[E.Episode], prompt_ids: torc
         new = [sampled.pending[row] + observations[row] for row in keep]
         active = [active[row] for row in keep]
         decoder.keep(torch.tensor(keep, device=device))
-    for r in active:  # max_turns reached with the episode still going
-        episodes[r].budget_cut = True
-        episodes[r].stats["budget_cut"] = 1.0
+    mark_budget_cut([episodes[r] for r in active])  # max_turns reached with these still going
 
 
 def episode_rows(prompts: Prompts, n: int) -> list[Mapping[str, Any]]:
