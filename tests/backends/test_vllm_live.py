@@ -162,5 +162,5 @@ def test_a_kv_cache_that_cannot_fit_at_start_up_is_named_and_the_process_is_left
     assert run.returncode == 3, run.stderr[-3000:]
     assert "rank 0's vLLM engine for 'policy'" in run.stdout and "failed to start (before the plan's first step)" \
         in run.stdout, run.stdout
-    assert "KV cache" in run.stdout and "fix: a smaller kv_cache_memory_bytes" in run.stdout, run.stdout
+    assert "KV cache" in run.stdout and "fix: a smaller max_model_len" in run.stdout, run.stdout
     assert "WORLD LEFT False" in run.stdout

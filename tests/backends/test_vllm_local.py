@@ -138,3 +138,60 @@ def test_a_sync_that_fails_in_its_last_bucket_names_the_sync_step_and_leaves_no_
     finally:
         monkeypatch.undo()
         sync(engine, model, 0)
+
+
+# -- LoRA: the adapters alone, through vLLM's LoRA support ------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_live(vllm_live):
+    """(engine, LoRA policy, tokenizer): a second engine in this process, built by `build_local_engine`
+    from the policy's frozen base with vLLM's LoRA layers on. The adapters are random (B != 0), so
+    they change what the policy generates."""
+    from rlgraph.backends.lora import LoraSettings, apply_lora
+    from rlgraph.backends.vllm.local import build_local_engine
+
+    _, model, tokenizer = vllm_live
+    policy = apply_lora(copy.deepcopy(model), LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj")))
+    _randomise_adapters(policy, seed=0)
+    engine = build_local_engine(policy, role="policy", tokenizer=tokenizer, seed=0, max_model_len=64)
+    return engine, policy.eval(), tokenizer
+
+
+def _randomise_adapters(policy, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+def _greedy(executor, version, prompts):
+    return executor.generate(ModelRef("policy", version), prompts, temperature=0.0, max_new_tokens=6).response_ids
+
+
+def test_a_lora_policy_syncs_its_adapters_alone_and_greedy_tokens_equal_the_native_engines(lora_live):
+    import os
+
+    from rlgraph.backends.local.executor import LocalExecutor
+    from rlgraph.backends.vllm.local import VLLMLocalExecutor
+
+    engine, policy, tokenizer = lora_live
+    worker = LMWorker(policy)
+    ours = VLLMLocalExecutor({"policy": worker}, {}, tokenizer, engine=engine, max_new_tokens=6)
+    native = LocalExecutor({"policy": worker}, {}, tokenizer, max_new_tokens=6)
+    prompts = tiny_prompts(6)
+    ours.sync_weights(ModelRef("policy", 0))
+    assert ours.syncs[-1][:2] == (0, 1) and sorted(os.listdir(ours.adapter_dir)) == ["v0"]
+    files = sorted(os.listdir(os.path.join(ours.adapter_dir, "v0")))
+    assert "adapter_model.safetensors" in files and "model.safetensors" not in files  # the adapters alone
+    assert torch.equal(_greedy(ours, 0, prompts), _greedy(native, 0, prompts))
+    with policy.disable_adapter():  # the adapters matter: the base alone generates otherwise
+        assert not torch.equal(_greedy(native, 0, prompts), _greedy(ours, 0, prompts))
+    _randomise_adapters(policy, seed=1)  # what an update does, then the version it makes
+    worker.version = 1
+    ours.sync_weights(ModelRef("policy", 1))
+    assert sorted(os.listdir(ours.adapter_dir)) == ["v1"] and engine.version == 1  # v0's folder removed
+    with pytest.raises(StaleVersionError, match="policy@0 but rank 0's vLLM engine serves policy@1"):
+        engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=2), seed=0, call=0,
+                        model=ModelRef("policy", 0))
+    assert torch.equal(_greedy(ours, 1, prompts), _greedy(native, 1, prompts))

@@ -108,6 +108,7 @@ class VLLMEngine:
         self.loading = False             # a layerwise reload is open: buckets are arriving
         self.asleep: set[str] = set()    # memory tags released by sleep() and not woken yet
         self.failed: str | None = None   # why the engine core failed: it is not used again
+        self.adapter: Any = None         # a LoRA policy's adapters served (a vllm LoRARequest), or None
         self.turn_cache: list[tuple[int, int]] = []  # last rollout, per turn: (context tokens sent, prefix-cache hits)
 
     @classmethod
@@ -146,9 +147,7 @@ class VLLMEngine:
                            **engine_args)
         except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
             _release_failed_start(joined)
-            memory = "memory" in str(exc).lower()
-            fix = ("a smaller kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA), or free memory held by "
-                   "other processes" if memory else "check the model directory and the engine arguments")
+            fix = _start_fix(str(exc))
             raise VLLMError(f"{where} failed to start (before the plan's first step): {type(exc).__name__}: {exc}\n"
                             f"  fix: {fix}", rank=rank) from exc
         finally:
@@ -288,7 +287,8 @@ class VLLMEngine:
         requests = [prompt for prompt in token_prompts(prompts) for _ in range(n)]  # row i*n + j
         seeds = request_seeds(seed, call, prompts.index, n)
         sampling = [vllm.SamplingParams(**kw) for kw in sampling_kwargs(params, seeds, eos_token_id=self.eos_token_id)]
-        outputs = self._core("generate", lambda: self.llm.generate(requests, sampling_params=sampling, use_tqdm=False))
+        outputs = self._core("generate", lambda: self.llm.generate(requests, sampling_params=sampling, use_tqdm=False,
+                                                                   **self._lora()))
         return rollouts_from_outputs(outputs, prompts, n, max_new_tokens=params.max_new_tokens,
                                      eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
 
@@ -299,6 +299,37 @@ class VLLMEngine:
         if self.asleep:
             raise VLLMError(f"rank {self.rank}'s vLLM engine is asleep ({', '.join(sorted(self.asleep))}); "
                             "an onload step must wake it before a generate")
+
+    # -- LoRA --------------------------------------------------------------------------------
+    def load_adapter(self, directory: str | os.PathLike, version: int) -> None:
+        """Serve `role@version` as the frozen base the engine was built with plus the LoRA adapters
+        saved in `directory` (peft's format: adapter_config.json, adapter_model.safetensors), loaded
+        now through vLLM's LoRA support (`add_lora`), so a bad adapter fails the sync, not a generate.
+        The adapters of the previous version are dropped; each version gets its own LoRA id, so no
+        request or cached prefix can mix two versions."""
+        version = _check_int(version, "VLLMEngine.load_adapter: version", at_least=0)
+        self._check_alive()
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(lora_name=f"{self.role}@{version}", lora_int_id=version + 1, lora_path=str(directory))
+        previous, self.version, self.adapter = self.adapter, None, None
+        core = self.llm.llm_engine
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            self._core("dropping the previous adapters", lambda: core.remove_lora(previous.lora_int_id))
+        try:
+            self._core("loading LoRA adapters", lambda: core.add_lora(request))
+        except VLLMError as error:  # a bad adapter leaves the core sound: the next sync may try again
+            self.failed = None
+            raise VLLMError(f"rank {self.rank}'s vLLM engine could not load the LoRA adapters of "
+                            f"{self.role}@{version} from {directory}: {error.__cause__}; it serves no version until "
+                            "a sync succeeds\n  fix: adapters of the targets and rank the engine was built for "
+                            "(enable_lora, max_lora_rank)", rank=self.rank) from error.__cause__
+        self.adapter, self.version = request, version
+        self.llm.reset_prefix_cache()
+
+    def _lora(self) -> dict[str, Any]:
+        """generate's keyword for the adapters served (none without LoRA: a plain engine's call stays as it was)."""
+        return {} if self.adapter is None else {"lora_request": self.adapter}
 
     # -- failures ----------------------------------------------------------------------------
     def _core(self, what: str, call: Any) -> Any:
@@ -331,7 +362,8 @@ class VLLMEngine:
         sampling = [vllm.SamplingParams(**{**kwargs, "max_tokens": int(cap)}) for kwargs, cap in zip(rows, caps)]
         requests = [{"prompt_token_ids": list(context)} for context in contexts]
         outputs = self._core("a multi-turn rollout's turn",
-                             lambda: self.llm.generate(requests, sampling_params=sampling, use_tqdm=False))
+                             lambda: self.llm.generate(requests, sampling_params=sampling, use_tqdm=False,
+                                                       **self._lora()))
         if len(outputs) != len(requests):
             raise VLLMError(f"rank {self.rank}'s vLLM engine answered {len(outputs)} of {len(requests)} turn requests")
         answers = []
@@ -389,6 +421,18 @@ def _reprocess_tied(model: torch.nn.Module) -> None:
             method = getattr(module, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(module)
+
+
+def _start_fix(message: str) -> str:
+    """The fix for a failed start, from vLLM's message: a KV cache too small for one request, more
+    memory asked for than the machine has, or something else."""
+    if "max seq len" in message or "KV cache is needed" in message:  # vLLM's check_enough_kv_cache_memory
+        return ("a smaller max_model_len (the run's prompt + response tokens), or a larger kv_cache_memory_bytes "
+                "(CPU) or gpu_memory_utilization (CUDA)")
+    if "memory" in message.lower():
+        return ("a smaller kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA), or free memory held by "
+                "other processes")
+    return "check the model directory and the engine arguments"
 
 
 def _release_failed_start(joined: bool) -> None:
