@@ -5,6 +5,8 @@ Runs in `.venv-vllm` (`make test`), sharing the session's engine (tests/backends
 import copy
 import importlib.util
 
+import attrs
+
 import pytest
 import torch
 
@@ -84,9 +86,15 @@ def _grpo_executor(engine, policy, tokenizer):
                              max_new_tokens=SIZES["T"])
 
 
-def _grpo(**options):
-    return rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(offload=False), sizes=SIZES, n=2,
-                      max_new_tokens=SIZES["T"], engine="vllm", **options)
+def _grpo(bucket_bytes=None):
+    from rlgraph.passes import compile_program
+
+    compiled = rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(offload=False), sizes=SIZES, n=2,
+                          max_new_tokens=SIZES["T"], engine="vllm")
+    if bucket_bytes is None:
+        return compiled
+    options = attrs.evolve(compiled.options, bucket_bytes=bucket_bytes)  # a CompileOptions field rg.compile leaves default
+    return compile_program(ALGORITHMS["grpo"].trace(n=2, max_new_tokens=SIZES["T"]), options)
 
 
 def test_an_engine_core_that_dies_mid_generate_stops_the_step_and_is_not_used_again(vllm_live, monkeypatch):
@@ -125,11 +133,13 @@ def test_a_sync_that_fails_in_its_last_bucket_names_the_sync_step_and_leaves_no_
     policy.model.norm.weight = torch.nn.Parameter(torch.ones(policy.config.hidden_size - 1))  # the last layer's
     loads, real = [], engine.load_weights
     monkeypatch.setattr(engine, "load_weights", lambda bucket: (loads.append(len(bucket)), real(bucket))[1])
+    compiled = _grpo(bucket_bytes=64 << 10)
+    assert "in 1 bucket(s)" not in compiled.as_text()
     try:
         with pytest.raises(PlanStepError, match=r"(?s)plan step \[0\] failed on rank 0 \(role 'policy'\):\n\s+\[0\] "
                                                 r"sync_weights .*failed to load a weight bucket of 'policy'.*fix: send "
                                                 r"the Hugging Face names and shapes"):
-            PlanRunner(_grpo(bucket_bytes=64 << 10), _grpo_executor(engine, policy, tokenizer)).run(tiny_prompts(4))
+            PlanRunner(compiled, _grpo_executor(engine, policy, tokenizer)).run(tiny_prompts(4))
         assert len(loads) > 1  # buckets before the bad one were loaded: it failed in the middle of the sync
         assert engine.version is None and not engine.loading
         with pytest.raises(StaleVersionError, match="no complete policy weights"):
