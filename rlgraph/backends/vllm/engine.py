@@ -426,7 +426,7 @@ def _reprocess_tied(model: torch.nn.Module) -> None:
 def _start_fix(message: str) -> str:
     """The fix for a failed start, from vLLM's message: a KV cache too small for one request, more
     memory asked for than the machine has, or something else."""
-    if "max seq len" in message or "KV cache is needed" in message:  # vLLM's check_enough_kv_cache_memory
+    if "max seq len" in message or "memory for the cache blocks" in message:  # vLLM's check_enough_kv_cache_memory
         return ("a smaller max_model_len (the run's prompt + response tokens), or a larger kv_cache_memory_bytes "
                 "(CPU) or gpu_memory_utilization (CUDA)")
     if "memory" in message.lower():
