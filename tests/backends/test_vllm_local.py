@@ -19,7 +19,7 @@ from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.transport import SyncRoute
 from rlgraph.testing import tiny_prompts
 from rlgraph.testing.tiny import length_parity_reward
-from tests.backends.conftest import sync
+from tests.backends.conftest import randomise_adapters, sync
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed here: `make test` runs this module in .venv-vllm")
@@ -152,29 +152,6 @@ def test_a_sync_that_fails_in_its_last_bucket_names_the_sync_step_and_leaves_no_
 
 # -- LoRA: the adapters alone, through vLLM's LoRA support ------------------------------------------
 
-@pytest.fixture(scope="module")
-def lora_live(vllm_live):
-    """(engine, LoRA policy, tokenizer): a second engine in this process, built by `build_local_engine`
-    from the policy's frozen base with vLLM's LoRA layers on. The adapters are random (B != 0), so
-    they change what the policy generates."""
-    from rlgraph.backends.lora import LoraSettings, apply_lora
-    from rlgraph.backends.vllm.local import build_local_engine
-
-    _, model, tokenizer = vllm_live
-    policy = apply_lora(copy.deepcopy(model), LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj")))
-    _randomise_adapters(policy, seed=0)
-    engine = build_local_engine(policy, role="policy", tokenizer=tokenizer, seed=0, max_model_len=64)
-    return engine, policy.eval(), tokenizer
-
-
-def _randomise_adapters(policy, seed):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-
-
 def _greedy(executor, version, prompts):
     return executor.generate(ModelRef("policy", version), prompts, temperature=0.0, max_new_tokens=6).response_ids
 
@@ -197,7 +174,7 @@ def test_a_lora_policy_syncs_its_adapters_alone_and_greedy_tokens_equal_the_nati
     assert torch.equal(_greedy(ours, 0, prompts), _greedy(native, 0, prompts))
     with policy.disable_adapter():  # the adapters matter: the base alone generates otherwise
         assert not torch.equal(_greedy(native, 0, prompts), _greedy(ours, 0, prompts))
-    _randomise_adapters(policy, seed=1)  # what an update does, then the version it makes
+    randomise_adapters(policy, seed=1)  # what an update does, then the version it makes
     worker.version = 1
     ours.sync_weights(ModelRef("policy", 1))
     assert sorted(os.listdir(ours.adapter_dir)) == ["v1"] and engine.version == 1  # v0's folder removed
