@@ -448,6 +448,7 @@ def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_before_
         build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft, on the lm_head case
 def test_a_lora_engine_starts_from_the_frozen_base_and_refuses_what_vllms_lora_layers_cannot_serve(tmp_path):
     from safetensors.torch import load_file
 
