@@ -50,6 +50,8 @@ class VLLMLocalExecutor(LocalExecutor):
         self.engine = engine
         self.syncs: list[tuple[int, int, float]] = []  # (version, buckets, seconds) of every sync, for the run's log
         self.adapter_dir: str | None = None  # a LoRA policy's saved adapters, one folder per version (ours)
+        worker = self.models.get(engine.role)
+        self.built_from = None if worker is None else worker.model  # a LoRA engine serves this module's base
 
     def _engine(self, model: ModelRef) -> Any:
         return self.engine if model.role == self.engine.role else super()._engine(model)
@@ -77,6 +79,11 @@ class VLLMLocalExecutor(LocalExecutor):
         made and loaded by vLLM's LoRA support; the engine's base is the frozen one it was built with."""
         import time
 
+        if module is not self.built_from:  # e.g. a LoRA warm start's rebase: a new base the engine never loaded
+            raise VLLMError(f"rank {self.engine.rank}'s vLLM engine serves the LoRA base it was built from, but "
+                            f"{model} is another module (its base may differ); the adapters alone cannot make it "
+                            "that policy\n  fix: build the engine from the policy's current module "
+                            "(build_local_engine), or runtime.engine: native", rank=self.engine.rank)
         start = time.perf_counter()
         if self.adapter_dir is None:  # ours: removed when the executor goes (or the process ends)
             self.adapter_dir = tempfile.mkdtemp(prefix="rlgraph-vllm-lora-")
