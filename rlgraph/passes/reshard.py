@@ -128,12 +128,15 @@ def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, g
 
 
 def _sync_bytes(options: CompileOptions, role: str, gen_group: Group) -> int:
-    """What a sync of `role` moves: its weights, or, for a LoRA role generating on vLLM (which holds
-    the frozen base and loads adapters through its LoRA support), its adapters alone."""
+    """What a sync of `role` moves: its weights, or, for a LoRA role generating on vLLM on a cpu mesh,
+    its adapters alone. There the local runtime's engine holds the frozen base and loads adapters
+    through vLLM's LoRA support (`VLLMLocalExecutor`); the FSDP2 executor (spmd/Ray, the GPU path)
+    merges the adapters into full weights for its engine, so on GPUs the step moves those."""
     from rlgraph.passes.memory_plan import model_shape, param_bytes, param_dtype
 
     shape, lora = model_shape(options, role), options.lora.get(role)
-    if lora is not None and gen_group.generate is not None and gen_group.generate.engine == "vllm":
+    vllm = gen_group.generate is not None and gen_group.generate.engine == "vllm"
+    if lora is not None and vllm and options.mesh.device == "cpu":
         return shape.lora_params(lora) * param_dtype(options.mesh).itemsize
     return param_bytes(shape, options.mesh)
 
