@@ -85,6 +85,20 @@ class ConfigError(RLGraphError, ValueError):
         super().__init__(message + (f"\n  fix: {fix}" if fix else ""))
 
 
+class RankFailure(RLGraphError):
+    """Something on one rank failed (a worker, its generation engine); `rank` says which (None: several).
+
+    The plan runner turns it into a `PlanStepError` naming the plan step, its stage and its role, on
+    every runtime: a worker's failure arrives as one, and an engine in the controller's process (the
+    local runtime's vLLM) raises one."""
+
+    def __init__(self, message: str, rank: int | None = None, cause: str = "", step: object = None):
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause
+        self.step = step  # the plan step whose command failed, when it was sent before the current one
+
+
 class RewardError(RLGraphError, ValueError):
     """A reward that raised, timed out, or returned something other than one finite number per rollout."""
 

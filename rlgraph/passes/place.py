@@ -197,17 +197,13 @@ def resolve_groups(program: Program, options: CompileOptions) -> tuple[Group, ..
 
 
 def _multi_turn_engine(group: Group, options: CompileOptions) -> Group:
-    """A group that runs `rg.rollout` generates with the native engine: "auto" picks it, and vLLM,
-    whose multi-turn path is not written yet, is refused."""
+    """A group that runs `rg.rollout` with engine "auto" and tp=1 generates with the native engine
+    (each row continues from its own KV cache); vLLM, asked for, runs the episodes through its
+    prefix cache (`rlgraph.backends.vllm.multiturn`)."""
     layout = group.generate
-    if layout is None or layout.engine == "native":
-        return group
-    if options.engine == "auto" and layout.tp == 1:
+    if layout is not None and layout.engine == "vllm" and options.engine == "auto" and layout.tp == 1:
         return attrs.evolve(group, generate=attrs.evolve(layout, engine="native"))
-    raise PlacementConfigError(
-        f"role {group.name!r} runs multi-turn episodes (rg.rollout), which run on the native engine only; it would "
-        f"generate with {layout.engine!r} (tp={layout.tp})\n  fix: compile with engine='native' (--engine native) and "
-        "tp=1 generation; multi-turn through vLLM is not written yet")
+    return group
 
 
 def _with_engine(group: Group, options: CompileOptions) -> Group:

@@ -127,8 +127,21 @@ def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, g
     return node
 
 
+def _sync_bytes(options: CompileOptions, role: str, gen_group: Group) -> int:
+    """What a sync of `role` moves: its weights, or, for a LoRA role generating on vLLM on a cpu mesh,
+    its adapters alone. There the local runtime's engine holds the frozen base and loads adapters
+    through vLLM's LoRA support (`VLLMLocalExecutor`); the FSDP2 executor (spmd/Ray, the GPU path)
+    merges the adapters into full weights for its engine, so on GPUs the step moves those."""
+    from rlgraph.passes.memory_plan import model_shape, param_bytes, param_dtype
+
+    shape, lora = model_shape(options, role), options.lora.get(role)
+    vllm = gen_group.generate is not None and gen_group.generate.engine == "vllm"
+    if lora is not None and vllm and options.mesh.device == "cpu":
+        return shape.lora_params(lora) * param_dtype(options.mesh).itemsize
+    return param_bytes(shape, options.mesh)
+
+
 def _insert_sync(program: Program, generate: fx.Node, groups: dict[str, Group], options: CompileOptions) -> None:
-    from rlgraph.passes.memory_plan import model_shape, param_bytes
 
     model = generate.args[0]
     role = model.meta["spec"].role
@@ -136,7 +149,7 @@ def _insert_sync(program: Program, generate: fx.Node, groups: dict[str, Group], 
     train_group = groups.get(role)
     if train_group is None or train_group.train is None:
         return  # a frozen generator already holds its weights
-    nbytes = param_bytes(model_shape(options, role), options.mesh)
+    nbytes = _sync_bytes(options, role, gen_group)
     buckets = max(1, -(-nbytes // options.bucket_bytes))
     src = f"{role}[{train_group.train}]"
     dst = f"{gen_group.name}[{gen_group.generate}]"

@@ -142,8 +142,15 @@ def _rollout_text(node: fx.Node, group, options: CompileOptions, sizes: dict[str
     return (f"{samples} episodes ({sizes['B']} prompts x n={kwargs['n']}), <= {kwargs['max_turns']} turns x <= {per_turn} "
             f"tokens, <= {sizes['T']} response tokens (policy + observations){_sampling_text({**kwargs, 'stop': ()})}; "
             f"{layout.dp} replica(s) x tp={layout.tp}; between turns env {env!r}.step per row {_env_place(options)}, "
-            f"concurrently, {timeout}; each row continues from its KV cache "
+            f"concurrently, {timeout}; {_continuation(layout.engine)} "
             f"({format_bytes(cache)}/replica: {-(-samples // layout.dp)} rows x (P + {kwargs['max_total_tokens'] or sizes['T']}) tokens)")
+
+
+def _continuation(engine: str | None) -> str:
+    """How a row's next turn reuses the earlier ones: its own KV cache (native), or vLLM's prefix cache."""
+    if engine == "vllm":
+        return "each turn sends the row's context as token ids to vLLM, whose prefix cache holds the earlier turns"
+    return "each row continues from its KV cache"
 
 
 def _env_place(options: CompileOptions) -> str:

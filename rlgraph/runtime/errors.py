@@ -6,19 +6,12 @@ them), so a failure far from the controller still reads as one message about the
 
 from __future__ import annotations
 
-from typing import Any
-
+from rlgraph.errors import RankFailure
 from rlgraph.ir.errors import RLGraphError
 
 
-class WorkerFailure(RLGraphError):
+class WorkerFailure(RankFailure):
     """A worker raised, died or did not answer in time; `rank` says which (None: several)."""
-
-    def __init__(self, message: str, rank: int | None = None, cause: str = "", step: Any = None):
-        super().__init__(message)
-        self.rank = rank
-        self.cause = cause
-        self.step = step  # the plan step whose command failed, when it was sent before the current one
 
 
 class PlanInputError(RLGraphError):

@@ -36,6 +36,7 @@ from typing import Any
 import torch.fx as fx
 
 from rlgraph.backends.protocols import Executor, ModelRef
+from rlgraph.errors import RankFailure
 from rlgraph.ir import specs as S
 from rlgraph.ir.errors import RLGraphError
 from rlgraph.ir.primitives import primitive_name
@@ -413,7 +414,7 @@ class _StepContext:
         return None
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if not isinstance(error, WorkerFailure):
+        if not isinstance(error, RankFailure):  # a worker's failure, or an engine's in this process
             return False
         step = error.step or self.step
         role = _role_of(step)

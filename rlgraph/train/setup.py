@@ -170,6 +170,11 @@ def _check_generation(config: TrainConfig) -> None:
         raise ConfigError(f"runtime.engine=vllm with runtime.runtime={runtime.runtime} on CPU: the spmd/ray workers "
                           "build vLLM engines on CUDA only (docs/vllm.md)",
                           fix="runtime.runtime: local (vLLM generates in this process), or runtime.engine: native")
+    if runtime.engine == "vllm" and config.model.lora is not None and config.warm_start.steps > 0:
+        raise ConfigError("runtime.engine=vllm with model.lora and a warm start: the warm start's adapters are merged "
+                          "into the base before RL (rlgraph/train/roles.py: rebase_lora), and the vLLM engine serves "
+                          "the base it started from, so its samples would come from another policy",
+                          fix="warm_start.steps: 0 (start from a warm-started model.path), or runtime.engine: native")
     if config.generation.compile != "on":
         return
     if runtime.engine != "native":

@@ -95,8 +95,11 @@ def test_rollout_refuses_a_turn_longer_than_the_response_and_a_wrong_env():
         reward_as_env.trace()
 
 
-def test_multi_turn_generation_runs_on_the_native_engine():
+def test_multi_turn_generation_runs_on_the_native_engine_unless_vllm_is_asked_for():
     auto = rg.compile(agent_grpo, mesh="1x2:h100", sizes={"B": 2, "P": 8, "T": 20}, **HPARAMS)
     assert auto.plan.group("policy").generate.engine == "native"  # auto would pick vLLM for generate
-    with pytest.raises(rg.RLGraphError, match=r"multi-turn episodes \(rg.rollout\), which run on the native engine only"):
-        rg.compile(agent_grpo, mesh="1x2:h100", engine="vllm", sizes={"B": 2, "P": 8, "T": 20}, **HPARAMS)
+    assert "each row continues from its KV cache" in auto.as_text()
+    vllm = rg.compile(agent_grpo, mesh="1x2:h100", engine="vllm", sizes={"B": 2, "P": 8, "T": 20}, **HPARAMS)
+    assert vllm.plan.group("policy").generate.engine == "vllm"
+    assert "each turn sends the row's context as token ids to vLLM, whose prefix cache holds the earlier turns" \
+        in vllm.as_text()

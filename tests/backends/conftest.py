@@ -2,10 +2,12 @@
 and one live vLLM engine per session (one per process: vLLM's in-process engine owns the process's
 torch.distributed world)."""
 
+import copy
 import json
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from rlgraph.backends.local.models import TINY_VLLM_CONFIG, build_causal_lm, load_tokenizer
@@ -44,6 +46,9 @@ BUCKET = 5  # parameters per bucket: the tiny model's 24 arrive in 5 buckets tha
 # A larger init than the shipped 0.02 spreads the logits, so greedy argmaxes are not near-ties that
 # the two engines' different (both fp32) GEMM orders could flip.
 INIT_RANGE = 0.3
+# The engine's KV block, the prefix cache's unit: the smallest vLLM's CPU attention takes (a multiple
+# of 32; its default is 128), so the multi-turn tests' short contexts fill whole blocks.
+BLOCK_TOKENS = 32
 
 
 def buckets(model, size=BUCKET):
@@ -73,6 +78,32 @@ def vllm_live(tmp_path_factory):
     # fp32 on CUDA too (make gpu-check runs these modules there), so the parity bounds hold on both
     engine = VLLMEngine.build(directory, role="policy", eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id, load_format="dummy", enforce_eager=True,
-                              max_model_len=64, dtype="float32")
+                              max_model_len=64, dtype="float32", block_size=BLOCK_TOKENS)
     sync(engine, model, 0)
     return engine, model, tokenizer
+
+
+def randomise_adapters(policy, seed):
+    """Give a LoRA policy's B matrices random values (peft starts them at 0): its adapters then matter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+@pytest.fixture(scope="session")
+def lora_live(vllm_live):
+    """(engine, LoRA policy, tokenizer): a second engine in this process, built by `build_local_engine`
+    from the policy's frozen base with vLLM's LoRA layers on. Session-scoped like `vllm_live`: the two
+    engines share this process's vLLM parallel groups, and the first one shut down would take them
+    from the other (a run has one engine per process)."""
+    from rlgraph.backends.lora import LoraSettings, apply_lora
+    from rlgraph.backends.vllm.local import build_local_engine
+
+    _, model, tokenizer = vllm_live
+    policy = apply_lora(copy.deepcopy(model), LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj")))
+    randomise_adapters(policy, seed=0)
+    engine = build_local_engine(policy, role="policy", tokenizer=tokenizer, seed=0, max_model_len=64)
+    return engine, policy.eval(), tokenizer
+

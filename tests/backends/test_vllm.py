@@ -1,6 +1,7 @@
 """The vLLM engine: pure conversions and bookkeeping with fakes (a live vLLM: test_vllm_live.py)."""
 
 import contextlib
+import json
 import sys
 import types
 from dataclasses import dataclass, field
@@ -248,7 +249,7 @@ def test_build_asks_for_an_in_process_engine_with_sleep_mode_and_processed_logpr
     assert engine.llm.kwargs == dict(model="/models/tiny", dtype="bfloat16", seed=5, gpu_memory_utilization=0.5,
                                      enable_sleep_mode=True, skip_tokenizer_init=True,
                                      distributed_executor_backend="external_launcher",
-                                     logprobs_mode="processed_logprobs", load_format="dummy")
+                                     logprobs_mode="processed_logprobs", load_format="dummy", enable_prefix_caching=True)
 
 
 def test_generate_sends_one_seeded_request_per_row_and_returns_rollouts(fake_vllm):
@@ -382,6 +383,43 @@ def test_a_failed_start_names_the_rank_the_role_and_the_fix(fake_vllm):
         VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD, rank=3)
 
 
+def test_an_engine_core_that_fails_mid_generate_is_named_and_never_used_again(fake_vllm):
+    engine = synced_engine()
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+    engine.llm.generate = dead
+    with pytest.raises(VLLMError, match=r"(?s)rank 1's vLLM engine for 'policy' failed during generate: RuntimeError: "
+                                        r"EngineCore .*not used again\n  fix: .*rlgraph train --resume RUN_DIR") as caught:
+        engine.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 3))
+    assert caught.value.rank == 1  # the plan runner names the rank and the step with it (RankFailure)
+    engine.llm.generate = FakeLLM().generate  # even if the core answered again, its state is unknown
+    for call in (lambda: engine.generate(PROMPTS, 2, PARAMS, seed=0, call=0, model=ModelRef("policy", 3)),
+                 lambda: engine.load_weights([("a.weight", torch.ones(1))]),
+                 lambda: engine.continue_rows([[5, 6]], [2], [0], PARAMS, ModelRef("policy", 3))):
+        with pytest.raises(VLLMError, match="failed earlier \\(RuntimeError: EngineCore .* \\(during generate\\)\\)"):
+            call()
+
+
+def test_a_failed_start_releases_what_vllm_set_up_in_a_process_that_had_no_world(fake_vllm, monkeypatch):
+    released = []
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.cleanup_dist_env_and_memory = lambda: released.append(True)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", types.ModuleType("vllm.distributed"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", parallel_state)
+
+    def kv_cache_too_small(**kwargs):
+        raise ValueError("To serve at least one request with the model's max seq len (4096), (0.5 GiB KV cache is "
+                         "needed, which is larger than the available KV cache memory (0.06 GiB)")
+
+    fake_vllm.LLM = kv_cache_too_small
+    with pytest.raises(VLLMError, match=r"(?s)rank 0's vLLM engine .* failed to start \(before the plan's first step\)"
+                                        r".*fix: a smaller max_model_len .*, or a larger kv_cache_memory_bytes"):
+        VLLMEngine.build("/models/tiny", role="policy", eos_token_id=EOS, pad_token_id=PAD)
+    assert released == [True]
+
+
 def test_a_bucket_that_fails_closes_the_reload_and_leaves_no_version(fake_vllm):
     engine = synced_engine()
     engine.load_weights([("a.weight", torch.ones(1))])
@@ -400,7 +438,7 @@ def test_heads_too_small_for_vllms_cpu_attention_are_refused_before_it_starts(co
     check_head_dim({"hidden_size": 64, "num_attention_heads": 2}, "model.path")
 
 
-def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_and_lora_before_vllm_starts():
+def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_before_vllm_starts():
     from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
     from rlgraph.backends.vllm.local import build_local_engine
 
@@ -408,6 +446,34 @@ def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_and_lor
     model = build_causal_lm(tokenizer=tokenizer)
     with pytest.raises(VLLMError, match=r"model.path: head_dim 16 .*\n  fix: .*tiny_qwen2_vllm.json"):
         build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)
-    model.peft_config = {"default": None}  # what a peft-wrapped policy carries
-    with pytest.raises(VLLMError, match="with a LoRA policy on the local runtime is not written yet"):
-        build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft, on the lm_head case
+def test_a_lora_engine_starts_from_the_frozen_base_and_refuses_what_vllms_lora_layers_cannot_serve(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlgraph.backends.local.models import TINY_VLLM_CONFIG, build_causal_lm, load_tokenizer
+    from rlgraph.backends.lora import LoraSettings, apply_lora
+    from rlgraph.backends.vllm.local import lora_engine_args
+
+    config = json.loads(TINY_VLLM_CONFIG.read_text())
+    plain = build_causal_lm(config, tokenizer=load_tokenizer(), seed=0)
+    expected = {name: tensor.clone() for name, tensor in plain.state_dict().items() if name != "lm_head.weight"}
+    policy = apply_lora(plain, LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj")))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # trained adapters: the base saved must not hold them
+    args = lora_engine_args(policy, str(tmp_path), "model.lora")
+    assert args == dict(enable_lora=True, max_loras=1, max_lora_rank=8)  # the smallest rank vLLM takes >= 4
+    saved = load_file(tmp_path / "model.safetensors")
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
+    for targets, message in ((("lm_head",), "LoRA on lm_head cannot be served by vLLM's LoRA layers"),
+                             (("q_proj", "lm_head"), "LoRA on lm_head cannot be served")):
+        other = apply_lora(build_causal_lm(config, tokenizer=load_tokenizer(), seed=0),
+                           LoraSettings(r=4, target_modules=targets))
+        with pytest.raises(VLLMError, match=message):
+            lora_engine_args(other, str(tmp_path), "model.lora")
+    huge = apply_lora(build_causal_lm(config, tokenizer=load_tokenizer(), seed=0), LoraSettings(r=600))
+    with pytest.raises(VLLMError, match="LoRA rank 600 is above vLLM's largest max_lora_rank 512"):
+        lora_engine_args(huge, str(tmp_path), "model.lora")

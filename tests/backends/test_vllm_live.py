@@ -129,3 +129,22 @@ def test_sleep_mode_where_the_platform_has_it_and_a_refusal_with_the_fix_where_n
     engine.wake_up()
     after = engine.generate(tiny_prompts(4), 1, greedy, seed=0, call=0, model=POLICY0)
     assert torch.equal(before.response_ids, after.response_ids)
+
+
+
+def test_a_kv_cache_that_cannot_fit_at_start_up_is_named_and_leaves_the_process_working(vllm_live, tmp_path):
+    """A second engine in this process whose KV cache cannot hold one request of max_model_len tokens:
+    a token's K and V take 2 layers x 2 x 32 x 4 B = 512 B, so 24 KiB hold one 32-token block and a
+    64-token request needs two. vLLM's own check refuses it at start-up; the error names the rank, the
+    role, the step (before the plan's first) and the fix; the session's engine and its world go on
+    (a process without a world of its own has vLLM's released: tests/backends/test_vllm.py)."""
+    from rlgraph.backends.vllm.engine import VLLMEngine, VLLMError
+
+    engine, model, tokenizer = vllm_live
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(VLLMError, match=r"(?s)rank 0's vLLM engine for 'policy' .* failed to start \(before the plan's "
+                                        r"first step\): ValueError: .*KV cache.*fix: a smaller max_model_len"):
+        VLLMEngine.build(tmp_path, role="policy", eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         load_format="dummy", enforce_eager=True, max_model_len=64, dtype="float32", block_size=32,
+                         kv_cache_memory_bytes=24 << 10)
+    test_greedy_tokens_equal_the_native_engines(vllm_live)  # the running engine is untouched

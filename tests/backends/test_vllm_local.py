@@ -5,18 +5,21 @@ Runs in `.venv-vllm` (`make test`), sharing the session's engine (tests/backends
 import copy
 import importlib.util
 
+import attrs
+
 import pytest
 import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
 from rlgraph.backends.local.executor import LMWorker, RewardWorker, StaleVersionError
+from rlgraph.backends.local.generation import SamplingParams
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.transport import SyncRoute
 from rlgraph.testing import tiny_prompts
 from rlgraph.testing.tiny import length_parity_reward
-from tests.backends.conftest import sync
+from tests.backends.conftest import randomise_adapters, sync
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed here: `make test` runs this module in .venv-vllm")
@@ -71,3 +74,111 @@ def test_vllm_with_offload_on_a_cpu_mesh_is_refused_before_anything_runs():
     with pytest.raises(PlacementConfigError, match="(?s)vLLM has no sleep mode on CPU.*colocated:offload=False"):
         rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(offload=True), sizes=SIZES, n=2,
                    engine="vllm")
+
+
+# -- faults: each stops the run with the plan step, the rank and the fix; nothing is left inside the engine ----
+
+def _grpo_executor(engine, policy, tokenizer):
+    from rlgraph.backends.vllm.local import VLLMLocalExecutor
+
+    return VLLMLocalExecutor({"policy": LMWorker(policy, torch.optim.SGD(policy.parameters(), lr=0.1))},
+                             {"reward": RewardWorker(length_parity_reward)}, tokenizer, engine=engine,
+                             max_new_tokens=SIZES["T"])
+
+
+def _grpo(bucket_bytes=None):
+    from rlgraph.passes import compile_program
+
+    compiled = rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=rg.colocated(offload=False), sizes=SIZES, n=2,
+                          max_new_tokens=SIZES["T"], engine="vllm")
+    if bucket_bytes is None:
+        return compiled
+    options = attrs.evolve(compiled.options, bucket_bytes=bucket_bytes)  # a CompileOptions field rg.compile leaves default
+    return compile_program(ALGORITHMS["grpo"].trace(n=2, max_new_tokens=SIZES["T"]), options)
+
+
+def test_an_engine_core_that_dies_mid_generate_stops_the_step_and_is_not_used_again(vllm_live, monkeypatch):
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from rlgraph.backends.vllm.engine import VLLMError
+    from rlgraph.runtime.errors import PlanStepError
+
+    engine, model, tokenizer = vllm_live
+    executor, core = _grpo_executor(engine, copy.deepcopy(model).train(), tokenizer), engine.llm.llm_engine
+
+    def dies():
+        raise EngineDeadError()
+
+    monkeypatch.setattr(core, "step", dies)  # the engine core's loop fails after the requests went in
+    try:
+        with pytest.raises(PlanStepError, match=r"(?s)plan step \[\d+\] failed on rank 0 \(role 'policy'\):\n\s+\[\d+\] "
+                                                r"generate .*rank 0's vLLM engine for 'policy' failed during generate: "
+                                                r"EngineDeadError: .*fix: .*rlgraph train --resume RUN_DIR"):
+            PlanRunner(_grpo(), executor).run(tiny_prompts(4))
+        with pytest.raises(VLLMError, match=r"failed earlier \(EngineDeadError"):
+            executor.sync_weights(ModelRef("policy", 0))  # a dead engine takes no weights either
+    finally:
+        monkeypatch.undo()
+        while core.has_unfinished_requests():  # what the failed call left inside the session's engine
+            core.step()
+        engine.failed = None
+        sync(engine, model, 0)
+
+
+def test_a_sync_that_fails_in_its_last_bucket_names_the_sync_step_and_leaves_no_version(vllm_live, monkeypatch):
+    from rlgraph.runtime.errors import PlanStepError
+
+    engine, model, tokenizer = vllm_live
+    policy = copy.deepcopy(model).train()
+    policy.model.norm.weight = torch.nn.Parameter(torch.ones(policy.config.hidden_size - 1))  # the last layer's
+    loads, real = [], engine.load_weights
+    monkeypatch.setattr(engine, "load_weights", lambda bucket: (loads.append(len(bucket)), real(bucket))[1])
+    compiled = _grpo(bucket_bytes=64 << 10)
+    assert "in 1 bucket(s)" not in compiled.as_text()
+    try:
+        with pytest.raises(PlanStepError, match=r"(?s)plan step \[0\] failed on rank 0 \(role 'policy'\):\n\s+\[0\] "
+                                                r"sync_weights .*failed to load a weight bucket of 'policy'.*fix: send "
+                                                r"the Hugging Face names and shapes"):
+            PlanRunner(compiled, _grpo_executor(engine, policy, tokenizer)).run(tiny_prompts(4))
+        assert len(loads) > 1  # buckets before the bad one were loaded: it failed in the middle of the sync
+        assert engine.version is None and not engine.loading
+        with pytest.raises(StaleVersionError, match="no complete policy weights"):
+            engine.generate(tiny_prompts(2), 1, SamplingParams(max_new_tokens=2), seed=0, call=0,
+                            model=ModelRef("policy", 0))
+    finally:
+        monkeypatch.undo()
+        sync(engine, model, 0)
+
+
+# -- LoRA: the adapters alone, through vLLM's LoRA support ------------------------------------------
+
+def _greedy(executor, version, prompts):
+    return executor.generate(ModelRef("policy", version), prompts, temperature=0.0, max_new_tokens=6).response_ids
+
+
+def test_a_lora_policy_syncs_its_adapters_alone_and_greedy_tokens_equal_the_native_engines(lora_live):
+    import os
+
+    from rlgraph.backends.local.executor import LocalExecutor
+    from rlgraph.backends.vllm.local import VLLMLocalExecutor
+
+    engine, policy, tokenizer = lora_live
+    worker = LMWorker(policy)
+    ours = VLLMLocalExecutor({"policy": worker}, {}, tokenizer, engine=engine, max_new_tokens=6)
+    native = LocalExecutor({"policy": worker}, {}, tokenizer, max_new_tokens=6)
+    prompts = tiny_prompts(6)
+    ours.sync_weights(ModelRef("policy", 0))
+    assert ours.syncs[-1][:2] == (0, 1) and sorted(os.listdir(ours.adapter_dir)) == ["v0"]
+    files = sorted(os.listdir(os.path.join(ours.adapter_dir, "v0")))
+    assert "adapter_model.safetensors" in files and "model.safetensors" not in files  # the adapters alone
+    assert torch.equal(_greedy(ours, 0, prompts), _greedy(native, 0, prompts))
+    with policy.disable_adapter():  # the adapters matter: the base alone generates otherwise
+        assert not torch.equal(_greedy(native, 0, prompts), _greedy(ours, 0, prompts))
+    randomise_adapters(policy, seed=1)  # what an update does, then the version it makes
+    worker.version = 1
+    ours.sync_weights(ModelRef("policy", 1))
+    assert sorted(os.listdir(ours.adapter_dir)) == ["v1"] and engine.version == 1  # v0's folder removed
+    with pytest.raises(StaleVersionError, match="policy@0 but rank 0's vLLM engine serves policy@1"):
+        engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=2), seed=0, call=0,
+                        model=ModelRef("policy", 0))
+    assert torch.equal(_greedy(ours, 1, prompts), _greedy(native, 1, prompts))

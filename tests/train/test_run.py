@@ -366,6 +366,8 @@ def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apar
     (["generation.compile=on", "runtime.engine=vllm"], r"generation.compile=on with runtime.engine='vllm'"),
     (["runtime.engine=vllm", "runtime.runtime=spmd", "runtime.nproc=2", "runtime.device=cpu"],
      r"runtime.engine=vllm with runtime.runtime=spmd on CPU: the spmd/ray workers build vLLM engines on CUDA only"),
+    (["runtime.engine=vllm", "model.lora.r=4", "warm_start.steps=5"],
+     r"runtime.engine=vllm with model.lora and a warm start: the warm start's adapters are merged into the base"),
 ])
 def test_compiled_decoding_where_it_would_not_reach_the_rollouts_is_refused(tmp_path, overrides, expected):
     from rlgraph.train.run import prepare

@@ -198,16 +198,22 @@ class LocalExecutor:
         `env_workers=k` (the plan's), in k worker processes limited to `env_memory_mb` MiB each."""
         home = prompts.ids.device
         engine = self._engine(model)
-        if not isinstance(engine, torch.nn.Module):
-            raise NotImplementedError(f"rg.rollout runs on the native engine; {model.role!r} generates with "
-                                      f"{type(engine).__name__} (multi-turn with vLLM is not written yet: compile with "
-                                      "engine='native')")
+        own = getattr(engine, "multi_turn_rollouts", None)  # an engine with its own multi-turn path (vLLM)
+        if not isinstance(engine, torch.nn.Module) and own is None:
+            raise NotImplementedError(f"rg.rollout runs on the native engine or vLLM; {model.role!r} generates with "
+                                      f"{type(engine).__name__}, which has no multi-turn path: compile with "
+                                      "engine='native'")
         total = max_total_tokens or self.max_new_tokens
         limits = TurnLimits(max_turns, max_tokens_per_turn or total, total, step_timeout)
         rows = len(prompts) * n
         envs = (self._worker_environments(env, rows, env_workers, env_memory_mb) if env_workers is not None
                 else [self._environment(env) for _ in range(rows)])
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=limits.per_turn)
+        if own is not None:
+            outputs = own(to_device(prompts, torch.device("cpu")), envs, n=n, params=params, limits=limits,
+                          seed=self.sampling.seed, call=self.sampling.advance(temperature), model=model,
+                          decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            return to_device(outputs, home)
         show = image_encoder(engine, self.tokenizer) if is_vision_lm(engine) else None  # image observations
         was_training = engine.training
         engine.eval()

@@ -175,7 +175,7 @@ def multi_turn_rollouts(model: torch.nn.Module, prompts: Prompts, envs: Sequence
     _check_prompts(prompts, vocab)
     device = model.device
     keys = sampling_keys(seed, call, prompts.index.to(device), n)  # [N]
-    repeated = prompts.select(torch.arange(len(prompts)).repeat_interleave(n))  # the N rows, each its prompt's
+    repeated = prompts.select(group)  # the N rows, each its prompt's
     episodes = E.start(envs, episode_rows(prompts, n), limits.total, vocab, limits.step_timeout)
     for episode, (pixels, grid) in zip(episodes, _row_images(repeated)):
         episode.show, episode.images = show, _split(pixels, grid)  # the prompt's images come first
@@ -184,9 +184,16 @@ def multi_turn_rollouts(model: torch.nn.Module, prompts: Prompts, envs: Sequence
                    stop_checker(envs, decode), vocab)
     finally:
         E.close_all(episodes)
-    tensors = E.to_tensors(episodes, limits.total, pad)
+    return episode_outputs(episodes, prompts, n, limits.total, pad)
+
+
+def episode_outputs(episodes: Sequence[E.Episode], prompts: Prompts, n: int, total: int,
+                    pad: int) -> tuple[Rollouts, torch.Tensor, torch.Tensor]:
+    """(Rollouts[N, total], episode statistics f32[N, E], turn rewards f32[N, total]) of finished episodes."""
+    tensors = E.to_tensors(episodes, total, pad)
     meta = {key: [value for value in values for _ in range(n)] for key, values in prompts.meta.items()}
     group = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
+    repeated = prompts.select(group)  # the N rows, each its prompt's
     rollouts = Rollouts(repeated.ids, repeated.mask.bool(), tensors["response_ids"], tensors["mask"], tensors["logprobs"],
                         group, meta, tensors["context_mask"], *_episode_images(episodes))
     return rollouts, tensors["stats"], tensors["turn_rewards"]
@@ -238,6 +245,12 @@ def _block_images(decoder: TurnDecoder, rows: Sequence[list[int]], shown: Sequen
         return image, None, None
     return image, torch.cat([p for p, _ in new]).to(device), torch.cat([g for _, g in new]).to(device)
 
+def mark_budget_cut(episodes: Sequence[E.Episode]) -> None:
+    """Episodes still going when `max_turns` is reached were cut by the budget."""
+    for episode in episodes:
+        episode.budget_cut = True
+        episode.stats["budget_cut"] = 1.0
+
 
 def _run_turns(decoder: TurnDecoder, episodes: list[E.Episode], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                keys: torch.Tensor, limits: TurnLimits, params: SamplingParams, eos: int, pad: int,
@@ -269,9 +282,7 @@ def _run_turns(decoder: TurnDecoder, episodes: list[E.Episode], prompt_ids: torc
         images = [episodes[active[row]].images[seen[row]:] for row in keep]
         active = [active[row] for row in keep]
         decoder.keep(torch.tensor(keep, device=device))
-    for r in active:  # max_turns reached with the episode still going
-        episodes[r].budget_cut = True
-        episodes[r].stats["budget_cut"] = 1.0
+    mark_budget_cut([episodes[r] for r in active])  # max_turns reached with these still going
 
 
 def episode_rows(prompts: Prompts, n: int) -> list[Mapping[str, Any]]:

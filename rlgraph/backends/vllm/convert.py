@@ -66,7 +66,7 @@ def sampling_kwargs(params: SamplingParams, seeds: Sequence[int], *, eos_token_i
     return [{**common, "seed": None if params.greedy else int(seed)} for seed in seeds]
 
 
-def _sampled(completion: Any, row: int, *, max_new_tokens: int, eos_token_id: int) -> tuple[list[int], list[float]]:
+def sampled_tokens(completion: Any, row: int, *, max_new_tokens: int, eos_token_id: int) -> tuple[list[int], list[float]]:
     """(token ids, their log-probs) of one `CompletionOutput`, checked against the native conventions."""
     tokens, reason = list(completion.token_ids), completion.finish_reason
     where = f"vLLM output for row {row}"
@@ -113,7 +113,7 @@ def rollouts_from_outputs(outputs: Sequence[Any], prompts: Prompts, n: int, *, m
     mask = torch.zeros(rows, max_new_tokens, dtype=torch.bool)  # [N, T]
     logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32)  # [N, T]; 0 after the response
     for row, completion in enumerate(completions):
-        tokens, sampled = _sampled(completion, row, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        tokens, sampled = sampled_tokens(completion, row, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
         response_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         mask[row, :len(tokens)] = True
         logprobs[row, :len(tokens)] = torch.tensor(sampled, dtype=torch.float32)

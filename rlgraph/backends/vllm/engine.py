@@ -36,17 +36,23 @@ import torch
 from rlgraph.backends.local.executor import StaleVersionError
 from rlgraph.backends.local.generation import SamplingParams
 from rlgraph.backends.protocols import ModelRef
-from rlgraph.backends.vllm.convert import request_seeds, rollouts_from_outputs, sampling_kwargs, token_prompts
+from rlgraph.backends.vllm.convert import (
+    request_seeds, rollouts_from_outputs, sampled_tokens, sampling_kwargs, token_prompts,
+)
 from rlgraph.batches import Prompts, Rollouts
-from rlgraph.errors import RLGraphError
+from rlgraph.errors import RankFailure
 
 MEMORY_TAGS = ("weights", "kv_cache")  # what vLLM's sleep releases and wake_up(tags=...) restores
 CPU_KV_CACHE_BYTES = 64 << 20  # an explicit CPU KV cache: vLLM then skips its warm-up and RSS guess
+# What to do once an engine failed mid-run: its process (the run's, on the local runtime) must start again.
+ENGINE_FAILED_FIX = ("read vLLM's error above (out of memory: a smaller rollout batch, max_model_len or KV cache); "
+                     "then start the run again from its last checkpoint (`rlgraph train --resume RUN_DIR`)")
 MIN_CPU_HEAD_DIM = 32  # vLLM's CPU attention refuses smaller heads (measured: 16 fails, 32 and 64 run)
 
 
-class VLLMError(RLGraphError, RuntimeError):
-    """A vLLM engine could not start, load weights or generate; the message names the rank and the fix."""
+class VLLMError(RankFailure, RuntimeError):
+    """A vLLM engine could not start, load weights or generate; the message names the rank and the fix
+    (and the plan runner adds the plan step: `RankFailure`)."""
 
 
 def import_vllm() -> Any:
@@ -101,6 +107,9 @@ class VLLMEngine:
         self.version: int | None = None  # the complete version held; None before the first sync and during one
         self.loading = False             # a layerwise reload is open: buckets are arriving
         self.asleep: set[str] = set()    # memory tags released by sleep() and not woken yet
+        self.failed: str | None = None   # why the engine core failed: it is not used again
+        self.adapter: Any = None         # a LoRA policy's adapters served (a vllm LoRARequest), or None
+        self.turn_cache: list[tuple[int, int]] = []  # last rollout, per turn: (context tokens sent, prefix-cache hits)
 
     @classmethod
     def build(cls, model: str | os.PathLike, *, role: str, eos_token_id: int, pad_token_id: int, rank: int = 0,
@@ -119,6 +128,8 @@ class VLLMEngine:
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, as verl
         cpu = current_platform.is_cpu()
+        # multi-turn rollouts resend each row's whole context every turn: the prefix cache serves the earlier turns
+        engine_args.setdefault("enable_prefix_caching", True)
         can_sleep = bool(current_platform.is_sleep_mode_available())
         if cpu:
             engine_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
@@ -126,6 +137,7 @@ class VLLMEngine:
             # generation 3-5x slower (measured at load average 18 on 2 cores). Set it to bind on a machine of your own.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         where = f"rank {rank}'s vLLM engine for {role!r} ({model})"
+        joined = torch.distributed.is_available() and torch.distributed.is_initialized()  # a world vLLM did not make
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op (restored below)
         try:
             llm = vllm.LLM(model=str(model), dtype=dtype or ("float32" if cpu else "bfloat16"), seed=seed,
@@ -134,10 +146,10 @@ class VLLMEngine:
                            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
                            **engine_args)
         except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:
-            memory = "memory" in str(exc).lower()
-            fix = ("a smaller kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA), or free memory held by "
-                   "other processes" if memory else "check the model directory and the engine arguments")
-            raise VLLMError(f"{where} failed to start: {type(exc).__name__}: {exc}\n  fix: {fix}") from exc
+            _release_failed_start(joined)
+            fix = _start_fix(str(exc))
+            raise VLLMError(f"{where} failed to start (before the plan's first step): {type(exc).__name__}: {exc}\n"
+                            f"  fix: {fix}", rank=rank) from exc
         finally:
             torch.set_num_threads = set_num_threads  # the trainer in this process keeps control of its threads
         return cls(llm, role=role, eos_token_id=eos_token_id, pad_token_id=pad_token_id, rank=rank,
@@ -160,6 +172,7 @@ class VLLMEngine:
         `finish_sync`, and a layer whose weights have not all arrived is on the meta device: a
         half-loaded model never generates. A bucket that fails closes the reload (`abort_sync`).
         """
+        self._check_alive()
         if "weights" in self.asleep:
             raise VLLMError(f"rank {self.rank}'s vLLM engine has its weights asleep; wake_up(tags=['weights']) "
                             "before loading them (an onload step)")
@@ -177,7 +190,7 @@ class VLLMEngine:
                 raise VLLMError(f"rank {self.rank}'s vLLM engine failed to load a weight bucket of {self.role!r}: "
                                 f"{type(exc).__name__}: {exc}; it serves no version until a whole sync succeeds\n"
                                 "  fix: send the Hugging Face names and shapes of the model the engine was built "
-                                "from") from exc
+                                "from", rank=self.rank) from exc
 
     def finish_sync(self, version: int) -> None:
         """After the last bucket: rebuild what is left, then serve `role@version`; cached prefixes of old
@@ -269,17 +282,107 @@ class VLLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError("VLLMEngine.generate: params must be rlgraph's SamplingParams, "
                             f"got {type(params).__name__}")
-        self.require(model)
-        if self.asleep:
-            raise VLLMError(f"rank {self.rank}'s vLLM engine is asleep ({', '.join(sorted(self.asleep))}); "
-                            "an onload step must wake it before a generate")
+        self._check_ready(model)
         vllm = import_vllm()
         requests = [prompt for prompt in token_prompts(prompts) for _ in range(n)]  # row i*n + j
         seeds = request_seeds(seed, call, prompts.index, n)
         sampling = [vllm.SamplingParams(**kw) for kw in sampling_kwargs(params, seeds, eos_token_id=self.eos_token_id)]
-        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+        outputs = self._core("generate", lambda: self.llm.generate(requests, sampling_params=sampling, use_tqdm=False,
+                                                                   **self._lora()))
         return rollouts_from_outputs(outputs, prompts, n, max_new_tokens=params.max_new_tokens,
                                      eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+
+    def _check_ready(self, model: ModelRef) -> None:
+        """Refuse to generate on a failed engine, for another version than the one held, or while asleep."""
+        self._check_alive()
+        self.require(model)
+        if self.asleep:
+            raise VLLMError(f"rank {self.rank}'s vLLM engine is asleep ({', '.join(sorted(self.asleep))}); "
+                            "an onload step must wake it before a generate")
+
+    # -- LoRA --------------------------------------------------------------------------------
+    def load_adapter(self, directory: str | os.PathLike, version: int) -> None:
+        """Serve `role@version` as the frozen base the engine was built with plus the LoRA adapters
+        saved in `directory` (peft's format: adapter_config.json, adapter_model.safetensors), loaded
+        now through vLLM's LoRA support (`add_lora`), so a bad adapter fails the sync, not a generate.
+        The adapters of the previous version are dropped; each version gets its own LoRA id, so no
+        request or cached prefix can mix two versions."""
+        version = _check_int(version, "VLLMEngine.load_adapter: version", at_least=0)
+        self._check_alive()
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(lora_name=f"{self.role}@{version}", lora_int_id=version + 1, lora_path=str(directory))
+        previous, self.version, self.adapter = self.adapter, None, None
+        core = self.llm.llm_engine
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            self._core("dropping the previous adapters", lambda: core.remove_lora(previous.lora_int_id))
+        try:
+            self._core("loading LoRA adapters", lambda: core.add_lora(request))
+        except VLLMError as error:  # a bad adapter leaves the core sound: the next sync may try again
+            self.failed = None
+            raise VLLMError(f"rank {self.rank}'s vLLM engine could not load the LoRA adapters of "
+                            f"{self.role}@{version} from {directory}: {error.__cause__}; it serves no version until "
+                            "a sync succeeds\n  fix: adapters of the targets and rank the engine was built for "
+                            "(enable_lora, max_lora_rank)", rank=self.rank) from error.__cause__
+        self.adapter, self.version = request, version
+        self.llm.reset_prefix_cache()
+
+    def _lora(self) -> dict[str, Any]:
+        """generate's keyword for the adapters served (none without LoRA: a plain engine's call stays as it was)."""
+        return {} if self.adapter is None else {"lora_request": self.adapter}
+
+    # -- failures ----------------------------------------------------------------------------
+    def _core(self, what: str, call: Any) -> Any:
+        """Run `call` into vLLM's engine core. If it raises (the core died, ran out of memory, hit a
+        kernel error), requests may be left inside it and its state is unknown: the engine is not
+        used again, and every later call says why."""
+        self._check_alive()
+        try:
+            return call()
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc} (during {what})"
+            raise VLLMError(f"rank {self.rank}'s vLLM engine for {self.role!r} failed during {what}: "
+                            f"{type(exc).__name__}: {exc}; it is not used again\n  fix: {ENGINE_FAILED_FIX}",
+                            rank=self.rank) from exc
+
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise VLLMError(f"rank {self.rank}'s vLLM engine for {self.role!r} failed earlier ({self.failed}); "
+                            f"it is not used again\n  fix: {ENGINE_FAILED_FIX}", rank=self.rank)
+
+    # -- multi-turn --------------------------------------------------------------------------
+    def continue_rows(self, contexts: Sequence[Sequence[int]], caps: Sequence[int], seeds: Sequence[int],
+                      params: SamplingParams, model: ModelRef) -> list[tuple[list[int], list[float], int]]:
+        """One turn of a multi-turn rollout: row r's context (token ids, no padding) continued by at most
+        `caps[r]` tokens, stopping at EOS. Per row: (sampled ids, their log-probs, context tokens the
+        prefix cache held)."""
+        self._check_ready(model)
+        vllm = import_vllm()
+        rows = sampling_kwargs(params, seeds, eos_token_id=self.eos_token_id)
+        sampling = [vllm.SamplingParams(**{**kwargs, "max_tokens": int(cap)}) for kwargs, cap in zip(rows, caps)]
+        requests = [{"prompt_token_ids": list(context)} for context in contexts]
+        outputs = self._core("a multi-turn rollout's turn",
+                             lambda: self.llm.generate(requests, sampling_params=sampling, use_tqdm=False,
+                                                       **self._lora()))
+        if len(outputs) != len(requests):
+            raise VLLMError(f"rank {self.rank}'s vLLM engine answered {len(outputs)} of {len(requests)} turn requests")
+        answers = []
+        for row, (output, request, cap) in enumerate(zip(outputs, requests, caps)):
+            if list(output.prompt_token_ids) != request["prompt_token_ids"]:
+                raise VLLMError(f"vLLM output for turn row {row} answers another context: outputs must come in the "
+                                "order of the requests")
+            tokens, logprobs = sampled_tokens(output.outputs[0], row, max_new_tokens=int(cap),
+                                              eos_token_id=self.eos_token_id)
+            answers.append((tokens, logprobs, int(output.num_cached_tokens or 0)))
+        return answers
+
+    def multi_turn_rollouts(self, prompts: Prompts, envs: Sequence[Any], **kwargs: Any) -> Any:
+        """`rg.rollout` on this engine (`rlgraph.backends.vllm.multiturn`): the executor calls it with
+        the environments it built, the turn limits and the sampling counters."""
+        from rlgraph.backends.vllm.multiturn import multi_turn_rollouts
+
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        return multi_turn_rollouts(self, prompts, envs, vocab=vocab, pad=self.pad_token_id, **kwargs)
 
 
 class _ReloadAPI:
@@ -318,6 +421,32 @@ def _reprocess_tied(model: torch.nn.Module) -> None:
             method = getattr(module, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(module)
+
+
+def _start_fix(message: str) -> str:
+    """The fix for a failed start, from vLLM's message: a KV cache too small for one request, more
+    memory asked for than the machine has, or something else."""
+    if "max seq len" in message or "memory for the cache blocks" in message:  # vLLM's check_enough_kv_cache_memory
+        return ("a smaller max_model_len (the run's prompt + response tokens), or a larger kv_cache_memory_bytes "
+                "(CPU) or gpu_memory_utilization (CUDA)")
+    if "memory" in message.lower():
+        return ("a smaller kv_cache_memory_bytes (CPU) or gpu_memory_utilization (CUDA), or free memory held by "
+                "other processes")
+    return "check the model directory and the engine arguments"
+
+
+def _release_failed_start(joined: bool) -> None:
+    """After a failed start, undo what vLLM set up in this process (its torch.distributed world when
+    the process had none, its parallel groups), so nothing of the engine is left and a second try
+    can start. A world the process had before the engine (spmd's) is left to its owner."""
+    if joined:
+        return
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:  # noqa: BLE001 - best effort: the start's own error is the one to report
+        pass
 
 
 def launcher_env(rank: int = 0, world_size: int = 1, port: int | None = None) -> dict[str, str]:
