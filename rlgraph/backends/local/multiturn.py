@@ -175,7 +175,7 @@ def multi_turn_rollouts(model: torch.nn.Module, prompts: Prompts, envs: Sequence
     _check_prompts(prompts, vocab)
     device = model.device
     keys = sampling_keys(seed, call, prompts.index.to(device), n)  # [N]
-    repeated = prompts.select(group)  # the N rows, each its prompt's
+    repeated = prompts.select(torch.arange(len(prompts)).repeat_interleave(n))  # the N rows, each its prompt's
     episodes = E.start(envs, episode_rows(prompts, n), limits.total, vocab, limits.step_timeout)
     for episode, (pixels, grid) in zip(episodes, _row_images(repeated)):
         episode.show, episode.images = show, _split(pixels, grid)  # the prompt's images come first
