@@ -27,7 +27,9 @@ packing, quantisation), so buckets may split anywhere and a half-loaded model ca
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -331,3 +333,19 @@ def launcher_env(rank: int = 0, world_size: int = 1, port: int | None = None) ->
             port = probe.getsockname()[1]
     return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port))
+
+
+def engine_from_config(config: dict[str, Any], *, role: str, tokenizer: Any, rank: int = 0, seed: int = 0,
+                       where: str = "model.path", **engine_args: Any) -> VLLMEngine:
+    """An engine for the architecture of `config` (a Hugging Face config dict) with dummy weights:
+    the plan's first sync_weights step loads the real ones, so no rank reads a checkpoint for it.
+    Refuses, before vLLM starts, heads that vLLM's CPU attention cannot run. vLLM reads a model
+    directory: the config goes to a temporary one of ours, removed once the engine is built."""
+    if not torch.cuda.is_available():
+        check_head_dim(config, where)
+    with tempfile.TemporaryDirectory(prefix="rlgraph-vllm-") as directory:
+        with open(os.path.join(directory, "config.json"), "w") as out:
+            json.dump(config, out)
+        return VLLMEngine.build(directory, role=role, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, rank=rank, seed=seed, load_format="dummy",
+                                **engine_args)

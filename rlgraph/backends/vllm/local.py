@@ -7,9 +7,7 @@ of a new version. Everything else (log-probs, updates, rewards) is the local exe
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,7 +16,7 @@ import torch
 from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.backends.local.generation import SamplingParams
 from rlgraph.backends.protocols import ModelRef
-from rlgraph.backends.vllm.engine import VLLMEngine, VLLMError, check_head_dim, launcher_env
+from rlgraph.backends.vllm.engine import VLLMEngine, VLLMError, engine_from_config, launcher_env
 from rlgraph.batches import Prompts, Rollouts, to_device
 
 DEFAULT_BUCKET_BYTES = 512 << 20  # `CompileOptions.bucket_bytes`, for a sync called without a plan route
@@ -83,20 +81,12 @@ class VLLMLocalExecutor(LocalExecutor):
 def build_local_engine(module: torch.nn.Module, *, role: str, tokenizer: Any, seed: int, max_model_len: int,
                        where: str = "model.path", **engine_args: Any) -> VLLMEngine:
     """A vLLM engine in this process for `module`'s architecture, with dummy weights: the plan's
-    first sync_weights step loads the real ones. Refuses, before vLLM starts, a LoRA module (its
-    engine would need the merged weights: not written for the local runtime yet) and heads that
-    vLLM's CPU attention cannot run."""
+    first sync_weights step loads the real ones (`engine_from_config`). Refuses, before vLLM starts,
+    a LoRA module (its engine would need the merged weights: not written for the local runtime yet)."""
     if hasattr(module, "peft_config"):
         raise VLLMError("runtime.engine=vllm with a LoRA policy on the local runtime is not written yet\n"
                         "  fix: runtime.engine: native, or a full-parameter policy (no model.lora)")
-    config = module.config.to_dict()
-    if not torch.cuda.is_available():
-        check_head_dim(config, where)
     for key, value in launcher_env().items():  # external_launcher: this process is a one-rank "job"
         os.environ.setdefault(key, value)
-    with tempfile.TemporaryDirectory(prefix="rlgraph-vllm-") as directory:  # ours: the config is all vLLM reads
-        with open(os.path.join(directory, "config.json"), "w") as out:
-            json.dump(config, out)
-        return VLLMEngine.build(directory, role=role, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, seed=seed, load_format="dummy",
-                                enforce_eager=True, max_model_len=max_model_len, **engine_args)
+    return engine_from_config(module.config.to_dict(), role=role, tokenizer=tokenizer, seed=seed, where=where,
+                              enforce_eager=True, max_model_len=max_model_len, **engine_args)
