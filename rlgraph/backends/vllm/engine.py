@@ -226,6 +226,15 @@ class VLLMEngine:
         worker = getattr(wrapper, "worker", wrapper)  # a WorkerWrapperBase holds the Worker
         return worker, worker.model_runner.get_model()
 
+    def close(self) -> None:
+        """Shut the engine down: its scheduler, its model and the torch.distributed groups it made
+        (vLLM's teardown also ends the default group the engine joined). A spmd worker calls it before
+        leaving torch.distributed itself: vLLM's exit handler would find its groups destroyed and raise."""
+        self.version = None
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
     # -- memory ------------------------------------------------------------------------------
     def sleep(self) -> None:
         """Release the engine's device memory (an offload step): level 1 keeps the weights in host
