@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 VVENV  := .venv-vllm
 VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
-VLLM_TESTS := tests/backends/test_vllm_live.py tests/backends/test_vllm_local.py tests/backends/test_vllm_multiturn.py
+VLLM_TESTS := tests/backends/test_vllm_live.py tests/backends/test_vllm_local.py tests/backends/test_vllm_multiturn.py \
+              tests/backends/test_vllm_spmd.py
 
 .PHONY: sandbox-tools demo test test-vllm test-fast test-thorough bench plan clean gpu-check
 

@@ -201,6 +201,9 @@ def _worker_main(rank: int, world: int, master: tuple[str, int], recipe: bytes, 
         if command == "close":
             break
         _reply(connection, *serve(worker, command, args))
+    close = getattr(worker.executor, "close", None)
+    if close is not None:
+        close()  # engines that joined the process group leave it first (vLLM's ends the group too)
     if dist.is_initialized():
         dist.destroy_process_group()
 

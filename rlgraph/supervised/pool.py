@@ -60,6 +60,8 @@ from rlgraph.errors import ConfigError
 from rlgraph.supervised.process import HEADER
 
 ISOLATIONS = ("auto", "pidns", "process")
+MIN_PROGRESS_S = 0.05  # CPU seconds a starting worker must use in a period to count as starting, not hung
+_TICKS = os.sysconf("SC_CLK_TCK")
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the rlgraph package
 # process.py is loaded as a file: it imports only the standard library until it serves, so the
 # keeper (which forks before that) stays small; the worker imports rlgraph (and torch) after its limits.
@@ -132,6 +134,8 @@ class _Worker:
         self.outgoing, self.incoming = b"", b""
         self.calls: deque[int] = deque()
         self.deadline, self.limit = 0.0, float("inf")
+        self.starting = False  # its build call is not answered yet
+        self.cpu_mark = 0.0    # its CPU seconds when its start deadline was last set
 
     @property
     def call(self) -> int | None:
@@ -151,7 +155,22 @@ class _Worker:
         """The call just answered; the next one's time starts."""
         call = self.calls.popleft()
         self.deadline = time.monotonic() + self.limit
+        self.starting = False
         return call
+
+    def still_starting(self, limit: float) -> bool:
+        """Past its start deadline: whether to wait one more period of `limit` seconds. A start costs
+        CPU (the worker imports torch and rlgraph: ~7 CPU seconds), and on a loaded machine it waits
+        for a core far longer than that (measured: 27-35 s of wall time for it at load average 16 on
+        2 cores, over 120 s at 15-18 with the controller busy), so wall time alone cannot tell a slow
+        start from a hung one: a worker that used CPU since the last deadline, and less than `limit`
+        CPU seconds in all, is starting; one that used none for a whole period (blocked, stopped) or
+        more than `limit` (a runaway) is late."""
+        used = _cpu_seconds(self.process.pid)
+        if not self.starting or used - self.cpu_mark < MIN_PROGRESS_S or used > limit:
+            return False
+        self.cpu_mark, self.deadline = used, time.monotonic() + limit
+        return True
 
     def pump(self, readable: bool, writable: bool, cap: int) -> list[bytes]:
         """Move bytes; the answers completed, in order. EOFError: the worker closed its end (it died);
@@ -198,6 +217,23 @@ class _Worker:
             pass
         self.channel.close()
         return _ended(self.process.wait())
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds used by process `pid` and every descendant it has now (bwrap or the keeper, then
+    the worker), from /proc; 0 where /proc cannot tell (no `children` files: no progress is seen,
+    and a start is bounded by wall time as before)."""
+    total, stack = 0.0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / _TICKS  # utime and stime (fields 14 and 15)
+            for task in os.listdir(f"/proc/{current}/task"):
+                stack += [int(child) for child in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or no such files here
+            continue
+    return total
 
 
 def _ended(code: int) -> str:
@@ -326,7 +362,8 @@ class SupervisedPool:
                     break
                 done.append((worker.answered(), answer))
             else:
-                if worker.call is not None and time.monotonic() >= worker.deadline:
+                if (worker.call is not None and time.monotonic() >= worker.deadline
+                        and not worker.still_starting(self.start_timeout_s)):
                     done += self._replace(worker, late)
         return done
 
@@ -355,6 +392,7 @@ class SupervisedPool:
         build = pickle.dumps(("build", self._factory, list(sys.path)))
         for index, worker in enumerate(fresh):
             worker.send(build, index, self.start_timeout_s)
+            worker.starting = True
         return fresh
 
     def _start(self) -> None:
@@ -367,7 +405,8 @@ class SupervisedPool:
         for index, worker in enumerate(fresh):  # the build is each one's only call: number them in this list
             worker.calls = deque([index])
         answers: dict[int, dict[str, Any]] = {}
-        late = f"did not start within {self.start_timeout_s:g} s"
+        late = (f"did not start: no CPU progress for {self.start_timeout_s:g} s, or over {self.start_timeout_s:g} CPU "
+                "seconds")
         built = lambda answer, call: isinstance(answer, dict) and ("ready" in answer or "error" in answer)  # noqa: E731
         with selectors.DefaultSelector() as selector:
             while len(answers) < len(fresh):

@@ -164,12 +164,15 @@ def _check_env_is_used(config: TrainConfig, rl: Any) -> None:
 def _check_generation(config: TrainConfig) -> None:
     """`generation.compile: on` compiles the native engine's decode step (in this process, or in the
     spmd/ray workers that generate): refused with vLLM, which it would not reach. vLLM on CPU runs
-    on the local runtime only."""
+    on the local and spmd runtimes (`_check_vllm_ranks`: on spmd, every rank runs one engine)."""
     runtime = config.runtime
-    if runtime.engine == "vllm" and runtime.runtime != "local" and _device(config) == "cpu":
-        raise ConfigError(f"runtime.engine=vllm with runtime.runtime={runtime.runtime} on CPU: the spmd/ray workers "
-                          "build vLLM engines on CUDA only (docs/vllm.md)",
-                          fix="runtime.runtime: local (vLLM generates in this process), or runtime.engine: native")
+    if runtime.engine == "vllm" and runtime.runtime == "ray" and _device(config) == "cpu":
+        raise ConfigError("runtime.engine=vllm with runtime.runtime=ray on CPU is not tested: the vLLM engines of "
+                          "the workers are tested on spmd (docs/vllm.md)",
+                          fix="runtime.runtime: spmd or local, or runtime.engine: native")
+    if runtime.engine == "vllm" and runtime.runtime != "local" and config.model.lora:
+        raise ConfigError(f"runtime.engine=vllm with model.lora on runtime.runtime={runtime.runtime} is not tested "
+                          "(docs/vllm.md)", fix="runtime.engine: native, or a full-parameter policy (no model.lora)")
     if runtime.engine == "vllm" and config.model.lora is not None and config.warm_start.steps > 0:
         raise ConfigError("runtime.engine=vllm with model.lora and a warm start: the warm start's adapters are merged "
                           "into the base before RL (rlgraph/train/roles.py: rebase_lora), and the vLLM engine serves "
@@ -330,6 +333,8 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
         raise ConfigError(f"{key.split('.')[0]}.{error.summary}",
                           fix=error.fix and error.fix.replace(f"{option}=", f"{key}=").replace(f"{option} >=", f"{key} >=")
                           ) from None
+    if runtime.engine == "vllm" and runtime.runtime != "local":
+        _check_vllm_ranks(config, rl.plan)
     if lora and runtime.runtime != "local":
         from rlgraph.backends.fsdp.executor import check_views
 
@@ -350,6 +355,19 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
                                    **{key: extra[key] for key in ("env_workers", "env_memory_mb") if key in extra},
                                    **eval_hparams)
     return rl, evaluation
+
+
+def _check_vllm_ranks(config: TrainConfig, plan: Any) -> None:
+    """On spmd every rank runs one vLLM engine (`check_vllm_ranks`: vLLM's engine joins the whole
+    torch.distributed world): refused before any worker starts, naming runtime.placement."""
+    from rlgraph.backends.fsdp.build import check_vllm_ranks
+
+    try:
+        check_vllm_ranks(plan)
+    except ValueError as error:
+        summary = str(error).split("\n  fix: ")[0]
+        raise ConfigError(f"runtime.placement {config.runtime.placement!r} with runtime.engine=vllm: {summary}",
+                          fix="runtime.placement: colocated:offload=False, or runtime.engine: native") from None
 
 
 def _eval_algorithm(config: TrainConfig) -> tuple[Any, dict[str, Any], int]:

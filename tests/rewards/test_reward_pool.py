@@ -341,3 +341,35 @@ def test_a_workers_json_nan_is_caught_where_it_enters_the_controller(frame, monk
     with pytest.raises(RewardError, match=r"'good' (its reward worker answered (nan|inf) \(not finite\) on sample 1|x on sample 0 of 3 .*"
                                         r"; 2 samples affected)"):
         pipeline(hostile.good, on_error="fail")(["a", "bb", "ccc"], text=TEXT)
+
+
+@pytest.mark.parametrize("program, used, limit, starting", [
+    # slow but working (a loaded machine): its CPU time grows, and stays under the limit
+    ("import time\nwhile True: time.sleep(0.01); sum(range(20000))", 0.1, 60.0, True),
+    ("import time\ntime.sleep(60)", 0.0, 60.0, False),  # blocked: no CPU progress in a whole period
+    ("while True: pass", 0.6, 0.5, False),              # a runaway: over the limit's CPU seconds
+])
+def test_a_start_is_late_when_it_stops_using_cpu_or_uses_too_much_not_when_the_machine_is_busy(program, used, limit,
+                                                                                            starting):
+    """A worker start is ~7 CPU seconds of imports, which a loaded machine stretches to minutes of
+    wall time; past its deadline a start is judged by the CPU time of the worker's process tree (here
+    a shell and its child python), not by the clock. `used`: CPU seconds to wait for first."""
+    import socket
+    import subprocess
+    import sys
+
+    from rlgraph.supervised.pool import _cpu_seconds, _Worker
+
+    process = subprocess.Popen(["sh", "-c", f'"{sys.executable}" -c "$0"', program], start_new_session=True)
+    ours, theirs = socket.socketpair()
+    worker = _Worker(process, ours, 0)
+    worker.starting = True
+    try:
+        time.sleep(0.5)  # the interpreter's own start is CPU too: count from after it
+        worker.cpu_mark = _cpu_seconds(process.pid)
+        assert within(60, lambda: _cpu_seconds(process.pid) >= worker.cpu_mark + used)
+        time.sleep(0.5)
+        assert worker.still_starting(worker.cpu_mark + limit) is starting
+    finally:
+        theirs.close()
+        worker.kill()

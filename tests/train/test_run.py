@@ -364,12 +364,17 @@ def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apar
 
 @pytest.mark.parametrize("overrides, expected", [
     (["generation.compile=on", "runtime.engine=vllm"], r"generation.compile=on with runtime.engine='vllm'"),
-    (["runtime.engine=vllm", "runtime.runtime=spmd", "runtime.nproc=2", "runtime.device=cpu"],
-     r"runtime.engine=vllm with runtime.runtime=spmd on CPU: the spmd/ray workers build vLLM engines on CUDA only"),
+    (["runtime.engine=vllm", "runtime.runtime=ray", "runtime.nproc=2", "runtime.device=cpu"],
+     r"runtime.engine=vllm with runtime.runtime=ray on CPU is not tested"),
+    # vLLM's engine joins the whole torch.distributed world while it starts: a rank without one would hang it
+    (["runtime.engine=vllm", "runtime.runtime=spmd", "runtime.nproc=2", "runtime.device=cpu",
+      "runtime.placement=split:policy=1,rollout=1,ref=policy"],
+     r"(?s)runtime.placement 'split:policy=1,rollout=1,ref=policy' with runtime.engine=vllm: the plan generates with "
+     r"vLLM on ranks \[1\] of \[0, 1\], but ranks \[0\] build no vLLM engine.*fix: runtime.placement: colocated"),
     (["runtime.engine=vllm", "model.lora.r=4", "warm_start.steps=5"],
      r"runtime.engine=vllm with model.lora and a warm start: the warm start's adapters are merged into the base"),
 ])
-def test_compiled_decoding_where_it_would_not_reach_the_rollouts_is_refused(tmp_path, overrides, expected):
+def test_generation_where_its_engine_cannot_run_is_refused_before_anything_starts(tmp_path, overrides, expected):
     from rlgraph.train.run import prepare
 
     config, _ = make_config(tmp_path, "bad", overrides)

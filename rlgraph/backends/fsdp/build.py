@@ -2,9 +2,10 @@
 
 For each group of the plan that holds the rank: a role that trains or runs forward passes is
 sharded with FSDP2 over the group's ranks (`_sharded_role`: a 1-D mesh, or a 2-D (replicate,
-shard) mesh for HSDP); a group that generates gets a generation engine (`_generation_engine`). A
-LoRA role shards the peft model: the frozen base and the adapters share FSDP2 units (FSDP2 shards
-each parameter on its own, so a unit may mix frozen and trainable ones); only the adapters get
+shard) mesh for HSDP); a group that generates gets a generation engine (`_generation_engine`;
+vLLM on every rank or on none, `check_vllm_ranks`). A LoRA role shards the peft model: the
+frozen base and the adapters share FSDP2 units (FSDP2 shards each parameter on its own, so a
+unit may mix frozen and trainable ones); only the adapters get
 gradients and optimizer state; colocated with its native engine on the CPU, the frozen base is not
 sharded but held once, whole, and the engine runs on it (`shares_base`). A `RoleSpec(base_of=...)`
 role (the KL reference of a LoRA policy)
@@ -85,6 +86,7 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
     from rlgraph.backends.fsdp.executor import FSDPExecutor  # here: executor.py re-exports this module's builders
 
     check_views(world.views(), plan)
+    check_vllm_ranks(plan)
     role_sets, sync_sets = _rank_sets(plan)
     process_groups = {ranks: dist.new_group(list(ranks)) for ranks in role_sets}
     sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
@@ -193,23 +195,13 @@ def _engine_on_base(world: Any, served: str, role_model: torch.nn.Module, adapte
 def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer: Any, device: torch.device,
                        plan_groups: Any = ()) -> Any:
     """The engine a generating rank runs: a full copy of the model for the native generator, or
-    a vLLM engine (CUDA only here, untested without a GPU; on CPU vLLM runs on the local runtime,
-    `rlgraph.backends.vllm.local`, tested live).
+    a vLLM engine (`_vllm_engine`).
     The native engine of a role the plan trains is allocated empty: the plan's sync_weights step
     before its every generate loads it (no second full read of the model at start-up); a frozen
     generator's is built with its weights."""
     spec = _role_spec(world, served)
     if group.generate.engine == "vllm":
-        if device.type != "cuda":
-            raise ValueError(f"group {group.name!r} generates with vLLM, which the spmd/ray workers build on CUDA only; "
-                             "compile with engine='native', or run vLLM on CPU on the local runtime (docs/vllm.md)")
-        source = spec.source if isinstance(spec.source, (str, os.PathLike)) and os.path.isdir(spec.source) else None
-        if source is None:
-            raise ValueError(f"group {group.name!r} generates with vLLM, which loads a Hugging Face model directory: "
-                             f"set RoleSpec(source=<directory>) for {served!r} (it is {spec.source!r})")
-        return VLLMEngine.build(source, role=served, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, rank=rank, seed=world.seed, load_format="dummy",
-                                tensor_parallel_size=group.generate.tp)
+        return _vllm_engine(world, spec, served, group, rank, tokenizer, device)
     trained = next((other.train for other in plan_groups if other.name == served), None) is not None
     if trained:  # every generate of a trained role follows a sync_weights step: the first one fills the engine
         from rlgraph.backends.fsdp.loading import allocate
@@ -221,6 +213,48 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
         allocate(engine, device)
         return engine.eval().requires_grad_(False)
     return spec.build_module(tokenizer, engine_dtype(device), merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
+
+
+def _vllm_engine(world: Any, spec: Any, served: str, group: Any, rank: int, tokenizer: Any,
+                 device: torch.device) -> VLLMEngine:
+    """This rank's vLLM engine for `served` (`external_launcher`: in this process, one per generating
+    rank, tp=`group.generate.tp`), built from the role's config with dummy weights: the plan's
+    sync_weights step before its first generate loads the gathered FSDP2 weights. It joins this
+    process's torch.distributed world, so every rank builds one at this point (`check_vllm_ranks`)."""
+    from rlgraph.backends.local.models import build_causal_lm
+    from rlgraph.backends.vllm.engine import engine_from_config
+    from rlgraph.backends.world import _config_only
+
+    with parameters_on_meta():  # the config is all the engine needs: no weights are read or drawn
+        module = build_causal_lm(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed)
+    return engine_from_config(module.config.to_dict(), role=served, tokenizer=tokenizer, rank=rank, seed=world.seed,
+                              where=f"role {served!r} (model {spec.source!r})", tensor_parallel_size=group.generate.tp,
+                              enforce_eager=device.type == "cpu")  # CPU: no compiled graphs to warm up
+
+
+def check_vllm_ranks(plan: Any) -> None:
+    """Refuse (ValueError) a multi-rank plan where some rank builds no vLLM engine, or two.
+
+    vLLM's `external_launcher` engine joins its process's whole torch.distributed world: while it
+    starts, every rank of the job creates vLLM's process groups (`new_group` is collective over the
+    world) and takes part in its memory all-reduce. A rank that builds no engine never joins, and
+    the others wait for it until the start-up timeout; a second engine in one process finds vLLM's
+    groups made already. So on the spmd and Ray runtimes every rank generates with exactly one vLLM
+    engine: a colocated placement (the hybrid engine of verl and TRL), not a split one."""
+    engines = [group for group in plan.groups if group.generate is not None and group.generate.engine == "vllm"]
+    if not engines:
+        return
+    ranks = sorted({rank for group in plan.groups for rank in group.ranks})
+    held = [rank for group in engines for rank in group.ranks]
+    idle = [rank for rank in ranks if rank not in held]
+    twice = sorted({rank for rank in held if held.count(rank) > 1})
+    if idle or twice:
+        what = (f"ranks {idle} build no vLLM engine" if idle else f"ranks {twice} would build two vLLM engines")
+        raise ValueError(f"the plan generates with vLLM on ranks {sorted(set(held))} of {ranks}, but {what}: vLLM's "
+                         "external_launcher engine joins the whole torch.distributed world while it starts (every rank "
+                         "creates its process groups and joins its memory all-reduce), so the job would wait for "
+                         "those ranks until it timed out; every rank must run exactly one vLLM engine\n  fix: a "
+                         "colocated placement (colocated:offload=False on CPU), or engine native")
 
 
 def _empty_module(spec: Any, tokenizer: Any) -> tuple[torch.nn.Module | None, Any]:

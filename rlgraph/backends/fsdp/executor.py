@@ -80,6 +80,12 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
                                    model=model)
         return self.cut_at_stop(rollouts, params.stop)  # the native engine's cut, so both engines end rows alike
 
+    def close(self) -> None:
+        """End this rank's vLLM engines before the worker leaves torch.distributed (`VLLMEngine.close`)."""
+        for engine in self.engines.values():
+            if isinstance(engine, VLLMEngine):
+                engine.close()
+
     def _engine(self, model: ModelRef) -> torch.nn.Module:
         if model.role not in self.engines:
             raise KeyError(f"rank {self.rank} has no generation engine for {model.role!r}; the plan generates elsewhere")

@@ -27,8 +27,10 @@ packing, quantisation), so buckets may split anywhere and a half-loaded model ca
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable, Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -236,6 +238,15 @@ class VLLMEngine:
         wrapper = executor.driver_worker
         worker = getattr(wrapper, "worker", wrapper)  # a WorkerWrapperBase holds the Worker
         return worker, worker.model_runner.get_model()
+
+    def close(self) -> None:
+        """Shut the engine down: its scheduler, its model and the torch.distributed groups it made
+        (vLLM's teardown also ends the default group the engine joined). A spmd worker calls it before
+        leaving torch.distributed itself: vLLM's exit handler would find its groups destroyed and raise."""
+        self.version = None
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
 
     # -- memory ------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -460,3 +471,22 @@ def launcher_env(rank: int = 0, world_size: int = 1, port: int | None = None) ->
             port = probe.getsockname()[1]
     return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port))
+
+
+def engine_from_config(config: dict[str, Any], *, role: str, tokenizer: Any, rank: int = 0, seed: int = 0,
+                       where: str = "model.path", weights: Callable[[str], dict[str, Any]] | None = None,
+                       **engine_args: Any) -> VLLMEngine:
+    """An engine for the architecture of `config` (a Hugging Face config dict) with dummy weights:
+    the plan's first sync_weights step loads the real ones, so no rank reads a checkpoint for it.
+    Refuses, before vLLM starts, heads that vLLM's CPU attention cannot run. vLLM reads a model
+    directory: the config goes to a temporary one of ours, removed once the engine is built.
+    `weights(directory)`, where given, writes real weights there instead (a LoRA engine's frozen base)
+    and returns the engine arguments they need."""
+    if not torch.cuda.is_available():
+        check_head_dim(config, where)
+    with tempfile.TemporaryDirectory(prefix="rlgraph-vllm-") as directory:
+        with open(os.path.join(directory, "config.json"), "w") as out:
+            json.dump(config, out)
+        engine_args.update(weights(directory) if weights is not None else {"load_format": "dummy"})
+        return VLLMEngine.build(directory, role=role, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, rank=rank, seed=seed, **engine_args)

@@ -7,7 +7,6 @@ of a new version. Everything else (log-probs, updates, rewards) is the local exe
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -21,7 +20,7 @@ from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.backends.local.generation import SamplingParams
 from rlgraph.backends.lora import is_lora, plain_name, settings_of
 from rlgraph.backends.protocols import ModelRef
-from rlgraph.backends.vllm.engine import VLLMEngine, VLLMError, check_head_dim, launcher_env
+from rlgraph.backends.vllm.engine import VLLMEngine, VLLMError, engine_from_config, launcher_env
 from rlgraph.batches import Prompts, Rollouts, to_device
 
 DEFAULT_BUCKET_BYTES = 512 << 20  # `CompileOptions.bucket_bytes`, for a sync called without a plan route
@@ -114,25 +113,16 @@ class VLLMLocalExecutor(LocalExecutor):
 def build_local_engine(module: torch.nn.Module, *, role: str, tokenizer: Any, seed: int, max_model_len: int,
                        where: str = "model.path", **engine_args: Any) -> VLLMEngine:
     """A vLLM engine in this process for `module`'s architecture, with dummy weights: the plan's
-    first sync_weights step loads the real ones. A LoRA module's engine starts from its frozen base
-    instead, with vLLM's LoRA support on (`lora_engine_args`): its syncs send the adapters alone.
-    Heads that vLLM's CPU attention cannot run are refused before it starts."""
+    first sync_weights step loads the real ones (`engine_from_config`). A LoRA module's engine starts
+    from its frozen base instead, with vLLM's LoRA support on (`lora_engine_args`): its syncs send the
+    adapters alone. Heads that vLLM's CPU attention cannot run are refused before it starts."""
     lora = is_lora(module)
     config = (module.get_base_model() if lora else module).config.to_dict()
-    if not torch.cuda.is_available():
-        check_head_dim(config, where)
     for key, value in launcher_env().items():  # external_launcher: this process is a one-rank "job"
         os.environ.setdefault(key, value)
-    with tempfile.TemporaryDirectory(prefix="rlgraph-vllm-") as directory:  # ours: the config (and a LoRA base)
-        with open(os.path.join(directory, "config.json"), "w") as out:
-            json.dump(config, out)
-        if lora:
-            engine_args.update(lora_engine_args(module, directory, where))
-        else:
-            engine_args["load_format"] = "dummy"
-        return VLLMEngine.build(directory, role=role, eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, seed=seed, enforce_eager=True,
-                                max_model_len=max_model_len, **engine_args)
+    weights = (lambda directory: lora_engine_args(module, directory, where)) if lora else None
+    return engine_from_config(config, role=role, tokenizer=tokenizer, seed=seed, where=where, weights=weights,
+                              enforce_eager=True, max_model_len=max_model_len, **engine_args)
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM 0.32 accepts
