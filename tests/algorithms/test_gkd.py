@@ -105,3 +105,16 @@ def test_vocabulary_gkd_mixing_both_sources_and_two_teachers_trains():
     _, metrics = Interpreter(executor).run(program, prompts(3))
     assert metrics["gkd/student_tokens"] > 0 and metrics["gkd/teacher_tokens"] > 0 and metrics["policy/grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, params_of(executor)))
+
+
+def test_the_plan_moves_and_counts_the_teachers_vocabulary_distribution():
+    """Split placement, B=32 n=4 T=5, V=47 (the shipped tokenizer): the teacher's f32[N,T,V] is sent
+    to the student's rank, 4*128*5*47 bytes, and both ranks' memory grows by the [rows,T,V] tensors."""
+    def plan(vocab):
+        return rg.compile(gkd, mesh="cpu:2", placement=rg.split({"policy": 1, "teacher": 1}), max_new_tokens=5,
+                          sizes={"B": 32, "P": 8, "T": 5}, n=4, lam=1.0, beta=0.0, vocab=vocab)
+    sampled, full = plan(False), plan(True)
+    assert "send_recv  logprobs:f32[N,T,V]  teacher -> policy  117.5 KiB" in full.as_text()  # 120,320 bytes
+    grown = {(group, phase): full.plan.memory[group][phase]["activations"] - sampled.plan.memory[group][phase]["activations"]
+             for group, phase in (("teacher", "infer"), ("policy", "train"))}
+    assert grown == {("teacher", "infer"): 2 * 4 * 128 * 5 * 47, ("policy", "train"): 3 * 4 * 128 * 5 * 47}

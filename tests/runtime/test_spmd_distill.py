@@ -39,13 +39,14 @@ def test_distill_with_the_teacher_on_its_own_rank_matches_local(tmp_path):
     _matches_local(compiled, world, prompts, steps=2)  # equal metrics each step, equal student weights after
 
 
-def test_gkd_mixing_both_sources_on_two_fsdp_ranks_with_an_offloaded_teacher_matches_local(tmp_path):
+def test_full_vocabulary_gkd_mixing_both_sources_on_two_fsdp_ranks_with_a_colocated_teacher_matches_local(tmp_path):
     # 0 < lam < 1: two accumulated updates (the student's and the teacher's sequences), then one
-    # `optimizer_step` on the FSDP2 shards; the teacher colocated on both ranks, offloaded between phases.
+    # `optimizer_step` on the FSDP2 shards; the teacher colocated on both ranks, generating too (its
+    # engine built with its weights), and the [N,T,V] distributions of both through FSDP2's root.
     world = _teacher_world(tmp_path)
     compiled = rg.compile(gkd, mesh="cpu:2", placement=rg.colocated(offload=True, checkpointing=False),
-                          sizes={"B": 4, "P": 8, "T": TOKENS}, max_new_tokens=TOKENS, n=2, lam=0.5, beta=0.5)
+                          sizes={"B": 4, "P": 8, "T": TOKENS}, max_new_tokens=TOKENS, n=2, lam=0.5, beta=0.5, vocab=True)
     text = compiled.as_text()
-    assert "optimizer_step" in text and "offload" in text
+    assert "optimizer_step" in text and "offload" in text and "generate   @teacher" in text
     reports = _matches_local(compiled, world, tiny_prompts(4), steps=2)
     assert all(report["local_numel"] < 0.6 * report["global_numel"] for report in reports.values())  # FSDP2 shards
