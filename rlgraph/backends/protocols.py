@@ -69,6 +69,7 @@ class UpdateConfig:
     # Packed sequences: micro-batches of at most this many real tokens, run without padding
     # (`rlgraph.backends.local.packing`); None: micro-batches of `micro_batch_size` rows, padded.
     micro_batch_tokens: int | None = None
+    vocab: bool = False  # the loss reads the log-softmax over the vocabulary [N, T, V], not the tokens' log-probs
 
     def __attrs_post_init__(self) -> None:
         if self.on_nonfinite not in ("raise", "skip"):
@@ -126,7 +127,7 @@ class Executor(Protocol):
                 step_timeout: float | None, env_workers: int | None = None, env_memory_mb: int = 4096
                 ) -> tuple[Rollouts, torch.Tensor, torch.Tensor]: ...
 
-    def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool,
+    def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float, entropy: bool, vocab: bool = False,
                  micro_batch_tokens: int | None = None) -> Any: ...
 
     def values(self, model: ModelRef, rollouts: Rollouts, *, micro_batch_tokens: int | None = None) -> torch.Tensor: ...

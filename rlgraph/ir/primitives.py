@@ -72,11 +72,12 @@ def _bind(prim: Primitive, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     return bound
 
 
-def declare(spec_rule: Callable[..., S.Spec], *, returns: int | None = None):
+def declare(spec_rule: Callable[..., S.Spec], *, returns: int | None = None, quiet: tuple[str, ...] = ()):
     """Turn a signature-only function into a primitive recorded by the active tracer.
 
     `returns=k`: the user gets the first k outputs of a tuple-valued primitive; the rest (its
-    statistics) stay in the program and become metrics.
+    statistics) stay in the program and become metrics. `quiet`: keywords left out of the node at
+    their default, so that programs which do not use a later option print as they did.
     """
 
     def wrap(template: Callable[..., Any]):
@@ -90,7 +91,8 @@ def declare(spec_rule: Callable[..., S.Spec], *, returns: int | None = None):
                 )
             bound = _bind(prim, args, kwargs)
             positional = [v for k, v in bound.arguments.items() if prim.signature.parameters[k].kind != inspect.Parameter.KEYWORD_ONLY]
-            keyword = {k: v for k, v in bound.arguments.items() if prim.signature.parameters[k].kind == inspect.Parameter.KEYWORD_ONLY}
+            keyword = {k: v for k, v in bound.arguments.items() if prim.signature.parameters[k].kind == inspect.Parameter.KEYWORD_ONLY
+                       and not (k in quiet and v is prim.signature.parameters[k].default)}
             outputs = ops.ACTIVE_TRACERS[-1].record_op(primitive, tuple(positional), keyword)
             return outputs if returns is None else outputs[:returns]
 
@@ -177,11 +179,25 @@ def expect_rollouts(prim: str, batch: Any, position: str) -> None:
                         f"prompts, n=...), then rg.{prim}(..., ro, ...)")
 
 
-def _logprobs_spec(model, rollouts, *, temperature, entropy, micro_batch_tokens=None) -> S.Spec:
+def _logprobs_spec(model, rollouts, *, temperature, entropy, vocab=False, micro_batch_tokens=None) -> S.Spec:
     # micro_batch_tokens: set by `rg.compile(micro_batch_tokens=)` (the `pack` pass), not by the user
     _scored_batch("logprobs", model, rollouts, "lm")
+    if vocab:
+        _check_vocab("rg.logprobs", vocab, entropy=entropy, micro_batch_tokens=micro_batch_tokens)
+        return S.f32(rollouts.rows, S.T, S.V)
     token = S.f32(rollouts.rows, S.T)
     return S.TupleSpec((token, token)) if entropy else token
+
+
+def _check_vocab(prim: str, vocab: Any, **exclusive: Any) -> None:
+    """`vocab=True` (a distribution over the vocabulary per token) excludes the per-token extras."""
+    if not isinstance(vocab, bool):
+        raise TraceError(f"{prim}(vocab={vocab!r}): vocab must be True or False", user_location())
+    for name, value in exclusive.items():
+        if value not in (None, False):
+            raise TraceError(f"{prim}(vocab=True, {name}={value!r}): the vocabulary's log-probs f32[N,T,V] come "
+                             f"without {name}", user_location(),
+                             fix=f"drop {name}, or vocab=False")
 
 
 def _values_spec(model, rollouts, *, micro_batch_tokens=None) -> S.Spec:
@@ -249,9 +265,12 @@ def rollout(model, env, prompts, *, n=1, temperature=1.0, top_p=1.0, max_turns=4
     turns); `turn_rewards` holds each turn's reward at that turn's last policy token."""
 
 
-@declare(_logprobs_spec)
-def logprobs(model, rollouts, *, temperature=1.0, entropy=False):
-    """Per-token log-probs f32[N,T] of the rollouts' responses under `model` (and entropy)."""
+@declare(_logprobs_spec, quiet=("vocab",))
+def logprobs(model, rollouts, *, temperature=1.0, entropy=False, vocab=False):
+    """Per-token log-probs f32[N,T] of the rollouts' responses under `model` (and entropy).
+
+    `vocab=True`: the log-softmax over the whole vocabulary at every response position instead,
+    f32[N,T,V] (0 at padding): 4*N*T*V bytes, which the plan counts where the value moves."""
 
 
 @declare(_values_spec)
@@ -270,7 +289,8 @@ NONFINITE_POLICIES = ("raise", "skip")
 
 
 def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0,
-           temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False, micro_batch_tokens=None):
+           temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False, micro_batch_tokens=None,
+           vocab=False):
     """Train `model` on `batch` by minimising the traced `loss` closure; returns `model@v+1`.
 
     The closure receives the model's per-token output with gradients (log-probs f32[N,T] for a
@@ -292,6 +312,8 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
     `micro_batch_tokens=k` packs the rows into micro-batches of at most k real tokens, run without
     padding (position ids restart in each row, attention stays within it); the loss, gradients
     and statistics are those of the padded micro-batches. Exclusive with `micro_batch_size`.
+    `vocab=True`: the closure's one parameter is the model's log-softmax over the whole vocabulary,
+    f32[N,T,V] with gradients (a full-distribution divergence, GKD's), not the sampled tokens' log-probs.
     """
     from rlgraph.ir.tracing import trace_loss  # the loss is traced by a child tracer
 
@@ -311,6 +333,9 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
         config.update(step=step, outputs=outputs)
     if micro_batch_tokens is not None:
         config.update(micro_batch_tokens=micro_batch_tokens)
+    if vocab:
+        _check_vocab("rg.update", vocab, outputs=outputs, micro_batch_tokens=micro_batch_tokens)
+        config.update(vocab=True)
     return trace_loss(_update_primitive, model, batch, loss, config)
 
 
@@ -353,7 +378,7 @@ def _check_accumulation(step: Any, outputs: Any, grad_clip: Any, on_nonfinite: s
 @declare(_update_spec)
 def _update_primitive(model, batch, *captures, stats=(), epochs=1, minibatches=1, micro_batch_size=None,
                       grad_clip=1.0, temperature=1.0, shuffle=False, on_nonfinite="raise", step=True, outputs=False,
-                      micro_batch_tokens=None):
+                      micro_batch_tokens=None, vocab=False):
     """(recorded form of rg.update: the loss closure lives in node.meta['program'])"""
 
 

@@ -260,16 +260,20 @@ def trace_loss(update_op: Callable[..., Any], model: Any, batch: Any, loss: Call
         raise TraceError(f"rg.update: loss must be a function of the model's output, got {type(loss).__name__}", user_location())
     params = positional_params(loss)
     output_name = "values" if model_spec.kind == "critic" else "lp"
-    if not 1 <= len(params) <= (1 if model_spec.kind == "critic" else 2):
+    vocab = config.get("vocab", False)
+    if vocab and model_spec.kind == "critic":
+        raise TraceError(f"rg.update(vocab=True) trains a language model's distribution; {model_spec} is a critic",
+                         user_location(), fix="drop vocab=True for a critic")
+    if not 1 <= len(params) <= (1 if model_spec.kind == "critic" or vocab else 2):
         raise TraceError(
             f"rg.update: the loss closure {loss.__name__}{inspect.signature(loss)} must take the model's "
-            f"per-token {'values' if model_spec.kind == 'critic' else 'log-probs (and optionally entropy)'}",
+            f"per-token {'values' if model_spec.kind == 'critic' else 'log-probs over the vocabulary' if vocab else 'log-probs (and optionally entropy)'}",
             _definition_site(loss), fix=f"def {loss.__name__}({output_name}): ...",
         )
     child = Tracer(parent)
     with child:
         rows = batch.spec.rows if isinstance(getattr(batch, "spec", None), S.RecordSpec) else S.N
-        inputs = [child.placeholder(params[0].name, S.f32(rows, S.T))]
+        inputs = [child.placeholder(params[0].name, S.f32(rows, S.T, S.V) if vocab else S.f32(rows, S.T))]
         if len(params) == 2:
             inputs.append(child.placeholder(params[1].name, S.f32(rows, S.T)))
         result = loss(*inputs)

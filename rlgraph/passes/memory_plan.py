@@ -206,6 +206,9 @@ def _phase_memory(program: Program, group: Group, options: CompileOptions,
             if budget is not None:
                 breakdown += M.MemoryBreakdown(activations=M.packed_mask_bytes(budget, dtype))
             breakdown += vision_memory(options, role, budget // seq if budget else rows, training=False)
+        if node.kwargs.get("vocab"):  # f32 logits and log-softmax [rows, T, V] at once (+ their gradient in training)
+            held = micro_batching(node, rows, seq)[0] if prim == "update" else rows
+            breakdown += M.MemoryBreakdown(activations=(3 if prim == "update" else 2) * 4 * held * sizes["T"] * shape.vocab)
         if phase not in phases or breakdown.total > phases[phase].total:
             phases[phase] = breakdown
     return phases

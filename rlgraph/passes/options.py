@@ -212,4 +212,17 @@ class CompileOptions:
         if n is not None:
             sizes["n"] = n
         sizes["N"] = sizes["B"] * sizes["n"]
+        if "V" not in sizes:  # the vocabulary of [N, T, V] values (`rg.logprobs(vocab=True)`): the policy model's
+            vocab = self._vocabulary()
+            sizes.update({"V": vocab} if vocab else {})
         return sizes
+
+    def _vocabulary(self) -> int | None:
+        """The policy model's vocabulary size; None where its config cannot be read (the memory plan
+        names that problem; a [N, T, V] value then names the missing size V)."""
+        from rlgraph.plan.presets import role_model_shape
+
+        try:
+            return role_model_shape(self.models, "policy").vocab
+        except (OSError, ValueError, KeyError):
+            return None

@@ -7,7 +7,8 @@ node's rows into micro-batches of at most k real tokens and runs them without pa
 the memory plan counts their k tokens instead of rows x (P+T).
 
 An update that sets its own `micro_batch_tokens` keeps it; one that sets `micro_batch_size` is
-refused, since the two would size its micro-batches differently.
+refused, since the two would size its micro-batches differently; so is a node with `vocab=True`
+(its `[N, T, V]` distributions are computed on padded rows).
 
 Guarantees: values and specs are unchanged; only these nodes' `micro_batch_tokens` is added.
 """
@@ -38,6 +39,10 @@ def pack(program: Program, options: CompileOptions) -> Program:
                                   fix=error.fix) from None
         if budget is None or own is not None:
             continue
+        if node.kwargs.get("vocab"):  # the [N, T, V] distributions are padded rows' (`vocabulary_logprobs`)
+            raise ConfigError(f"micro_batch_tokens={budget}: {name} {node.name} takes vocab=True, the distribution over "
+                              "the vocabulary at each position of padded rows, which packed sequences do not give",
+                              fix="drop micro_batch_tokens (train.micro_batch_tokens) for this algorithm, or vocab=False")
         if name == "update" and node.kwargs["micro_batch_size"] is not None:
             raise ConfigError(f"micro_batch_tokens={budget}: update {node.name} (loss {node.meta['program'].name}) sets "
                               f"micro_batch_size={node.kwargs['micro_batch_size']}; both would size its micro-batches",

@@ -179,8 +179,8 @@ class RankTenantExecutor(TenantExecutor):
     adapter whole; batch counts and gradients summed over the ranks, as the FSDP2 executor sums them."""
 
     def _forward(self, worker: LMWorker, rollouts: Any, *, temperature: float, with_entropy: bool,
-                 packed: bool = False):
-        return worker.model(rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
+                 packed: bool = False, vocab: bool = False):
+        return worker.model(rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed, vocab=vocab)
 
     def _all_reduce_sum(self, role: str, values: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
-from rlgraph.backends.local.logprobs import sequence_logprobs
+from rlgraph.backends.local.logprobs import sequence_logprobs, vocabulary_logprobs
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.data.arithmetic import Problem, to_demonstrations
 
@@ -68,6 +68,27 @@ def test_demonstrations_match_full_logits_with_entropy(model, tokenizer):
     torch.testing.assert_close(lp, expected_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=1e-5)
     assert (entropy[~demo.mask] == 0).all() and (entropy[demo.mask] > 0).all()
+
+
+def test_the_vocabulary_distribution_is_the_full_logits_log_softmax_and_its_picked_entry_the_logprob(model, tokenizer):
+    demo = to_demonstrations([Problem(1, 2), Problem(50, 60), Problem(7, 93)], tokenizer)
+    model.eval()
+    try:
+        with torch.no_grad():
+            full = vocabulary_logprobs(model, demo, temperature=0.8)  # [N, T, V]
+            lp = sequence_logprobs(model, demo, temperature=0.8)  # [N, T]
+            ids = torch.cat([demo.prompt_ids, demo.response_ids], 1)
+            mask = torch.cat([demo.prompt_mask, demo.mask], 1).long()
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    finally:
+        model.train()
+    width, steps = demo.prompt_ids.shape[1], demo.response_ids.shape[1]
+    expected = (logits[:, width - 1 : width - 1 + steps].float() / 0.8).log_softmax(-1) * demo.mask[..., None]
+    assert full.shape == (*demo.response_ids.shape, len(tokenizer)) and full.dtype == torch.float32
+    torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full.gather(-1, demo.response_ids[..., None]).squeeze(-1), lp, atol=1e-5, rtol=1e-5)
+    assert (full[~demo.mask] == 0).all()
+    torch.testing.assert_close(full[demo.mask].exp().sum(-1), torch.ones(int(demo.mask.sum())))
 
 
 def test_gradients_reach_every_parameter(tokenizer):

@@ -60,3 +60,21 @@ def test_generate_refuses_stop_that_is_not_a_tuple_of_strings(stop):
     with pytest.raises(TraceError, match=r"rg.generate: stop must be a tuple \(or list\) of non-empty strings(.|\n)*fix: e.g. stop="):
         generating_with(stop).trace()
     assert "stop=('\\n',)" in str(generating_with(("\n",)).trace())  # a good one is kept in the program
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s, ro: rg.logprobs(s.policy, ro, vocab="yes"), r"rg.logprobs\(vocab='yes'\): vocab must be True or False"),
+    (lambda s, ro: rg.logprobs(s.policy, ro, vocab=True, entropy=True), r"rg.logprobs\(vocab=True, entropy=True\)"),
+    (lambda s, ro: rg.update(s.policy, ro, lambda lp: lp.mean(), vocab=True, outputs=True),
+     r"rg.update\(vocab=True, outputs=True\)"),
+    (lambda s, ro: rg.update(s.policy, ro, lambda lp, entropy: lp.mean(), vocab=True), "log-probs over the vocabulary"),
+])
+def test_the_vocabulary_option_refuses_what_it_cannot_give(call, message):
+    @rg.algorithm
+    def algo(state: rg.State, prompts: rg.Prompts):
+        ro = rg.generate(state.policy, prompts, n=2)
+        call(state, ro)  # E-vocab
+        return state, {}
+
+    with pytest.raises(TraceError, match=message):
+        algo.trace()

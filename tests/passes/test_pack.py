@@ -55,6 +55,15 @@ def test_a_budget_beside_the_algorithms_micro_batch_size_is_refused():
         _compile(micro_batch_tokens=24, micro_batch_size=4)
 
 
+def test_a_budget_on_the_full_vocabulary_forwards_is_refused_at_compile_time():
+    from rlgraph.algorithms import gkd
+
+    roles = {"policy": rg.lm("policy"), "teacher": rg.lm("teacher")}
+    with pytest.raises(ConfigError, match="logprobs .* takes vocab=True"):
+        rg.compile(gkd, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False), sizes=SIZES, n=4,
+                   max_new_tokens=4, micro_batch_tokens=24, vocab=True, roles=roles)
+
+
 def test_an_updates_own_budget_below_a_full_row_is_refused_at_compile_time():
     @rg.algorithm
     def sft_packed(state: rg.State, batch: rg.Rollouts):

@@ -123,11 +123,16 @@ def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) 
         root = models[world.viewed(role)].model
         models[role] = LMWorker(base_view(root.module, root))
         shard_groups[role] = role_groups[role]
-    return FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
-                        device=device, role_groups=role_groups, shard_groups=shard_groups, engines=engines,
-                        sync_groups=sync_groups, adapters=adapters, shared_base=shared,
-                        max_new_tokens=world.max_new_tokens, seed=world.seed, envs=world.envs,
-                        decode_compile=world.decode_compile)
+    executor = FSDPExecutor(models, {name: RewardWorker(fn) for name, fn in world.rewards.items()}, tokenizer, rank=rank,
+                            device=device, role_groups=role_groups, shard_groups=shard_groups, engines=engines,
+                            sync_groups=sync_groups, adapters=adapters, shared_base=shared,
+                            max_new_tokens=world.max_new_tokens, seed=world.seed, envs=world.envs,
+                            decode_compile=world.decode_compile)
+    # A frozen generator's engine (a teacher's in `gkd` with lam < 1) is built with its weights and no
+    # sync_weights step ever loads it: it serves the role's one version from the start.
+    trained = {group.name for group in plan.groups if group.train is not None}
+    executor.served.update({role: 0 for role in engines if role not in trained and role not in shared})
+    return executor
 
 
 def check_views(views: Mapping[str, str], plan: Any) -> None:

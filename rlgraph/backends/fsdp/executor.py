@@ -97,8 +97,8 @@ class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):
 
     # -- training hooks ----------------------------------------------------------------------
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                 packed: bool = False):
-        return worker.model(rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
+                 packed: bool = False, vocab: bool = False):
+        return worker.model(rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed, vocab=vocab)
 
     def _all_reduce_sum(self, role: str, values: torch.Tensor) -> torch.Tensor:
         reduced = values.to(self._comm_device())

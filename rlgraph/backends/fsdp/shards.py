@@ -33,9 +33,10 @@ class RoleForward(torch.nn.Module):
         self.module = module
         self.kind = kind
 
-    def forward(self, rollouts: Rollouts, temperature: float = 1.0, with_entropy: bool = False, packed: bool = False):
+    def forward(self, rollouts: Rollouts, temperature: float = 1.0, with_entropy: bool = False, packed: bool = False,
+                vocab: bool = False):
         return role_outputs(self.module, self.kind, rollouts, temperature=temperature, with_entropy=with_entropy,
-                            packed=packed)
+                            packed=packed, vocab=vocab)
 
 
 def role_module(worker: LMWorker) -> torch.nn.Module:

@@ -35,7 +35,7 @@ from rlgraph.backends.local.generation import (
     NativeGenerator, SamplingParams, SamplingStream, cut_at_stop, token_id,
 )
 from rlgraph.backends.local.lean_decode import lean_unsupported
-from rlgraph.backends.local.logprobs import head_fits_one_block, sequence_logprobs
+from rlgraph.backends.local.logprobs import head_fits_one_block, sequence_logprobs, vocabulary_logprobs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
 from rlgraph.backends.local.packing import pack_rows, row_tokens
 from rlgraph.backends.local.vlm import image_encoder
@@ -265,11 +265,11 @@ class LocalExecutor:
         return cut_at_stop(rollouts, stop, decode, self.tokenizer.pad_token_id)
 
     def logprobs(self, model: ModelRef, rollouts: Rollouts, *, temperature: float = 1.0, entropy: bool = False,
-                 micro_batch_tokens: int | None = None) -> Any:
+                 vocab: bool = False, micro_batch_tokens: int | None = None) -> Any:
         worker = self._live(model)
         _check_ids(worker, rollouts, f"rg.logprobs({model.role})")
         output, ent = self._inference(worker, rollouts, temperature=temperature, with_entropy=entropy,
-                                      budget=micro_batch_tokens, where=f"rg.logprobs({model.role})")
+                                      budget=micro_batch_tokens, where=f"rg.logprobs({model.role})", vocab=vocab)
         return (output, ent) if entropy else output  # on the rollouts' device (`_inference`)
 
     def values(self, model: ModelRef, rollouts: Rollouts, *, micro_batch_tokens: int | None = None) -> torch.Tensor:
@@ -281,7 +281,7 @@ class LocalExecutor:
                                where=f"rg.values({model.role})")[0]
 
     def _inference(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                   budget: int | None = None, where: str = ""):
+                   budget: int | None = None, where: str = "", vocab: bool = False):
         """`_forward` in eval mode without gradients (reference and old log-probs, critic values),
         run on the executor's device; the outputs come back on the rollouts' device. `budget`:
         packed forwards of at most that many tokens each (`packing.pack_rows`); None: one padded forward."""
@@ -290,7 +290,10 @@ class LocalExecutor:
         batch = to_device(rollouts, self.device)
         try:
             with torch.no_grad(), self._autocast():
-                if budget is None:
+                if vocab:  # [N, T, V]: eager, padded (the packed and compiled forwards give token log-probs)
+                    _refuse_packed_vocab(budget, where)
+                    outputs = self._forward(worker, batch, temperature=temperature, with_entropy=False, vocab=True)
+                elif budget is None:
                     outputs = self._compiled_forward(worker, batch, temperature=temperature, with_entropy=with_entropy)
                 else:
                     outputs = self._packed_inference(worker, batch, temperature, with_entropy, budget, where)
@@ -348,9 +351,12 @@ class LocalExecutor:
         return micros + [rows[:1]] * (wanted - len(micros)), len(micros)
 
     def _compiled_forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                          packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          packed: bool = False, vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_forward` of an update's micro-batch, or of an inference forward (reference and old
-        log-probs, values): compiled with `compile_train` (`train_compile.py`)."""
+        log-probs, values): compiled with `compile_train` (`train_compile.py`); `vocab` runs eager."""
+        if vocab:
+            _refuse_packed_vocab(packed, "rg.update(vocab=True)")
+            return self._forward(worker, rollouts, temperature=temperature, with_entropy=False, vocab=True)
         if not self.compile_train:
             return self._forward(worker, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed)
         from rlgraph.backends.local.train_compile import compiled_role_outputs, mark_dynamic_shapes
@@ -362,11 +368,12 @@ class LocalExecutor:
                         with_entropy=with_entropy, packed=packed, dense_head=dense)
 
     def _forward(self, worker: LMWorker, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                 packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 packed: bool = False, vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probs or values [n, T], entropy [n, T] or None) of `rollouts`, with gradients;
-        `packed`: one forward over the rows' real tokens, without padding (`packing`)."""
+        `packed`: one forward over the rows' real tokens, without padding (`packing`); `vocab`: the
+        log-softmax over the vocabulary [n, T, V] instead of the log-probs."""
         return role_outputs(worker.model, worker.kind, rollouts, temperature=temperature, with_entropy=with_entropy,
-                            packed=packed)
+                            packed=packed, vocab=vocab)
 
     def score(self, reward: RewardRef, rollouts: Rollouts) -> torch.Tensor:
         if reward.role not in self.rewards:
@@ -462,7 +469,8 @@ class LocalExecutor:
                         rows = batch if in_order and len(micro) == len(batch) else batch.select(micro)
                         output, entropy = self._compiled_forward(worker, rows,
                                                                  temperature=config.temperature,
-                                                                 with_entropy=wants_entropy, packed=packed)
+                                                                 with_entropy=wants_entropy, packed=packed,
+                                                                 vocab=config.vocab)
                     if position >= real:  # a filler: no loss; its backward keeps the ranks' collectives in step
                         self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
                         (output.sum() * 0.0).backward()
@@ -656,15 +664,25 @@ def describe_weights(weights: Mapping[str, torch.Tensor]) -> str:
 
 
 def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                 packed: bool = False, dense_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 packed: bool = False, dense_head: bool = False,
+                 vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A role's per-token outputs: the critic's values, or an LM's log-probs (and entropy);
     `packed`: from one forward over the rows' real tokens, without padding; `dense_head`: an LM's
-    head over every position at once (`logprobs.all_positions_head`)."""
+    head over every position at once (`logprobs.all_positions_head`); `vocab`: an LM's log-softmax
+    over the vocabulary [N, T, V] (`logprobs.vocabulary_logprobs`)."""
     if kind == "critic":
         return module.values(rollouts, packed=packed), None
+    if vocab:
+        return vocabulary_logprobs(module, rollouts, temperature=temperature), None
     output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed,
                                dense_head=dense_head)
     return output if with_entropy else (output, None)
+
+
+def _refuse_packed_vocab(packed: Any, where: str) -> None:
+    if packed:  # the pack pass sets a token budget on every update and logprobs of a packed compile
+        raise ValueError(f"{where}: the vocabulary's log-probs [N, T, V] run on padded rows; compiled with "
+                         "micro_batch_tokens they would be packed: compile without micro_batch_tokens")
 
 
 def set_mode(module: torch.nn.Module, *, training: bool) -> None:

@@ -97,6 +97,17 @@ def sequence_logprobs(
     return (full, entropy) if with_entropy else full
 
 
+def vocabulary_logprobs(model: PreTrainedModel, rollouts: Rollouts, *, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) over the whole vocabulary at every response position,
+    f32[N, T, V], 0 at padding; differentiable. Holds the [N*T, V] logits at once (what a
+    full-distribution divergence needs): 4*N*T*V bytes, unlike the chunked head of `sequence_logprobs`."""
+    if not temperature > 0.0:
+        raise ValueError(f"vocabulary_logprobs: temperature must be > 0, got {temperature}")
+    hidden = response_hidden_states(model, rollouts)  # [N, T, H]
+    logits = (hidden.float() / temperature) @ _head_weight(model).float().t()  # [N, T, V]
+    return torch.where(rollouts.mask.bool()[..., None], torch.log_softmax(logits, dim=-1), 0.0)  # [N, T, V]
+
+
 def head_fits_one_block(model: PreTrainedModel, rows: int, steps: int) -> bool:
     """Whether the f32 logits of all `rows` x `steps` positions fit the chunked head's one-block
     floor (`BLOCK_FLOOR_ELEMENTS`, 16 MiB), so `all_positions_head` holds no larger [., V] block
