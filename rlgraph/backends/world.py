@@ -2,6 +2,7 @@
 
     world = WorldSpec(roles={"policy": RoleSpec(optimizer="adamw", lr=1e-4)}, rewards={"reward": exact_match})
     executor = world.build_local(device)           # every role in this process, on `device`
+    workers = world.build_workers(device, tokenizer, given={"policy": live})   # the roles alone (an executor's own)
     executor = world.build(rank, plan, device)     # rank `rank` of a compiled plan: FSDP2 roles, engines
     state = world.merge_states(parts)              # the ranks' checkpoint parts as one full state
 
