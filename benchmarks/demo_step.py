@@ -17,7 +17,7 @@ from rlgraph.data.prompts import to_prompts
 from rlgraph.data.sampler import Sampler
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.demo import DemoConfig, demo_setup
-from rlgraph.train.roles import add_rl_roles, build_roles
+from rlgraph.train.recipe import add_rl_roles, build_roles
 
 
 def main(steps: int, threads: int) -> None:

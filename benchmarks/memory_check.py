@@ -43,7 +43,7 @@ from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.demo import DemoConfig, demo_setup
 from rlgraph.train.loop import Trainer
-from rlgraph.train.roles import build_roles
+from rlgraph.train.recipe import build_roles
 
 TOLERANCE = 0.25
 

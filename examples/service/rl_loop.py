@@ -4,13 +4,14 @@
     python examples/service/rl_loop.py --url http://127.0.0.1:8000 --api-key tml-...   # over HTTP, same numbers
 
 A service serves a pretrained base; the tiny model is random, so `warm_base` first makes one the
-way `rlgraph demo` does (its run config, warm-started by `train()`'s own session: full-weight SFT
-until dev accuracy reaches 30%, written as a Hugging Face directory; serve it with `rlgraph serve
---model DIR`). The loop then trains a rank-16 LoRA tenant by GRPO: sample n answers per prompt ->
-reward (exact match) -> group-normalised advantages (`rlgraph.functional.group_normalize`) ->
-`forward_backward(loss_fn="importance_sampling")` -> `optim_step` (Adam, lr 5e-4 decayed linearly
-to 0), and prints held-out accuracy (greedy, 100 test problems) before and after. Every call is the
-Tinker SDK's, so `run` takes `rlgraph.service.client.LocalServiceClient` or `tinker.ServiceClient` alike.
+way `rlgraph demo` does (its run config, warm-started by opening it as a `Run`, the public API
+`train()` steps: full-weight SFT until dev accuracy reaches 30%, written as a Hugging Face
+directory; serve it with `rlgraph serve --model DIR`). The loop then trains a rank-16 LoRA
+tenant by GRPO: sample n answers per prompt -> reward (exact match) -> group-normalised
+advantages (`rlgraph.functional.group_normalize`) -> `forward_backward(loss_fn="importance_sampling")`
+-> `optim_step` (Adam, lr 5e-4 decayed linearly to 0), and prints held-out accuracy (greedy, 100
+test problems) before and after. Every call is the Tinker SDK's, so `run` takes
+`rlgraph.service.client.LocalServiceClient` or `tinker.ServiceClient` alike.
 
 The recipe is measured in docs/service.md: 200 steps of 16 prompts x 8 take held-out accuracy up by
 17 points for seed 0 and 26 and 29 for seeds 1 and 2 (one base, seed 0's warm start on 1 thread,
@@ -104,7 +105,8 @@ def grpo_step(training, sampler, tokenizer, problems, *, n: int, lr: float, step
 def warm_base(directory: str, *, seed: int = 0, target: float = 0.30, log=print) -> str:
     """The demo's warm start saved as a model directory: full-weight SFT on the train split until
     dev accuracy (greedy, 200 problems, checked every 10 steps) reaches `target`, at
-    most 800 steps (`rlgraph demo`'s run config, warm-started by the same session as `rlgraph train`).
+    most 800 steps (`rlgraph demo`'s run config, warm-started by opening it as a
+    `rlgraph.train.run.Run`, as `rlgraph train` does).
     A fixed number of steps leaves some seeds' bases too weak for RL to find a reward (300 steps: 7%
     held-out for seed 1); a target starts every seed equally."""
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 < target < 1.0:
@@ -112,21 +114,20 @@ def warm_base(directory: str, *, seed: int = 0, target: float = 0.30, log=print)
                          "(0.30 is the demo's)")
     from rich.console import Console
 
-    from rlgraph.train.demo import DemoConfig, demo_setup
-    from rlgraph.train.run import _Session, build_roles
+    from rlgraph.train.demo import DemoConfig, demo_config, write_data
+    from rlgraph.train.logging import read_metrics
+    from rlgraph.train.run import Run
 
+    demo = DemoConfig(seed=seed, device="cpu", sft_target=target)
     with tempfile.TemporaryDirectory() as scratch:
-        setup = demo_setup(DemoConfig(seed=seed, device="cpu", sft_target=target), scratch)
-        executor = build_roles(setup)
-        session = _Session(setup, executor, Console(quiet=True))
-        try:
-            session.warm_start(Path(scratch))
-        finally:
-            session.close()
-    log(f"warm start: {session.warm['warm_start/steps']:.0f} SFT steps ({session.warm['time/warm_start_s']:.0f} s), "
-        f"dev accuracy {session.last_eval:.1%}")
-    executor.models["policy"].model.save_pretrained(directory)
-    setup.tokenizer.save_pretrained(directory)
+        config = demo_config(demo, Path(scratch) / "run", write_data(Path(scratch) / "data", seed))
+        # Opening the run warm-starts it and evaluates the result (its first metrics row); no RL step is run.
+        with Run(config, console=Console(quiet=True)) as run:
+            first = read_metrics(run.run_dir)[0]
+            run.executor.models["policy"].model.save_pretrained(directory)
+            run.setup.tokenizer.save_pretrained(directory)
+    log(f"warm start: {first['warm_start/steps']:.0f} SFT steps ({first['time/warm_start_s']:.0f} s), "
+        f"held-out accuracy {first['warm_start/accuracy']:.1%}")
     return directory
 
 

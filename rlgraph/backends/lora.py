@@ -81,13 +81,15 @@ class LoraSettings:
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
     """The distinct short names (`q_proj`, `lm_head`, ...) of `model`'s `nn.Linear` modules."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+    return sorted({name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear)})
 
 
 def _check_targets_exist(model: torch.nn.Module, targets: tuple[str, ...]) -> None:
     """Refuse a target that wraps nothing: peft would either raise deep inside or, for a list where
     other names match, silently train fewer modules than asked."""
-    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    # A peft model's wrapped linears are `<name>.base_layer`: matched under their own `<name>`.
+    linear = [name.removesuffix(".base_layer") for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     short = linear_module_names(model)
     for target in targets:
         if not any(name == target or name.endswith("." + target) for name in linear):
@@ -98,17 +100,23 @@ def _check_targets_exist(model: torch.nn.Module, targets: tuple[str, ...]) -> No
                               fix=f"target_modules: {list(DEFAULT_TARGETS)} (attention) or add gate_proj, up_proj, down_proj (MLP)")
 
 
-def apply_lora(model: PreTrainedModel, settings: LoraSettings, *, seed: int = 0) -> torch.nn.Module:
+def apply_lora(model: PreTrainedModel, settings: LoraSettings, *, seed: int = 0, adapter: str | None = None
+               ) -> torch.nn.Module:
     """`model` wrapped by peft with fresh adapters (B = 0, so it computes what `model` computed);
     only the adapter tensors require grad. `model` itself is modified in place (its target
     linears are replaced by LoRA layers), as peft does. A is drawn from a generator seeded with
     `seed` (peft draws from the global RNG, which would make two runs' adapters differ by
-    whatever ran before); the global RNG state is left untouched."""
-    from peft import LoraConfig, get_peft_model
+    whatever ran before); the global RNG state is left untouched.
 
-    if is_lora(model):
+    `adapter` names the adapter: on a peft model that already holds named adapters, it is added
+    beside them (the service's tenants: one base, one adapter each; `set_adapter` picks the one
+    that runs and trains). Without a name, `model` must be plain (one adapter, peft's "default")."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    beside = adapter is not None and isinstance(model, PeftModel)
+    if is_lora(model) and not beside:
         raise ConfigError(f"apply_lora: {type(model).__name__} already holds LoRA adapters",
-                          fix="apply LoRA once, to the plain model")
+                          fix="apply LoRA once, to the plain model (or name each adapter of a shared base)")
     _check_targets_exist(model, settings.target_modules)
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM")
@@ -117,7 +125,14 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings, *, seed: int = 0)
         torch.manual_seed(seed)
         # peft calls a transformers method that transformers 5 deprecates
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        lora_model = get_peft_model(model, config)
+        # A tied lm_head adapted: peft warns that merging would change the embedding too. The
+        # merges here (`merge_adapters`) write new tensors and never touch the module.
+        warnings.filterwarnings("ignore", message=".*tied.*")
+        if beside:
+            model.add_adapter(adapter, config)
+            lora_model = model
+        else:
+            lora_model = get_peft_model(model, config, **({} if adapter is None else {"adapter_name": adapter}))
     trainable = [name for name, param in lora_model.named_parameters() if param.requires_grad]
     assert trainable and all(".lora_" in name for name in trainable), trainable[:4]
     return lora_model

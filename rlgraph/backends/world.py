@@ -2,6 +2,7 @@
 
     world = WorldSpec(roles={"policy": RoleSpec(optimizer="adamw", lr=1e-4)}, rewards={"reward": exact_match})
     executor = world.build_local(device)           # every role in this process, on `device`
+    workers = world.build_workers(device, tokenizer, given={"policy": live})   # the roles alone (an executor's own)
     executor = world.build(rank, plan, device)     # rank `rank` of a compiled plan: FSDP2 roles, engines
     state = world.merge_states(parts)              # the ranks' checkpoint parts as one full state
 
@@ -81,6 +82,7 @@ class RoleSpec:
     base_of: str | None = attrs.field(default=None, validator=_lm_only)  # another role's module, adapters off
     # A critic's backbone drawn with this seed (the policy's: it starts from the policy's weights)
     backbone_seed: int | None = attrs.field(default=None, validator=_critic_only)
+    train_vision: bool = False  # a Qwen2-VL / Qwen2.5-VL's vision tower trains too (frozen by default)
 
     def weight_source(self) -> Any:
         """The role's start-up weights, read on demand (`WeightSource`), or None: built from `source`."""
@@ -98,19 +100,21 @@ class RoleSpec:
         `source`: its config only): for a build under `parameters_on_meta`, whose parameters a rank
         fills from `weight_source()`."""
         from rlgraph.backends.local.critic import build_critic
+        from rlgraph.backends.local.models import config_only
         from rlgraph.backends.local.vlm import build_language_model
 
         assert self.base_of is None, "a view of another role builds nothing of its own"
         weights = None if empty else self.weight_source()
         weights = None if weights is None else weights.state_dict()
         # Weights given: a checkpoint in `source` would be read only to be overwritten; its config suffices.
-        source = _config_only(self.source) if empty or weights is not None else self.source
+        source = config_only(self.source) if empty or weights is not None else self.source
         if self.lora is not None:
             module = self._build_lora(source, weights, tokenizer, dtype, merged)
         elif self.kind == "critic":
             module = build_critic(source, tokenizer=tokenizer, seed=self.seed, backbone_seed=self.backbone_seed, dtype=dtype)
         else:  # a causal LM, or a Qwen2-VL / Qwen2.5-VL (its vision tower frozen)
-            module = build_language_model(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+            module = build_language_model(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype,
+                                          train_vision=self.train_vision)
         if weights is not None and self.kind == "critic" and not any(name.startswith("backbone.") for name in weights):
             module.backbone.load_state_dict(weights, strict=True)  # a language model's weights: the critic's backbone
         elif weights is not None and self.lora is None:
@@ -125,8 +129,7 @@ class RoleSpec:
         weights: `weights` when they are a peft model's); merged: a plain model of the merged weights."""
         from rlgraph.backends.local.executor import _is_adapter_set
         from rlgraph.backends.local.models import build_causal_lm
-        # The LoRA recipe lives with `rlgraph train` (peft); a worker builds exactly what the run built.
-        from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict
+        from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict  # the one LoRA builder
 
         module = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed)  # fp32: the adapters train in it
         peft_weights = weights is not None and _is_adapter_set(weights)
@@ -148,12 +151,12 @@ class RoleSpec:
         files. The base is never materialised: peft puts new adapters on their base weight's device,
         so each target weight is, while peft wraps it, a one-element CPU placeholder of its shape."""
         from rlgraph.backends.fsdp.loading import parameters_on_meta
-        from rlgraph.backends.local.models import build_causal_lm
+        from rlgraph.backends.local.models import build_causal_lm, config_only
         from rlgraph.backends.lora import LoraSettings, apply_lora, trainable_state
 
         settings = LoraSettings(**self.lora)
         with parameters_on_meta():
-            base = build_causal_lm(_config_only(self.source), tokenizer=tokenizer, seed=self.seed)
+            base = build_causal_lm(config_only(self.source), tokenizer=tokenizer, seed=self.seed)
         targets = [module for name, module in base.named_modules() if isinstance(module, torch.nn.Linear)
                    and any(name == t or name.endswith("." + t) for t in settings.target_modules)]
         held = [module.weight for module in targets]
@@ -247,24 +250,34 @@ class WorldSpec:
     def build_local(self, device: torch.device | str = "cpu") -> Any:
         """Every role in this process: the local executor, its models on `device` (fp32 weights;
         on CUDA it computes in bf16 autocast)."""
-        from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker, require_device
+        from rlgraph.backends.local.executor import LocalExecutor, RewardWorker, require_device
 
         device = require_device(device)
         tokenizer = self.load_tokenizer()
+        rewards = {name: RewardWorker(fn) for name, fn in self.rewards.items()}
+        return LocalExecutor(self.build_workers(device, tokenizer), rewards, tokenizer, max_new_tokens=self.max_new_tokens,
+                             seed=self.seed, device=device, envs=self.envs, decode_compile=self.decode_compile)
+
+    def build_workers(self, device: torch.device, tokenizer: Any, given: Mapping[str, torch.nn.Module] | None = None
+                      ) -> dict[str, Any]:
+        """Each role's model (with its optimizer) on `device`, in the order of `roles`. A module in
+        `given` is that role's model as it is (a live policy, a service's shared base): only its
+        optimizer comes from the spec; a `base_of` view runs the viewed role's module, given or built."""
+        from rlgraph.backends.local.executor import LMWorker
+
+        given = dict(given or {})
         models = {}
         for role, spec in self.roles.items():
             if spec.base_of is None:
-                module = spec.build_module(tokenizer).to(device)  # built on the CPU: the same weights on any device
+                # built on the CPU: the same weights on any device
+                module = (given[role] if role in given else spec.build_module(tokenizer)).to(device)
                 models[role] = LMWorker(module, spec.build_optimizer(module.parameters()), kind=spec.kind)
         for role, spec in self.roles.items():
             if spec.base_of is not None:
                 from rlgraph.backends.lora import reference_of
 
                 models[role] = LMWorker(reference_of(models[self.viewed(role)].model))
-        models = {role: models[role] for role in self.roles}
-        return LocalExecutor(models, {name: RewardWorker(fn) for name, fn in self.rewards.items()}, tokenizer,
-                             max_new_tokens=self.max_new_tokens, seed=self.seed, device=device, envs=self.envs,
-                             decode_compile=self.decode_compile)
+        return {role: models[role] for role in self.roles}
 
     def viewed(self, role: str) -> str:
         """The role whose module `role` (a `base_of` view) runs with adapters off, checked."""
@@ -309,14 +322,6 @@ def _decode_policy(value: Any) -> Any:
     from rlgraph.backends.local.decode_compile import DecodeCompile
 
     return DecodeCompile.of(value, "WorldSpec.decode_compile")
-
-
-def _config_only(source: Any) -> Any:
-    """`source` without its checkpoint: a model directory becomes its config.json (an empty build
-    must not read the directory's weights; the rank reads the start-up weights file instead)."""
-    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
-        return Path(source) / "config.json"
-    return source
 
 
 def _lora_roles(models: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,8 @@ import attrs
 import torch
 
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor, require_device
-from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.backends.local.models import load_tokenizer
+from rlgraph.backends.world import RoleSpec
 from rlgraph.service.errors import CallError
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -64,6 +64,13 @@ class LoraSpec:
     def targets(self) -> tuple[str, ...]:
         return (ATTENTION if self.train_attn else ()) + (MLP if self.train_mlp else ()) \
             + (UNEMBED if self.train_unembed else ())
+
+    @property
+    def settings(self) -> Any:
+        """The adapter as `rlgraph.backends.lora` builds it: alpha fixed (Tinker's scale), no dropout."""
+        from rlgraph.backends.lora import LoraSettings
+
+        return LoraSettings(r=self.rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=self.targets)
 
     @property
     def plan_settings(self) -> dict[str, Any]:
@@ -138,32 +145,22 @@ class BaseModel:
         place = require_device(device)
         if source == "tiny":
             tokenizer = load_tokenizer()
-            return cls("tiny", build_causal_lm(tokenizer=tokenizer, seed=seed), tokenizer,
+            return cls("tiny", RoleSpec(seed=seed).build_module(tokenizer), tokenizer,
                        tokenizer_dir=Path(ASSETS).resolve() / "char_tokenizer", device=place)
         path = Path(source).expanduser().resolve()
         if not (path / "config.json").is_file():
             raise CallError(f"{source!r} is neither 'tiny' nor a model directory with a config.json", field="--model",
                             fix="--model tiny, or --model /path/to/hf_model (config, weights and tokenizer files)")
         tokenizer = load_tokenizer(path)
-        return cls(str(path), build_causal_lm(path, tokenizer=tokenizer, seed=seed), tokenizer, tokenizer_dir=path,
+        return cls(str(path), RoleSpec(source=path, seed=seed).build_module(tokenizer), tokenizer, tokenizer_dir=path,
                    device=place)
 
     def add_adapter(self, adapter: str, lora: LoraSpec) -> list[torch.nn.Parameter]:
-        """A fresh adapter named `adapter` (B = 0: it computes what the base computes); its parameters."""
-        from peft import LoraConfig, PeftModel, get_peft_model
+        """A fresh adapter named `adapter` (B = 0: it computes what the base computes); its parameters.
+        Built by the one LoRA builder (`rlgraph.backends.lora.apply_lora`), seeded with the tenant's seed."""
+        from rlgraph.backends.lora import apply_lora
 
-        config = LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(lora.targets),
-                            bias="none", task_type="CAUSAL_LM")
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            torch.manual_seed(lora.seed)  # peft draws A from the global RNG
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            # A tied lm_head: peft warns that merging would change the embedding too; adapters are never
-            # merged here (the head's LoRA delta applies to the head's product only).
-            warnings.filterwarnings("ignore", message=".*tied.*")
-            if isinstance(self.module, PeftModel):
-                self.module.add_adapter(adapter, config)
-            else:
-                self.module = get_peft_model(self.module, config, adapter_name=adapter)
+        self.module = apply_lora(self.module, lora.settings, seed=lora.seed, adapter=adapter)
         return [param for name, param in self.module.named_parameters() if f".{adapter}." in name]
 
     def delete_adapter(self, adapter: str) -> None:

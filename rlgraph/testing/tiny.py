@@ -2,8 +2,9 @@
 
 `tiny_executor()` builds the local executor with the shipped character tokenizer and a small
 randomly initialised Qwen2 per model role (a value-head critic for "critic") and `OnesEnv` as the
-environment role "env", so a property such
-as compiled == eager runs in seconds. Two calls with the same arguments build identical workers.
+environment role "env", so a property such as compiled == eager runs in seconds. It is a
+`WorldSpec` built in this process: the recipe every runtime builds its roles from. Two calls with
+the same arguments build identical workers.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from rlgraph.agents.env import Step
-from rlgraph.backends.local.critic import build_critic
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
-from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
+from rlgraph.backends.local.executor import LocalExecutor
+from rlgraph.backends.local.models import load_tokenizer
+from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.batches import Prompts
 from rlgraph.data import arithmetic
 from rlgraph.errors import ConfigError
@@ -55,27 +54,18 @@ def tiny_executor(roles: Sequence[str] = ("policy",), *, seed: int = 0, lr: floa
     gradient's differences instead of Adam's normalised signs. The critic is `build_critic`
     seeded `seed + 1`, with `critic_lr` (default `lr`).
     """
-    tokenizer = load_tokenizer()
-    models: dict[str, LMWorker] = {}
+    if optimizer not in ("sgd", "adamw"):
+        raise ValueError(f"tiny_executor: optimizer must be 'sgd' or 'adamw', got {optimizer!r}")
+    specs = {}
     for role in roles:
         if role == "critic":
-            module = build_critic(tokenizer=tokenizer, seed=seed + 1)
-            models[role] = LMWorker(module, _optimizer(optimizer, module, critic_lr or lr), kind="critic")
+            specs[role] = RoleSpec(kind="critic", optimizer=optimizer, lr=critic_lr or lr, seed=seed + 1)
         elif role == "policy":
-            module = build_causal_lm(tokenizer=tokenizer, seed=seed)
-            models[role] = LMWorker(module, _optimizer(optimizer, module, lr))
-        else:
-            models[role] = LMWorker(build_causal_lm(tokenizer=tokenizer, seed=seed + 2 if role.startswith("teacher") else seed))
-    return LocalExecutor(models, {"reward": RewardWorker(reward)}, tokenizer, max_new_tokens=max_new_tokens, seed=seed,
-                         envs={"env": OnesEnv})
-
-
-def _optimizer(name: str, module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    from rlgraph.backends.world import make_optimizer
-
-    if name not in ("sgd", "adamw"):
-        raise ValueError(f"tiny_executor: optimizer must be 'sgd' or 'adamw', got {name!r}")
-    return make_optimizer(name, module.parameters(), lr)
+            specs[role] = RoleSpec(optimizer=optimizer, lr=lr, seed=seed)
+        else:  # frozen: a teacher of its own, or a copy of the initial policy
+            specs[role] = RoleSpec(seed=seed + 2 if role.startswith("teacher") else seed)
+    world = WorldSpec(specs, {"reward": reward}, max_new_tokens=max_new_tokens, seed=seed, envs={"env": OnesEnv})
+    return world.build_local()
 
 
 @functools.cache

@@ -27,7 +27,8 @@ def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: st
     """Score `checkpoint` (default: the latest) of `run_dir` on `data` (default: the run's eval split)."""
     from rlgraph.runtime.plan_runner import PlanRunner
     from rlgraph.train.checkpoint import resolve_checkpoint, verify_checkpoint
-    from rlgraph.train.roles import build_roles, checkpoint_policy
+    from rlgraph.train.recipe import build_roles
+    from rlgraph.train.roles import checkpoint_policy
     from rlgraph.train.run import load_run_config
     from rlgraph.train.session import _Session
     from rlgraph.train.setup import prepare

@@ -95,8 +95,8 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
     first logged step's metrics on a resume, else {})."""
     import torch
 
-    from rlgraph.backends.local.executor import LMWorker, LocalExecutor
     from rlgraph.backends.local.models import load_tokenizer
+    from rlgraph.backends.world import WorldSpec
     from rlgraph.data.pretrain import Packer, TextStream
     from rlgraph.runtime.plan_runner import PlanRunner
     from rlgraph.runtime.pool import resolve_device
@@ -104,7 +104,7 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
     from rlgraph.train.logging import METRICS_FILE, MetricLogger, make_sinks
     from rlgraph.train.manifest import claim
     from rlgraph.train.loop import Trainer
-    from rlgraph.train.roles import build_policy, lr_factor, role_optimizer
+    from rlgraph.train.roles import lr_factor, policy_spec
     from rlgraph.train.run import _refuse_foreign, _resume_point
     from rlgraph.train.setup import tokenizer_source
     from rlgraph.train.user_code import import_modules
@@ -134,9 +134,10 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
     (run_dir / "config.yaml").write_text(config.to_yaml())
     claim_file(run_dir, "config.yaml")  # read back by resume, eval and export: recorded with its sha256
     (run_dir / "plan.txt").write_text(compiled.as_text() + "\n")
-    model = build_policy(config, tokenizer).to(device)
-    executor = LocalExecutor({"policy": LMWorker(model, role_optimizer(config, model, config.optimizer.lr))}, {},
-                             tokenizer, max_new_tokens=1, seed=config.train.seed, device=device)
+    # the policy from the one role recipe (`policy_spec`), as every run builds it
+    world = WorldSpec({"policy": policy_spec(config)}, tokenizer=tokenizer_source(config), max_new_tokens=1,
+                      seed=config.train.seed)
+    executor = world.build_local(device)
     tokens_per_step = config.pretrain.seq_len * config.pretrain.packs_per_step
 
     def before_step(step: int) -> None:

@@ -1,18 +1,19 @@
 """`rlgraph train`: a run on your own model, data and rewards, from one config.
 
     prepare(config)  -> Setup     tokenizer, prompt splits, rewards, the compiled RL and eval plans
-    build_roles(...) -> executor  local runtime: the policy (LoRA or full), the reference, the critic, the rewards
-    world_of_config(setup)        spmd/ray: the same roles as a recipe the workers build; no model here
+    world_of_config(setup)        the roles as one recipe (`WorldSpec`): local builds it in this process
+                                  (`build_roles`, `add_rl_roles`), spmd/ray workers on their ranks
     Run(config)                   the run opened: prepared, roles built, warm-started, runners started;
                                   `step()` -> one RL step's metrics, `finish()` -> the final evaluation
     train(config)                 a `Run` stepped to train.steps / train.seconds: metrics, evaluation,
                                   checkpoints, logs; `resume=True` continues a run exactly
 
-Every RL step is one run of the compiled plan by the `PlanRunner` (the plan is the truth); so is
-every evaluation (the `evaluate` algorithm's plan). This module is the run's entry and its resume
-checks; `setup.py` prepares (data, rewards, plans), `roles.py` builds the local models, `recipe.py`
-the workers' (spmd/ray: warm start and evaluations run there too, as plans), `session.py`
-drives the warm start, the runners and the loop, and `user_code.py` loads what the config names.
+Every step is one run of a compiled plan by the `PlanRunner` (the plan is the truth), on every
+runtime: each RL step, each warm-start step (the `sft` plan) and each evaluation (the `evaluate`
+plan). This module is the run's entry and its resume checks; `setup.py` prepares (data, rewards,
+plans), `roles.py` reads the roles' settings from the config, `recipe.py` is the one role recipe
+(local: built here; spmd/ray: by the workers), `session.py` drives the warm start, the runners
+and the loop, and `user_code.py` loads what the config names.
 The run directory holds `config.yaml` (resolved), `plan.txt`, `metrics.jsonl`, `tensorboard/`,
 `step-*/` checkpoints, `plots/*.png` and `summary.json`.
 """
@@ -35,9 +36,8 @@ from rlgraph.train.checkpoint import (
 )
 from rlgraph.train.config import TrainConfig, load_config
 from rlgraph.train.manifest import MANIFEST, claim, foreign_entries, owns, remove_owned, verify_recorded
-from rlgraph.train.roles import (  # noqa: F401 - public here too, where callers import them
-    BASE_FILE, add_rl_roles, build_policy, build_roles, checkpoint_policy, lr_factor, rebase_lora,
-)
+from rlgraph.train.recipe import add_rl_roles, build_roles, rebase_lora
+from rlgraph.train.roles import BASE_FILE, build_policy, checkpoint_policy, lr_factor  # noqa: F401 - public here too
 from rlgraph.train.session import _Session, data_digest, fingerprint  # noqa: F401
 from rlgraph.train.setup import Setup, prepare  # noqa: F401
 from rlgraph.train.user_code import build_rewards, load_object, resolved_hparams  # noqa: F401 - public here too

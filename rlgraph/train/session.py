@@ -10,11 +10,9 @@ from typing import Any
 
 from rich.console import Console
 
-from rlgraph.algorithms import sft
 from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.data.prompts import to_demonstrations
 from rlgraph.data.sampler import Sampler
-from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.config import TrainConfig
 from rlgraph.train.logging import report_reward_failures
@@ -22,7 +20,7 @@ from rlgraph.train.loop import Trainer
 from rlgraph.train.checkpoint import claim_file
 from rlgraph.train.manifest import claim, owns, remove_owned
 from rlgraph.train.roles import BASE_FILE, lr_factor, role_optimizer
-from rlgraph.train.setup import Setup
+from rlgraph.train.setup import Setup, warm_plan
 from rlgraph.train.user_code import accuracy_metric, resolved_hparams
 
 
@@ -36,6 +34,7 @@ class _Session:
         self.data_digest = data_digest(setup.train_rows)  # saved with each checkpoint: a resume needs the same prompts
         self.runner: PlanRunner | None = None
         self.eval_runner: PlanRunner | None = None
+        self.warm_runners: tuple[PlanRunner, PlanRunner] | None = None  # the warm start's sft and evaluation runners
         self.transport: Any = None
         self._start_weights: Path | None = None  # spmd/ray: the directory of the warm-started policy's file
         self._warm_weights: Path | None = None  # spmd/ray: that file (or a LoRA run's base), once written
@@ -151,29 +150,29 @@ class _Session:
 
     # -- warm start ---------------------------------------------------------------------------
     def warm_start(self, run_dir: Path) -> None:
-        """SFT on the answers until `warm_start.steps` or the target held-out accuracy: in this process
-        (local), or on the workers (spmd/ray) as the compiled `sft` and `evaluate` plans over workers
-        that hold only the policy; they then write the warm-started policy (a LoRA run's merged base,
-        RUN_DIR/base.safetensors) for the RL workers to start from, and stop."""
+        """SFT on the answers until `warm_start.steps` or the target held-out accuracy, as runs of the
+        compiled `sft` plan (and the `evaluate` plan between its steps) by the plan runner: over the
+        run's executor in this process (local; RL then starts from the policy in memory), or over
+        workers that hold only the policy (spmd/ray), which then write the warm-started policy (a
+        LoRA run's merged base, RUN_DIR/base.safetensors) for the RL workers to start from, and stop."""
         warm = self.config.warm_start
         if not warm.steps:
             return
         rows = [row for row in self.setup.train_rows if row.answer is not None]
         sampler = Sampler(rows, min(warm.batch_size, len(rows)), seed=self.config.train.seed + 1)
-        transport = None
-        if self.executor is not None:
+        transport, plan = None, warm_plan(self.setup)
+        if self.executor is not None:  # the run's executor, its policy trained at the warm start's rate
             worker = self.executor.models["policy"]
             worker.optimizer = role_optimizer(self.config, worker.model, warm.lr)
-            train, evaluation = Interpreter(self.executor), PlanRunner(self.setup.eval, self.executor)
-            program: Any = sft.trace()
+            train, evaluation = PlanRunner(plan, self.executor), PlanRunner(self.setup.eval, self.executor)
         else:
             from rlgraph.train.recipe import world_of_config
 
             world = world_of_config(self.setup, roles=("policy",), lr=warm.lr)
             transport, controller = self._start_workers(world, self.setup.eval.plan)  # the policy: trained, generating
-            train = PlanRunner(self.setup.warm, transport, controller=controller)
+            train = PlanRunner(plan, transport, controller=controller)
             evaluation = PlanRunner(self.setup.eval, transport, controller=controller)
-            program = None
+        self.warm_runners = (train, evaluation)
         from rlgraph.train.progress import RunProgress
 
         try:
@@ -183,7 +182,7 @@ class _Session:
                              label="SFT") as progress:
                 for step in range(1, warm.steps + 1):
                     began = time.perf_counter()
-                    train.run(program, demonstrations(sampler.next_batch()))
+                    train.run(demonstrations(sampler.next_batch()))
                     shown = {"time/step_s": time.perf_counter() - began}
                     if warm.target_accuracy and self.setup.target_rows and step % warm.eval_every == 0:
                         accuracy = self.evaluate(evaluation, self.setup.target_rows)["eval/accuracy"]

@@ -41,7 +41,7 @@ class Setup:
     eval: Any               # Compiled: the evaluate algorithm's plan
     device: str
     env: Any = None         # the env: section's environment recipe (multi-turn algorithms), or None
-    warm: Any = None        # Compiled: the warm start's `sft` plan on the spmd/ray workers (None: local, or none)
+    warm: Any = None        # Compiled: the warm start's `sft` plan (`warm_plan`: compiled later on local; None: none)
     warm_eval_rows: list | None = None  # warm_start.eval's prompts (its target's dev split); None: eval_rows
     images: Any = None      # a vision run's `VisionBatches` (rows -> batches carrying their images); None: text
 
@@ -111,7 +111,7 @@ def prepare(config: TrainConfig) -> Setup:
     prompt_len = max(map(len, encode_texts([row.text for row in train_rows], tokenizer)))
     env = build_env(config)
     check_teacher_sources(config, tokenizer)
-    rl, evaluation = _compile(config, device, prompt_len, len(eval_rows), rewards.describe())
+    rl = _compile(config, device, prompt_len, rewards.describe())
     _check_env_is_used(config, rl)
     check_teachers_read(config, model_roles(rl.source))
     warm = None
@@ -120,6 +120,8 @@ def prepare(config: TrainConfig) -> Setup:
         evaluation, warm = _worker_plans(config, rl, len(eval_rows), answered)
         if warm_eval_rows is not None:
             _check_splits(config, evaluation, len(warm_eval_rows), "the warm start's held-out prompts", "warm_start.eval")
+    else:
+        evaluation = _local_eval_plan(config, rl, len(eval_rows))
     return Setup(config, tokenizer, list(train_rows), list(eval_rows), reports, rewards, rl, evaluation, device, env, warm,
                  warm_eval_rows, images)
 
@@ -283,9 +285,10 @@ def rollout_hparams(config: TrainConfig, algorithm: Any) -> dict[str, Any]:
     return values
 
 
-def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: int, reward_pool: str) -> tuple[Any, Any]:
+def _compile(config: TrainConfig, device: str, prompt_len: int, reward_pool: str) -> Any:
+    """The RL plan (the evaluation's and the warm start's follow its mesh, engine and models)."""
     from rlgraph.plan.hardware import detect_device_kind
-    from rlgraph.plan.mesh import Mesh, colocated, parse_placement
+    from rlgraph.plan.mesh import Mesh, parse_placement
 
     rollout, runtime = config.rollout, config.runtime
     algorithm = load_algorithm(config.algorithm.name, "algorithm.name")
@@ -336,7 +339,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
     if runtime.engine == "vllm" and runtime.runtime != "local":
         _check_vllm_ranks(config, rl.plan)
     if lora and runtime.runtime != "local":
-        from rlgraph.backends.fsdp.executor import check_views
+        from rlgraph.backends.fsdp.build import check_views
 
         try:  # a LoRA policy's reference (its module, adapters off) must share its ranks: refused at compile time
             check_views({"ref": "policy"}, rl.plan)
@@ -344,17 +347,23 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, eval_prompts: in
             raise ConfigError(f"runtime.placement {runtime.placement!r}: {error}",
                               fix="colocated:offload=False, or a split giving ref the policy's group: "
                                   "split:policy=1,rollout=1,ref=policy") from None
-    # The local runtime evaluates in this process on one device; spmd/ray on the workers (`_worker_plans`).
+    return rl
+
+
+def _local_eval_plan(config: TrainConfig, rl: Any, eval_prompts: int) -> Any:
+    """The local runtime's evaluation plan: in this process, on one device. On vLLM it generates from
+    the engine's copy: its plan opens with the sync_weights step that loads the live policy
+    (`trained`), as the workers' evaluation plans do (`_worker_plans`)."""
+    from rlgraph.plan.mesh import Mesh, colocated
+
+    options = rl.options
     chosen, eval_hparams, eval_tokens = _eval_algorithm(config)
-    # On vLLM the evaluation generates from the engine's copy: its plan opens with the sync_weights step
-    # that loads the live policy (`trained`), as the workers' evaluation plans do.
-    vllm = {"trained": ("policy",)} if runtime.engine == "vllm" else {}
-    evaluation = compile_algorithm(chosen, mesh=Mesh(mesh.device, 1, 1), placement=colocated(offload=False),
-                                   engine=runtime.engine, models=models, reward_pool=reward_pool, **vllm,
-                                   sizes={**sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens}, **vision,
-                                   **{key: extra[key] for key in ("env_workers", "env_memory_mb") if key in extra},
-                                   **eval_hparams)
-    return rl, evaluation
+    vllm = {"trained": ("policy",)} if config.runtime.engine == "vllm" else {}
+    return compile_algorithm(chosen, mesh=Mesh(options.mesh.device, 1, 1), placement=colocated(offload=False),
+                             engine=config.runtime.engine, models=options.models, reward_pool=options.reward_pool,
+                             sizes={**options.sizes, "B": max(eval_prompts, 1), "n": 1, "T": eval_tokens}, **vllm,
+                             env_workers=options.env_workers, env_memory_mb=options.env_memory_mb,
+                             pixel_budget=options.pixel_budget, **eval_hparams)
 
 
 def _check_vllm_ranks(config: TrainConfig, plan: Any) -> None:
@@ -387,22 +396,40 @@ def _worker_plans(config: TrainConfig, rl: Any, eval_prompts: int, warm_rows: in
     mesh and placement, run on the workers through the same plan runner. The evaluation generates
     from the policy the RL plan trains there (`trained=("policy",)`: its plan starts with the
     sync_weights step that loads the live weights into the engine); the controller holds no model."""
-    from rlgraph.algorithms import sft
-
-    options, rollout = rl.options, config.rollout
-    common = dict(mesh=options.mesh, placement=options.placement, engine=options.engine, models=options.models)
+    options = rl.options
     chosen, eval_hparams, eval_tokens = _eval_algorithm(config)
-    sizes = {**options.sizes, "n": 1}
-    evaluation = compile_algorithm(chosen, **common, reward_pool=options.reward_pool, trained=("policy",),
-                                   sizes={**sizes, "B": max(eval_prompts, 1), "T": eval_tokens}, **eval_hparams)
+    evaluation = compile_algorithm(chosen, mesh=options.mesh, placement=options.placement, engine=options.engine,
+                                   models=options.models, reward_pool=options.reward_pool, trained=("policy",),
+                                   sizes={**options.sizes, "n": 1, "B": max(eval_prompts, 1), "T": eval_tokens},
+                                   **eval_hparams)
     _check_splits(config, evaluation, eval_prompts, "the held-out prompts",
                   "eval.max_prompts (or data.eval_fraction)")
+    return evaluation, _warm_plan(config, rl, warm_rows)
+
+
+def warm_plan(setup: Setup) -> Any:
+    """The warm start's `sft` plan (None without a warm start), run by the plan runner on every
+    runtime. `prepare` compiles it for spmd/ray, where the batch must split over the ranks before any
+    worker starts; on the local runtime (one rank: nothing to check) it is compiled here, once, when
+    the warm start runs, so a run without one, or `--dry-run`, compiles nothing more."""
+    if setup.warm is None and setup.config.runtime.runtime == "local":
+        setup.warm = _warm_plan(setup.config, setup.rl, sum(row.answer is not None for row in setup.train_rows))
+    return setup.warm
+
+
+def _warm_plan(config: TrainConfig, rl: Any, warm_rows: int) -> Any:
+    """The `sft` plan on the RL plan's mesh and placement (a batch of `warm_start.batch_size` answered
+    prompts), or None when the run has no warm start."""
+    from rlgraph.algorithms import sft
+
     if not (config.warm_start.steps and warm_rows):
-        return evaluation, None
-    batch = min(config.warm_start.batch_size, warm_rows)
-    warm = compile_algorithm(sft, **common, sizes={**sizes, "B": batch, "T": rollout.max_new_tokens})
+        return None
+    options, batch = rl.options, min(config.warm_start.batch_size, warm_rows)
+    warm = compile_algorithm(sft, mesh=options.mesh, placement=options.placement, engine=options.engine,
+                             models=options.models, sizes={**options.sizes, "n": 1, "B": batch,
+                                                           "T": config.rollout.max_new_tokens})
     _check_splits(config, warm, batch, "the warm start's SFT batch", "warm_start.batch_size")
-    return evaluation, warm
+    return warm
 
 
 def _check_splits(config: TrainConfig, compiled: Any, rows: int, what: str, key: str) -> None:

@@ -86,10 +86,3 @@ def teacher_spec(config: Any, role: str) -> Any:
 
     return RoleSpec(source=str(Path(config.model.teachers[role]).resolve()), seed=config.train.seed)
 
-
-def build_teacher(config: Any, role: str, tokenizer: Any, device: Any) -> Any:
-    """Teacher `role` for the local runtime: the module `teacher_spec` builds, frozen, on `device`."""
-    from rlgraph.backends.local.executor import LMWorker
-
-    module = teacher_spec(config, role).build_module(tokenizer).to(device)
-    return LMWorker(module)

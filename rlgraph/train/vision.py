@@ -49,12 +49,6 @@ def vision_models(config: TrainConfig) -> dict[str, str]:
     return {"policy": config.model.path or TINY_VL_PRESET}
 
 
-def build_vision_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
-    assert config.vision is not None
-    return build_vision_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed,
-                           train_vision=config.vision.train_tower)
-
-
 @attrs.define
 class VisionBatches:
     """Rows -> batches whose rows carry their images: `prompts(rows)` and `demonstrations(rows)`."""

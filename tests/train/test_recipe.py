@@ -8,7 +8,7 @@ import torch
 
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.recipe import world_of_config
-from rlgraph.train.roles import add_rl_roles, build_roles
+from rlgraph.train.recipe import add_rl_roles, build_roles
 from rlgraph.train.setup import prepare
 from tests.train.test_run import make_config
 

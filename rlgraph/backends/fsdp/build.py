@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,10 @@ from rlgraph.backends.fsdp.loading import (LoraStartSource, WeightSource, fill_s
                                           parameters_on_meta)
 from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, engine_dtype, role_module
 from rlgraph.backends.fsdp.sync import sync_ranks
+from rlgraph.backends.fsdp.executor import FSDPExecutor
 from rlgraph.backends.local.executor import LMWorker, RewardWorker
+from rlgraph.backends.local.models import build_causal_lm, config_only
 from rlgraph.backends.vllm.engine import VLLMEngine
-
-if TYPE_CHECKING:
-    from rlgraph.backends.fsdp.executor import FSDPExecutor
 
 GENERATOR_OF = {"rollout": "policy"}  # a split placement's generation group serves the policy
 
@@ -83,8 +82,6 @@ def _role_mesh(group: Any, rank: int, process_groups: dict, device: torch.device
 def build_fsdp_executor(world: Any, rank: int, plan: Any, device: torch.device) -> FSDPExecutor:
     """Rank `rank`'s roles: FSDP2-sharded models for the groups that train or infer on it, engines for
     the groups that generate on it. Every process creates every process group (torch requires it)."""
-    from rlgraph.backends.fsdp.executor import FSDPExecutor  # here: executor.py re-exports this module's builders
-
     check_views(world.views(), plan)
     check_vllm_ranks(plan)
     role_sets, sync_sets = _rank_sets(plan)
@@ -173,15 +170,13 @@ def _engine_on_base(world: Any, served: str, role_model: torch.nn.Module, adapte
     """The plain model a `shares_base` role generates with: every parameter no adapter changes is
     the role's own base tensor (the same storage); each adapted linear's weight is the engine's own,
     allocated empty for the first sync to fill with the merged weight."""
-    from rlgraph.backends.local.models import build_causal_lm
     from rlgraph.backends.lora import plain_name
-    from rlgraph.backends.world import _config_only
 
     spec = _role_spec(world, served)
     base = {plain_name(name): param for name, param in role_model.named_parameters(remove_duplicate=False)
             if plain_name(name) is not None}
     with parameters_on_meta():
-        engine = build_causal_lm(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
+        engine = build_causal_lm(config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
     for prefix, module in engine.named_modules():
         for key, param in list(module._parameters.items()):
             name = f"{prefix}.{key}" if prefix else key
@@ -211,10 +206,9 @@ def _generation_engine(world: Any, served: str, group: Any, rank: int, tokenizer
     if trained:  # every generate of a trained role follows a sync_weights step: the first one fills the engine
         from rlgraph.backends.fsdp.loading import allocate
         from rlgraph.backends.local.vlm import build_language_model
-        from rlgraph.backends.world import _config_only
 
         with parameters_on_meta():  # the plain model (a LoRA role's engine serves its merged weights)
-            engine = build_language_model(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
+            engine = build_language_model(config_only(spec.source), tokenizer=tokenizer, seed=spec.seed, dtype=engine_dtype(device))
         allocate(engine, device)
         return engine.eval().requires_grad_(False)
     return spec.build_module(tokenizer, engine_dtype(device), merged=True).to(device).eval().requires_grad_(False)  # LoRA: plain, merged
@@ -226,12 +220,10 @@ def _vllm_engine(world: Any, spec: Any, served: str, group: Any, rank: int, toke
     rank, tp=`group.generate.tp`), built from the role's config with dummy weights: the plan's
     sync_weights step before its first generate loads the gathered FSDP2 weights. It joins this
     process's torch.distributed world, so every rank builds one at this point (`check_vllm_ranks`)."""
-    from rlgraph.backends.local.models import build_causal_lm
     from rlgraph.backends.vllm.engine import engine_from_config
-    from rlgraph.backends.world import _config_only
 
     with parameters_on_meta():  # the config is all the engine needs: no weights are read or drawn
-        module = build_causal_lm(_config_only(spec.source), tokenizer=tokenizer, seed=spec.seed)
+        module = build_causal_lm(config_only(spec.source), tokenizer=tokenizer, seed=spec.seed)
     return engine_from_config(module.config.to_dict(), role=served, tokenizer=tokenizer, rank=rank, seed=world.seed,
                               where=f"role {served!r} (model {spec.source!r})", tensor_parallel_size=group.generate.tp,
                               enforce_eager=device.type == "cpu")  # CPU: no compiled graphs to warm up

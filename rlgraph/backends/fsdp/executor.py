@@ -26,8 +26,6 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-# The builders and the shard helpers are re-exported: callers have imported them from here.
-from rlgraph.backends.fsdp.build import GENERATOR_OF, build_fsdp_executor, check_views
 from rlgraph.backends.fsdp.shards import HostBuffers, LocalShardOptimizer, RoleForward, gather_full, on_host, role_module
 from rlgraph.backends.fsdp.state import ShardedState, merge_optimizer_states
 from rlgraph.backends.fsdp.sync import WeightSync
@@ -37,8 +35,8 @@ from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.engine import VLLMEngine
 from rlgraph.batches import Rollouts
 
-__all__ = ["FSDPExecutor", "GENERATOR_OF", "LocalShardOptimizer", "RoleForward", "build_fsdp_executor", "check_views",
-           "gather_full", "merge_optimizer_states", "on_host", "role_module"]
+__all__ = ["FSDPExecutor", "LocalShardOptimizer", "RoleForward", "gather_full", "merge_optimizer_states", "on_host",
+           "role_module"]
 
 
 class FSDPExecutor(WeightSync, ShardedState, LocalExecutor):

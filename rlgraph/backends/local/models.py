@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,14 @@ def _config_from_dict(fields: dict[str, Any], where: str) -> PretrainedConfig:
         raise ValueError(f"build_causal_lm: {where} has no 'model_type' field; add one such as \"qwen2\" or \"llama\"")
     fields.pop("transformers_version", None)
     return AutoConfig.for_model(model_type, **fields)
+
+
+def config_only(source: Any) -> Any:
+    """`source` without its checkpoint: a model directory becomes its config.json (a build whose
+    weights come from elsewhere, a start-up file or a rank's shard, must not read the directory's)."""
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        return Path(source) / "config.json"
+    return source
 
 
 def build_causal_lm(

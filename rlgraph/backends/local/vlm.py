@@ -107,11 +107,11 @@ def is_vl_source(source: Any) -> bool:
 
 
 def build_language_model(source: Any = None, *, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,
-                         dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+                         dtype: torch.dtype = torch.float32, train_vision: bool = False) -> PreTrainedModel:
     """`build_vision_lm` for a Qwen2-VL / Qwen2.5-VL source, else `build_causal_lm`: for the builders that
-    take any model source (a worker's roles and generation engines)."""
+    take any model source (every role recipe's, and the generation engines)."""
     if is_vl_source(source):
-        return build_vision_lm(source, tokenizer=tokenizer, seed=seed, dtype=dtype)
+        return build_vision_lm(source, tokenizer=tokenizer, seed=seed, dtype=dtype, train_vision=train_vision)
     from rlgraph.backends.local.models import build_causal_lm
 
     return build_causal_lm(source, tokenizer=tokenizer, seed=seed, dtype=dtype)
