@@ -148,7 +148,7 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
         logger.log(step, metrics)  # before the step's checkpoint: a run killed after it has its metrics
         return metrics
 
-    trainer = Trainer(compiled.program, PlanRunner(compiled, executor), packer.next_batch, packer, run_dir=run_dir,
+    trainer = Trainer(PlanRunner(compiled, executor), packer.next_batch, packer, run_dir=run_dir,
                       checkpoint_every=config.checkpoint.every, keep_last=config.checkpoint.keep_last,
                       before_step=before_step, after_step=after_step,
                       extra_state=lambda: {"fingerprint": _fingerprint(config)})
