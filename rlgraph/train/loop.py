@@ -20,6 +20,18 @@ from rlgraph.runtime.runner import Runner
 from rlgraph.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 
 
+@attrs.frozen
+class RunResult:
+    """What a run gives back (`rlgraph.train.run.train`, continued pre-training alike): its directory,
+    the steps and seconds of its loop, and the held-out evaluation before and after (None: none)."""
+
+    run_dir: Path
+    steps: int
+    seconds: float
+    eval_before: float | None
+    eval_after: float | None
+
+
 @attrs.define
 class Trainer:
     """`runner` runs its program once per step on the batch `next_batch()` returns (and on more of
