@@ -68,7 +68,7 @@ def test_parse_placement_names_the_flag_or_key_and_the_forms(text, where, messag
     assert message in str(error.value)
 
 
-def test_a_batch_splits_over_the_most_data_parallel_pieces_of_a_group_and_of_a_plan():
+def test_a_batch_splits_over_the_most_data_parallel_pieces_of_a_group():
     trains_and_generates = Group("policy", (0, 1, 2, 3), train=TrainLayout(fsdp=2), generate=GenerateLayout(tp=1, dp=4))
     assert trains_and_generates.dp == 2 and trains_and_generates.data_parallel == 4  # generation's replicas
     assert Group("ref", (0, 1), infer_dp=2).data_parallel == 2
