@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rlgraph.algorithms import evaluate, grpo, sft
-from rlgraph.api import compile as compile_algorithm
+import rlgraph as rg
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
@@ -39,7 +39,7 @@ from rlgraph.data import arithmetic
 from rlgraph.plan import memory as M
 from rlgraph.plan.model_size import ModelShape
 from rlgraph.plan.presets import get_preset
-from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.runner import EagerRunner
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.demo import DemoConfig, demo_setup
 from rlgraph.train.loop import Trainer
@@ -153,21 +153,22 @@ def demo_run(sft_steps: int, rl_steps: int) -> list[Row]:
                 return generate(ref, prompts, n=n, max_new_tokens=max_new_tokens, **kwargs)
 
         executor.update, executor.generate = measured_update, measured_generate
-        interpreter = Interpreter(executor)
         splits = arithmetic.make_splits(seed=config.seed)
         sampler = arithmetic.PromptSampler(splits.train, batch_size=config.sft_batch, seed=config.seed)
         with tracker.phase("sft"):
-            sft_trainer = Trainer(sft.trace(), interpreter, lambda: arithmetic.to_demonstrations(sampler.next_batch(), tokenizer), sampler)
+            sft_trainer = Trainer(EagerRunner(sft.trace(), executor),
+                                  lambda: arithmetic.to_demonstrations(sampler.next_batch(), tokenizer), sampler)
             for _ in sft_trainer.run(steps=sft_steps):
                 pass
-            interpreter.run(evaluate.trace(max_new_tokens=config.max_new_tokens), arithmetic.to_prompts(splits.dev, tokenizer))
+            EagerRunner(evaluate.trace(max_new_tokens=config.max_new_tokens), executor).run(
+                arithmetic.to_prompts(splits.dev, tokenizer))
         for group in executor.models["policy"].optimizer.param_groups:
             group["lr"] = config.rl_lr
         with tracker.phase("grpo"):
-            compiled = compile_algorithm(grpo, mesh="cpu:1", sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens},
+            compiled = rg.compile(grpo, mesh="cpu:1", sizes={"B": config.rl_prompts, "P": 8, "T": config.max_new_tokens},
                                          n=config.rl_samples, temperature=config.temperature, max_new_tokens=config.max_new_tokens)
             rl_sampler = arithmetic.PromptSampler(splits.train, batch_size=config.rl_prompts, seed=config.seed + 1)
-            rl_trainer = Trainer(compiled.program, PlanRunner(compiled, executor),
+            rl_trainer = Trainer(PlanRunner(compiled, executor),
                                  lambda: arithmetic.to_prompts(rl_sampler.next_batch(), tokenizer), rl_sampler)
             for _ in rl_trainer.run(steps=rl_steps):
                 pass

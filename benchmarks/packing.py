@@ -34,13 +34,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor  # noqa: E402
-from rlgraph.backends.local.models import build_causal_lm, load_tokenizer, tiny_config  # noqa: E402
+from rlgraph.backends.local.models import load_tokenizer, tiny_config  # noqa: E402
 from rlgraph.backends.local.packing import pack_rows, row_tokens  # noqa: E402
 from rlgraph.backends.protocols import LossCounts, ModelRef, UpdateConfig  # noqa: E402
 from rlgraph.batches import Rollouts  # noqa: E402
 from rlgraph.plan.model_size import ModelShape  # noqa: E402
 from rlgraph.plan.presets import load_model_config  # noqa: E402
+from rlgraph.testing import tiny_executor  # noqa: E402
 
 DATA = ROOT / "examples" / "math_grpo" / "train.jsonl"
 SPREADS = {"math": dict(rows=256, steps=5), "longtail": dict(rows=64, steps=48)}
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer()
     shape = ModelShape.from_hf_config(tiny_config(tokenizer))
     large = ModelShape.from_hf_config(load_model_config("qwen2.5-0.5b"))  # FLOPs only: where linears dominate
-    model = build_causal_lm(tokenizer=tokenizer, seed=0)
-    executor = LocalExecutor({"policy": LMWorker(model, torch.optim.SGD(model.parameters(), lr=0.0))}, {}, tokenizer)
+    executor = tiny_executor(lr=0.0)  # the tiny Qwen2, SGD at lr 0: both sides see the same weights
     print("| spread | rows | P+T | real tokens / padded | rows/micro (padded) | budget | padded ms | packed ms | "
           "packed/padded | FLOPs packed/padded: dense mask | varlen | Qwen2.5-0.5B shape: dense mask | varlen | "
           "loss difference |")

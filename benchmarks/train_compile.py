@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlgraph.backends.local.executor import LocalExecutor, role_outputs  # noqa: E402
+from rlgraph.backends.local.executor import LocalExecutor  # noqa: E402
+from rlgraph.backends.local.logprobs import role_outputs  # noqa: E402
 from rlgraph.backends.local.generation import NativeGenerator, SamplingParams  # noqa: E402
 from rlgraph.backends.local.train_compile import mark_dynamic_shapes  # noqa: E402
 from rlgraph.bench import CONFIGS, RlgraphSide, bench_problems, write_model  # noqa: E402

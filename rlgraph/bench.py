@@ -54,6 +54,7 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer, tiny_
 from rlgraph.batches import Rollouts
 from rlgraph.data import arithmetic
 from rlgraph.ir.errors import ConfigError
+from rlgraph.plan.timing import COMPILE_SECONDS, STEP_SECONDS, seconds_by_kind
 from rlgraph.rewards import exact_match
 from rlgraph.train.config import TrainConfig
 
@@ -103,10 +104,6 @@ def bench_problems(config: BenchConfig, count: int) -> list[arithmetic.Problem]:
     """`count` prompts (whole steps' worth), the order both sides consume them in."""
     train = arithmetic.make_splits(seed=config.seed).train
     return [train[i % len(train)] for i in range(count)]
-
-
-def _step_kind(step: Any) -> str:
-    return getattr(step, "phase", None) or type(step).__name__.lower()
 
 
 def bench_train_config(config: BenchConfig, model_dir: Path, data: Path, run_dir: Path, steps: int, *,
@@ -174,7 +171,7 @@ class RlgraphSide:
         (`compile_s`), not as step time."""
         with lean_decoding(self.lean):
             metrics = self.run.step()
-        self.seconds.append(metrics["time/step_s"] - metrics["time/compile_s"])
+        self.seconds.append(metrics[STEP_SECONDS] - metrics[COMPILE_SECONDS])
         return metrics
 
     def close(self) -> None:
@@ -186,11 +183,8 @@ class RlgraphSide:
         self._stages_at_warmup = self.stage_totals()
 
     def stage_totals(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for step in self.runner.compiled.plan.steps:
-            kind = _step_kind(step)
-            totals[kind] = totals.get(kind, 0.0) + self.runner.step_seconds.get(step.index, 0.0)
-        return totals
+        """Seconds so far in each kind of plan step (`rlgraph.plan.timing`: the names `rlgraph train` logs)."""
+        return seconds_by_kind(self.runner.compiled.plan.steps, self.runner.step_seconds)
 
     def stages_per_step(self, measured: int) -> dict[str, float]:
         """Mean seconds a measured step spends in each kind of plan step (generate, train, ...)."""

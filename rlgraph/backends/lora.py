@@ -7,13 +7,16 @@
 
 Why a view for the reference: with LoRA the frozen base *is* the reference policy, so a second
 copy (a deepcopy, as full fine-tuning needs) would double the weights in memory and in every
-checkpoint for nothing. `reference_of` runs the policy's own module inside peft's
-`disable_adapter()`; it holds no parameters, so the executor checkpoints nothing for it.
+checkpoint for nothing. `reference_of` (a `LoraReference`) runs the policy's own module with every
+LoRA layer's adapters switched off for the call (`_layers_off`: the layers' flag only, not peft's
+`disable_adapter()`, whose `requires_grad` toggle would leave FSDP2's sharded adapters frozen); it
+holds no parameters, so the executor checkpoints nothing for it.
 Why adapters only in checkpoints: the base never changes, so it comes back from the model source
 on resume (`LocalExecutor.export_state` keeps only the trainable tensors of such a role).
 The FSDP2 workers (spmd, ray) use the same pieces over sharded parameters: `base_view` runs the
-policy's FSDP2 root with adapters off (the reference), and `merge_adapters` merges gathered
-buckets for the generation engine (`rlgraph.backends.fsdp.executor`).
+policy's FSDP2 root with adapters off (the reference), `adapter_deltas` collects what
+`merge_adapters` adds to gathered buckets for the generation engine (`fsdp/sync.py`) and to a
+merged checkpoint (`fsdp/state.py`).
 """
 
 from __future__ import annotations

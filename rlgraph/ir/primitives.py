@@ -283,8 +283,6 @@ def score(reward, rollouts):
     """Rewards f32[N] from a reward function or reward model."""
 
 
-UPDATE_DEFAULTS = dict(epochs=1, minibatches=1, micro_batch_size=None, grad_clip=1.0, temperature=1.0, shuffle=False,
-                       on_nonfinite="raise", step=True, outputs=False, micro_batch_tokens=None)
 NONFINITE_POLICIES = ("raise", "skip")
 
 

@@ -13,7 +13,6 @@ rollouts) keeps them in the output node's `outputs` keyword (`Program.outputs`).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -158,10 +157,6 @@ def copy_program(program: Program, **changes: Any) -> tuple[Program, dict[fx.Nod
                   annotations=dict(program.annotations))
     fields.update(changes)
     return Program(**fields), mapping
-
-
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
 
 
 def constant(value: torch.Tensor) -> torch.Tensor:

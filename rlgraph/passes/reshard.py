@@ -26,7 +26,6 @@ from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
 from rlgraph.passes.partition import CONTROLLER, value_bytes
-from rlgraph.passes.place import group_named
 from rlgraph.plan.layouts import collective_kind  # re-exported: the rule is the plan's, shared with the runtime
 from rlgraph.plan.mesh import Group
 
@@ -161,7 +160,3 @@ def _insert_sync(program: Program, generate: fx.Node, groups: dict[str, Group], 
     node.meta.update(spec=model.meta["spec"], role=gen_group.name, phase="sync", sync=True, source=generate.meta.get("source"),
                      ranks=(train_group.ranks, gen_group.ranks))  # trained on -> generated on
     generate.replace_input_with(model, node)
-
-
-def group_of(program: Program, name: str) -> Group:
-    return group_named(program.annotations["groups"], name)

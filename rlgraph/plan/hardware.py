@@ -115,7 +115,7 @@ for _profile in (
     # tiny model's 64-wide matrices keep a core at a quarter of its peak. A cpu:2 mesh on this
     # machine splits these two cores; the profile does not know that.
     HardwareProfile("cpu", 166e9, 20 * GB, 24, 10 * GB, 1 * GB, 10 * GB,
-                    "AMD EPYC (Zen 4), 2 cores at 2.6 GHz, fp32 FMA peak; 24 GiB (the memory model reads /proc/meminfo)",
+                    "AMD EPYC (Zen 4), 2 cores at 2.6 GHz, fp32 FMA peak; 24 GiB",
                     latency_s=100e-6, train_efficiency=0.28, prefill_efficiency=0.24, decode_efficiency=0.5,
                     link_efficiency=0.5, stage_overhead_s=0.5e-3),
 ):

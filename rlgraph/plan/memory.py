@@ -3,7 +3,7 @@
     shape = ModelShape.from_hf_config(load_model_config("llama3-8b"))
     need = train_memory(shape, TrainMemoryConfig(fsdp_shards=8, micro_batch_tokens=8192))
     print(need)                                  # 23.06 GiB (params 1.87 GiB, grads 1.87 GiB, ...)
-    check_fits("policy", 0, need, DEVICE_MEMORY["h100"])
+    check_fits("policy", 0, need, Mesh("h100").capacity_bytes)   # rlgraph.plan.mesh: the hardware table
 
 Every estimate is a `MemoryBreakdown` of named byte counts at the phase's peak. The formulas, the
 sources of their constants and the measured check against a real run are in docs/memory-model.md;
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
-from pathlib import Path
 
 import attrs
 import torch
 
 from rlgraph.lora_layout import shares_lora_base
-from rlgraph.plan.mesh import DEVICE_MEMORY_GIB
 from rlgraph.plan.model_size import LoraShape, ModelShape, dtype_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -470,32 +468,6 @@ def colocated_peak(phases: Mapping[str, MemoryBreakdown], *, offload: bool) -> M
 
 
 # -- capacity and the fit check -------------------------------------------------------------
-def host_memory_bytes(meminfo: str | Path = "/proc/meminfo", default: int = 24 * GiB) -> int:
-    """MemTotal of this machine from /proc/meminfo; `default` where that cannot be read."""
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * KiB
-    except (OSError, ValueError, IndexError):
-        pass
-    return default
-
-
-DEVICE_MEMORY: dict[str, int] = {
-    **{name: int(gib * GiB) for name, gib in DEVICE_MEMORY_GIB.items() if name != "cpu"},
-    "cpu": host_memory_bytes(),
-}
-
-
-def device_memory(device: str, memory_bytes: int | None = None) -> int:
-    """Capacity of one `device` ("h100", "cpu", ...); `memory_bytes` overrides the table."""
-    if memory_bytes is not None:
-        return int(memory_bytes)
-    if device not in DEVICE_MEMORY:
-        raise ValueError(f"unknown device {device!r}; known: {', '.join(sorted(DEVICE_MEMORY))}, or give its memory")
-    return DEVICE_MEMORY[device]
-
-
 class PlacementError(ValueError):
     """A role does not fit in the memory of its ranks."""
 

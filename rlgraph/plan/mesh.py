@@ -158,6 +158,12 @@ class Group:
             return self.generate.dp
         return self.infer_dp or len(self.ranks)
 
+    @property
+    def data_parallel(self) -> int:
+        """How many data-parallel pieces a batch is cut into in the group's busiest phase (training's
+        shards or generation's replicas): each rank takes whole rows, so a batch must divide by it."""
+        return max(self.dp, self.generate.dp if self.generate else 1)
+
     def ranks_text(self) -> str:
         ranks = self.ranks
         if ranks and ranks == tuple(range(ranks[0], ranks[-1] + 1)):

@@ -37,9 +37,7 @@ from __future__ import annotations
 import queue
 import functools
 import math
-import numbers
 import threading
-import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -48,6 +46,7 @@ import attrs
 
 from rlgraph.ir.errors import ConfigError, RewardError
 from rlgraph.rewards.pool import RewardPool
+from rlgraph.rewards.term import TermFailure, describe_raised, run_term
 
 
 @attrs.frozen
@@ -55,14 +54,6 @@ class RewardTerm:
     name: str
     fn: Callable[..., Any]
     weight: float = 1.0
-
-
-class _Failure(Exception):
-    """What went wrong, the rows it hit, and (for non-finite values) the scores with those rows at 0."""
-
-    def __init__(self, problem: str, rows: list[int], partial: list[float] | None = None, raised: bool = False):
-        super().__init__(problem)
-        self.problem, self.rows, self.partial, self.raised = problem, rows, partial, raised
 
 
 class _TermThread:
@@ -83,14 +74,14 @@ class _TermThread:
         while (job := self._jobs.get()) is not None:
             fn, completions, meta, answers = job
             try:
-                answers.put(_run_term(fn, completions, meta))
-            except _Failure as failure:
+                answers.put(run_term(fn, completions, meta))
+            except TermFailure as failure:
                 answers.put(failure)
             except BaseException as exc:  # SystemExit and the like: reported in the caller's thread
-                answers.put(_Failure(f"raised {_where(exc)}", list(range(len(completions))), raised=True))
+                answers.put(TermFailure(f"raised {describe_raised(exc)}", list(range(len(completions))), raised=True))
 
     def run(self, fn: Callable[..., Any], completions: Sequence[str], meta: dict[str, Any],
-            timeout_s: float) -> list[float] | _Failure | None:
+            timeout_s: float) -> list[float] | TermFailure | None:
         """The term's answer, or None when it did not answer within `timeout_s`."""
         answers: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs.put((fn, completions, meta, answers))
@@ -164,7 +155,7 @@ class RewardPipeline:
             self._counts[term.name] = self._counts.get(term.name, 0) + len(scores)
         overflow = [row for row, value in enumerate(total) if not math.isfinite(value)]
         if overflow:  # finite terms whose weighted sum is not (1e308 * 2): never a reward of inf
-            failure = _Failure("overflowed: the weighted sum of the terms is not finite", overflow)
+            failure = TermFailure("overflowed: the weighted sum of the terms is not finite", overflow)
             if self.on_error == "fail":
                 raise RewardError(self._describe(RewardTerm("sum", None), failure, completions, meta))
             self._errors["sum"] = self._errors.get("sum", 0) + len(overflow)
@@ -200,7 +191,7 @@ class RewardPipeline:
         return out
 
     # -- one term -------------------------------------------------------------------------------
-    def _answers(self, calls: Sequence[tuple[RewardTerm, Sequence[str], dict[str, Any]]]) -> list[list[float] | _Failure]:
+    def _answers(self, calls: Sequence[tuple[RewardTerm, Sequence[str], dict[str, Any]]]) -> list[list[float] | TermFailure]:
         """Each call's checked scores, or its failure: in the reward pool (concurrently), or here in turn."""
         if self.pool is None:
             return [self._in_process(*call) for call in calls]
@@ -208,12 +199,12 @@ class RewardPipeline:
         answers = self.pool.run([(index[id(term)], list(completions), meta) for term, completions, meta in calls],
                                 self.timeout_s)
         return [answer["scores"] if "scores" in answer else
-                _Failure(answer["problem"], answer["rows"], answer["partial"], answer["raised"]) for answer in answers]
+                TermFailure(answer["problem"], answer["rows"], answer["partial"], answer["raised"]) for answer in answers]
 
-    def _score(self, term: RewardTerm, answer: list[float] | _Failure, completions: Sequence[str],
+    def _score(self, term: RewardTerm, answer: list[float] | TermFailure, completions: Sequence[str],
                meta: dict[str, Any]) -> list[float]:
         """The term's scores, or for a failure what `on_error` says (a RewardError, or zeros counted)."""
-        if not isinstance(answer, _Failure):
+        if not isinstance(answer, TermFailure):
             return answer
         failure = answer
         if self.on_error == "fail":
@@ -224,12 +215,12 @@ class RewardPipeline:
         self._first_error.setdefault(term.name, self._describe(term, failure, completions, meta).splitlines()[0])
         return failure.partial if failure.partial is not None else [0.0] * len(completions)
 
-    def _in_process(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> list[float] | _Failure:
+    def _in_process(self, term: RewardTerm, completions: Sequence[str], meta: dict[str, Any]) -> list[float] | TermFailure:
         """`reward_workers: 0` (debugging): the term runs in this process; a timeout leaves it running in a thread."""
         if self.timeout_s is None:
             try:
-                return _run_term(term.fn, completions, meta)
-            except _Failure as failure:
+                return run_term(term.fn, completions, meta)
+            except TermFailure as failure:
                 return failure
         if getattr(self, "_thread", None) is None:
             self._thread = _TermThread()
@@ -238,14 +229,14 @@ class RewardPipeline:
         if answer is None:  # the term goes on running in its thread, which then ends; the next call gets a new one
             self._thread.stop()
             self._thread = None
-            return _Failure(f"timed out after {self.timeout_s:g} s (reward_timeout_s; it goes on running in a "
+            return TermFailure(f"timed out after {self.timeout_s:g} s (reward_timeout_s; it goes on running in a "
                             "thread of the controller: reward_workers: 0)", list(range(len(completions))))
         return answer
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_thread": None}  # a thread does not pickle; the copy starts its own
 
-    def _blame(self, term: RewardTerm, failure: _Failure, completions: Sequence[str], meta: dict[str, Any]) -> _Failure:
+    def _blame(self, term: RewardTerm, failure: TermFailure, completions: Sequence[str], meta: dict[str, Any]) -> TermFailure:
         """A batched call that raised says nothing of which sample made it raise: call the term on
         each sample alone (its per-row fields sliced alike) and blame those that raise, quoting the
         first one's own exception. Only on the way to a RewardError, so it costs nothing when rewards work."""
@@ -255,17 +246,17 @@ class RewardPipeline:
         # In the pool the samples run concurrently; in this process one by one, stopping at a timeout.
         answers = self._answers(calls) if self.pool is not None else (self._in_process(*call) for call in calls)
         for row, alone in enumerate(answers):
-            if isinstance(alone, _Failure):
+            if isinstance(alone, TermFailure):
                 if not alone.raised:  # a timeout or a dead worker: keep what the batch said
                     return failure
                 rows.append(row)
                 first = first or alone
         if first is None:
-            return _Failure(f"{failure.problem} when called on all {n} samples together, though each sample alone "
+            return TermFailure(f"{failure.problem} when called on all {n} samples together, though each sample alone "
                             "scores without error", [])
-        return _Failure(first.problem, rows)
+        return TermFailure(first.problem, rows)
 
-    def _describe(self, term: RewardTerm, failure: _Failure, completions: Sequence[str], meta: dict[str, Any]) -> str:
+    def _describe(self, term: RewardTerm, failure: TermFailure, completions: Sequence[str], meta: dict[str, Any]) -> str:
         if not failure.rows:  # the batch as a whole, no sample of it
             return (f"reward {term.name!r} {failure.problem}\n  fix: make the reward score each completion on its own "
                     f"(or set `reward_on_error: zero` to score such calls 0 and count them in reward/errors)")
@@ -287,48 +278,6 @@ class RewardPipeline:
 def _functions(functions: tuple[Callable[..., Any], ...]) -> tuple[Callable[..., Any], ...]:
     """The default recipe: the term functions themselves (pickled by reference)."""
     return functions
-
-
-def _run_term(fn: Callable[..., Any], completions: Sequence[str], meta: dict[str, Any]) -> list[float]:
-    """One finite float per completion from `fn`, or a `_Failure` saying what it did instead."""
-    try:
-        values = fn(list(completions), **meta)
-    except Exception as exc:
-        raise _Failure(f"raised {_where(exc)}", list(range(len(completions))), raised=True) from None
-    return _checked(values, len(completions))
-
-
-def answer_term(fn: Callable[..., Any], completions: Sequence[str], meta: dict[str, Any]) -> dict[str, Any]:
-    """`_run_term` as the JSON a reward worker answers (rlgraph.rewards.reward_worker)."""
-    try:
-        return {"scores": _run_term(fn, completions, meta)}
-    except _Failure as failure:
-        return {"problem": failure.problem, "rows": failure.rows, "partial": failure.partial, "raised": failure.raised}
-
-
-def _checked(values: Any, n: int) -> list[float]:
-    everyone = list(range(n))
-    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
-        values = values.tolist()  # a tensor or an array
-    if not isinstance(values, (list, tuple)):
-        raise _Failure(f"returned {type(values).__name__}, not a list of {n} numbers", everyone)
-    if len(values) != n:
-        raise _Failure(f"returned {len(values)} scores for {n} completions", everyone)
-    scores = [float(v) if isinstance(v, numbers.Real) else math.nan for v in values]
-    bad = [i for i, v in enumerate(scores) if not math.isfinite(v)]
-    if bad:
-        first = values[bad[0]]
-        problem = (f"returned {first} (not finite)" if isinstance(first, numbers.Real)
-                   else f"returned {type(first).__name__} {first!r}, not a number")
-        raise _Failure(problem, bad, [0.0 if i in set(bad) else v for i, v in enumerate(scores)])
-    return scores
-
-
-def _where(exc: BaseException) -> str:
-    """`ValueError: msg (at file.py:12 in fn)`: the exception and the innermost frame that raised it."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    place = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{place}"
 
 
 def _short(text: Any, limit: int = 80) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.rewards.reward_worker import ScoreTerms
 from rlgraph.supervised.pool import (BuildError, PoolNames, SupervisedPool, check_settings,  # noqa: F401 - re-exported
                                      pid_namespace_failure)
 
@@ -47,8 +48,6 @@ class RewardPool(SupervisedPool):
     def __init__(self, recipe: Callable[[], Sequence[Callable[..., Any]]], workers: int, *, memory_mb: int = 4096,
                  max_processes: int = 512, isolation: str = "auto", answer_bytes: int = 64 << 20,
                  start_timeout_s: float = 120.0):
-        from rlgraph.rewards.reward_worker import ScoreTerms  # it imports combine, which imports this module
-
         check_settings(NAMES, workers, memory_mb, max_processes, "1 or more (0 scores in the controller, for debugging)")
         try:
             recipe_bytes = pickle.dumps(recipe)
@@ -78,7 +77,7 @@ class RewardPool(SupervisedPool):
 
 def _finite(answer: dict[str, Any]) -> dict[str, Any]:
     """A worker's scores checked where they enter the controller: JSON carries NaN and Infinity, and a
-    worker is not trusted to have run `combine._checked`; a non-finite score is the failure of its rows."""
+    worker is not trusted to have run `term.run_term`'s checks; a non-finite score is the failure of its rows."""
     scores = answer.get("scores", answer.get("partial"))
     bad = [row for row, value in enumerate(scores or ()) if not math.isfinite(value)]
     if not bad:
@@ -100,7 +99,7 @@ def _scores(values: Any, rows: int) -> bool:
 
 
 def _failure(answer: dict[str, Any], rows: int) -> bool:
-    """A failure as `combine.answer_term` writes it: a problem, the rows it hit (some of `rows`), maybe partial scores."""
+    """A failure as `term.answer_term` writes it: a problem, the rows it hit (some of `rows`), maybe partial scores."""
     hit = answer.get("rows")
     return (isinstance(answer.get("problem"), str) and isinstance(answer.get("raised"), bool)
             and isinstance(hit, list) and all(type(row) is int and 0 <= row < rows for row in hit)

@@ -2,7 +2,7 @@
 
 `ScoreTerms(recipe)` is built once in the worker from the pickled recipe (a picklable callable
 returning the term functions); each request ("score", term, completions, meta) is answered with
-`combine.answer_term`'s JSON: {"scores": [...]} or a failure {"problem", "rows", "partial", "raised"}.
+`term.answer_term`'s JSON: {"scores": [...]} or a failure {"problem", "rows", "partial", "raised"}.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from rlgraph.rewards.combine import answer_term
+from rlgraph.rewards.term import answer_term
 
 
 class ScoreTerms:

@@ -9,7 +9,7 @@ controller. An `update` node's loss program is run per micro-batch by the execut
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from rlgraph.ir.program import Program
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
 
 
-def run_nodes(program: Program, inputs: Sequence[Any], call_primitive) -> tuple[Any, dict[str, Any]]:
+def run_nodes(program: Program, inputs: Sequence[Any], primitive: Callable[..., Any]) -> tuple[Any, dict[str, Any]]:
     """Evaluate `program` on positional `inputs` (placeholder order); returns `(value, metrics)`."""
     env: dict[fx.Node, Any] = {}
     placeholders = program.inputs
@@ -33,19 +33,20 @@ def run_nodes(program: Program, inputs: Sequence[Any], call_primitive) -> tuple[
     env.update(zip(placeholders, inputs))
     for node in program.graph.nodes:
         if node.op not in ("placeholder", "output"):
-            env[node] = run_node(node, env, call_primitive)
+            env[node] = run_node(node, env, primitive)
     value, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
     return value, dict(metrics)
 
 
-def run_node(node: fx.Node, env: dict[fx.Node, Any], call_primitive) -> Any:
-    """Evaluate one call node given the values of its inputs in `env`."""
+def run_node(node: fx.Node, env: dict[fx.Node, Any], primitive: Callable[..., Any]) -> Any:
+    """Evaluate one call node given the values of its inputs in `env`; a primitive goes to
+    `primitive(node, args, kwargs)` (`call_primitive` bound to the executor that runs it)."""
     args = fx.node.map_arg(node.args, env.__getitem__)
     kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     if primitive_name(node) is not None:
-        return call_primitive(node, args, kwargs)
+        return primitive(node, args, kwargs)
     if "kernel" in node.meta:
         return call_kernel(node.meta["kernel"], args, kwargs)
     info = ops.op_info(node.target)
@@ -70,18 +71,15 @@ def call_kernel(name: str, args: tuple, kwargs: dict) -> Any:
 
 
 class Interpreter:
-    """Runs algorithm programs against an executor (the local backend, or remote worker groups)."""
+    """Runs algorithm programs against an executor: the reference every compiled plan is tested
+    against. `run(program, batch)` takes any program; the trainer steps one program through a
+    runner (`rlgraph.runtime.runner.EagerRunner` over this, or the compiled `PlanRunner`)."""
 
     def __init__(self, executor: Executor):
         self.executor = executor
         self.carried: dict[str, torch.Tensor] = {}  # state.carry values, fed back each iteration
         self.outputs: dict[str, Any] = {}  # the last iteration's `outputs` (an algorithm's third result)
-
-    def remember(self, state: Mapping[str, Any]) -> None:
-        """Keep the carried scalars of an iteration's output state for the next iteration."""
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                self.carried[name] = value.detach().clone()
+        self._primitive = functools.partial(call_primitive, executor)
 
     def run(self, program: Program, batch: Any, *, more_prompts: MorePrompts | None = None
             ) -> tuple[dict[str, Any], dict[str, float]]:
@@ -92,7 +90,8 @@ class Interpreter:
         """
         loops = program.annotations.get("loops", ())
         require_prompt_source(loops, program, more_prompts)
-        env: dict[fx.Node, Any] = dict(zip(program.inputs, self.bind_inputs(program, batch)))
+        inputs = bind_inputs(program, batch, self.executor.current, self.carried)
+        env: dict[fx.Node, Any] = dict(zip(program.inputs, inputs))
         filters = {loop.filter: loop for loop in loops}
         nodes = {node.name: node for node in program.graph.nodes}
         for node in program.graph.nodes:
@@ -106,7 +105,7 @@ class Interpreter:
                 env[node] = run_node(node, env, self._primitive)
         state, metrics = fx.node.map_arg(program.output.args[0], env.__getitem__)
         self.outputs = {key: env[node] for key, node in program.outputs.items()}
-        self.remember(state)
+        remember(self.carried, state)
         return state, flatten_metrics(metrics)
 
     def _run_region(self, region: list[fx.Node], env: dict[fx.Node, Any]) -> None:
@@ -114,51 +113,52 @@ class Interpreter:
         for node in region:
             env[node] = run_node(node, env, self._primitive)
 
-    def bind_inputs(self, program: Program, batch: Any) -> list[Any]:
-        """The program's inputs: the live version of each model role, reward roles, carried
-        scalars (their last value, or their `init`), the batch."""
-        inputs = []
-        for node in program.inputs:
-            spec = node.meta["spec"]
-            if isinstance(spec, S.ModelSpec):
-                inputs.append(self.model_ref(node.target))
-            elif isinstance(spec, S.RewardSpec):
-                inputs.append(RewardRef(node.target))
-            elif isinstance(spec, S.EnvSpec):
-                inputs.append(EnvRef(node.target))
-            elif "carry" in node.meta:
-                inputs.append(self.carried.get(node.target, torch.tensor(node.meta["carry"]["init"])))
-            else:
-                check_batch(batch, spec.kind, program.name)
-                inputs.append(batch)
-        return inputs
 
-    def export_state(self) -> Any:
-        """The executor's roles and random streams, for a checkpoint (`rlgraph.train.checkpoint`)."""
-        return self.executor.export_state()
+def remember(carried: dict[str, torch.Tensor], state: Mapping[str, Any]) -> None:
+    """Keep the carried scalars of an iteration's output state for the next iteration."""
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            carried[name] = value.detach().clone()
 
-    def import_state(self, state: Any, where: str = "the checkpoint") -> None:
-        self.executor.import_state(state, where)
 
-    def model_ref(self, role: str) -> Any:
-        """The live version of `role` (the plan runner asks the ranks that hold it)."""
-        return self.executor.current(role)
+def bind_inputs(program: Program, batch: Any, model_ref: Callable[[str], Any],
+                carried: Mapping[str, torch.Tensor]) -> list[Any]:
+    """A program's inputs: the live version of each model role (`model_ref(role)`), reward and env
+    roles by name, carried scalars (their last value, or their `init`), the batch."""
+    inputs = []
+    for node in program.inputs:
+        spec = node.meta["spec"]
+        if isinstance(spec, S.ModelSpec):
+            inputs.append(model_ref(node.target))
+        elif isinstance(spec, S.RewardSpec):
+            inputs.append(RewardRef(node.target))
+        elif isinstance(spec, S.EnvSpec):
+            inputs.append(EnvRef(node.target))
+        elif "carry" in node.meta:
+            inputs.append(carried.get(node.target, torch.tensor(node.meta["carry"]["init"])))
+        else:
+            check_batch(batch, spec.kind, program.name)
+            inputs.append(batch)
+    return inputs
 
-    def _primitive(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
-        name = primitive_name(node)
-        assert name != "filter_groups", "filter_groups runs through run_filter, with its refill loop"
-        if name == "update":
-            model, batch, *captured = args
-            # The loss runs where the executor trains: its captured values and batch go there too.
-            device = self.executor.device
-            batch, captured = to_device(batch, device), to_device(captured, device)
-            config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"},
-                                  grad_sync_last=node.meta.get("grad_sync_last", False))
-            loss_fn = make_loss_fn(node.meta["program"], batch, captured)
-            return self.executor.update(model, batch, loss_fn, config)
-        if name == "rollout" and "env_workers" in node.meta:  # the plan's env worker processes (`place`)
-            kwargs = {**kwargs, **node.meta["env_workers"]}
-        return getattr(self.executor, name)(*args, **kwargs)
+
+def call_primitive(executor: Executor, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+    """Run primitive `node` on `executor` (the eager interpreter's, the plan runner's controller
+    stages' and each worker's rank): an `update` gets its loss closure, on the executor's device."""
+    name = primitive_name(node)
+    assert name != "filter_groups", "filter_groups runs through run_filter, with its refill loop"
+    if name == "update":
+        model, batch, *captured = args
+        # The loss runs where the executor trains: its captured values and batch go there too.
+        device = executor.device
+        batch, captured = to_device(batch, device), to_device(captured, device)
+        config = UpdateConfig(**{k: v for k, v in kwargs.items() if k != "stats"},
+                              grad_sync_last=node.meta.get("grad_sync_last", False))
+        loss_fn = make_loss_fn(node.meta["program"], batch, captured)
+        return executor.update(model, batch, loss_fn, config)
+    if name == "rollout" and "env_workers" in node.meta:  # the plan's env worker processes (`place`)
+        kwargs = {**kwargs, **node.meta["env_workers"]}
+    return getattr(executor, name)(*args, **kwargs)
 
 
 def make_loss_fn(loss: Program, batch: Rollouts, captured: Sequence[Any]) -> LossFn:

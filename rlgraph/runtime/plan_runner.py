@@ -19,9 +19,11 @@ transport runs each command as it is sent, on one executor holding one version, 
 i+k's whole rollout lane before batch i's train lane: the same schedule in order, same numbers. The first call also issues batches 0..k-1 (their prompts from `more_prompts`).
 
 The transport decides only how ranks are reached: `LocalTransport` (every rank in this process),
-`SpmdTransport` (one process per rank, torch.distributed). The same plan runs on both, with the
-same results (tests/runtime/test_spmd.py). The runner keeps the Interpreter's interface, so the
-Trainer runs a compiled plan exactly as it runs the eager interpreter.
+`SpmdTransport` (one process per rank, torch.distributed), `RayTransport` (one Ray actor per rank,
+in a placement group; `runtime/ray_transport.py`). The same plan runs on all three, with the same
+results (tests/runtime/test_spmd.py, test_ray.py). The runner is a `Runner` bound to its plan
+(`run(batch)`); the nodes it runs itself go through the eager interpreter's `run_node` and
+`call_primitive`, the same functions every worker runs its stages with.
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ from rlgraph.ir.primitives import primitive_name
 from rlgraph.plan.compiled import Compiled
 from rlgraph.plan.layouts import CONTROLLER
 from rlgraph.plan.plan import Loop, Offload, Stage, SyncWeights, Transfer
-from rlgraph.runtime.eager import Interpreter, flatten_metrics, run_node
+from rlgraph.runtime.eager import bind_inputs, call_primitive, flatten_metrics, remember, run_node
 # The errors are re-exported here, where callers have always imported them from.
 from rlgraph.runtime.errors import PlanInputError, PlanStepError, RankMetricWarning, WorkerFailure
 from rlgraph.runtime.inflight import InFlight, decode, encode, slot_name, slot_program
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter
+from rlgraph.runtime.runner import Runner
 from rlgraph.runtime.transport import LocalTransport, SyncRoute, Transport
 
 __all__ = ["PlanRunner", "PlanInputError", "PlanStepError", "WorkerFailure"]
 
 
-class PlanRunner(Interpreter):
+class PlanRunner(Runner):
     """Runs `compiled` over `transport` (or over an executor, in this process).
 
     A transport is a `Transport` subclass (every command declared, so none is probed for); any
@@ -68,7 +71,10 @@ class PlanRunner(Interpreter):
         if controller is None:
             raise RLGraphError("PlanRunner over remote workers needs the controller's executor (it scores with the "
                                "reward functions); pass controller=world.controller()")
-        super().__init__(controller)
+        self.controller = controller
+        self._primitive = functools.partial(call_primitive, controller)  # the controller's stages' primitives
+        self.carried: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
         self.compiled = compiled
         self.transport = transport
         self.nodes = {node.name: node for node in compiled.program.graph.nodes}
@@ -90,10 +96,8 @@ class PlanRunner(Interpreter):
         for slot in range(overlap.staleness + 1 if overlap else 0):
             transport.load(slot_name(self._key, slot), slot_program(compiled.program, slot))
 
-    def run(self, program: Any, batch: Any = None, *, more_prompts: MorePrompts | None = None
-            ) -> tuple[dict[str, Any], dict[str, float]]:
-        """`run(batch)`, or `run(program, batch)` for the Trainer's interface (the program is the compiled one)."""
-        batch = program if batch is None else batch
+    def run(self, batch: Any, *, more_prompts: MorePrompts | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+        """One iteration of the plan on `batch` (with staleness k >= 1: batch i+k's rollout around batch i's training)."""
         lowered, plan = self.compiled.program, self.compiled.plan
         self._check_divides(batch)
         require_prompt_source(lowered.annotations.get("loops", ()), lowered, more_prompts)
@@ -102,13 +106,19 @@ class PlanRunner(Interpreter):
         env = self._bind(lowered, batch)
         for step in plan.steps:
             self._timed_step(step, env, more_prompts)
-        with self._context(plan.steps[-1]):
+        return self._finish(env)
+
+    def _finish(self, env: dict[fx.Node, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """The iteration's state and metrics (fetched from the ranks where the output reads them, under
+        the current slot), once every command sent has finished; the versions and carried values kept."""
+        lowered = self.compiled.program
+        with self._context(self.compiled.plan.steps[-1]):
             state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, env))
             self.outputs = {key: self._value(env, node) for key, node in lowered.outputs.items()}
             self.transport.flush()  # every command of this iteration has finished
         self._check_rank_metrics(lowered.output.args[0][1], metrics, env)
         self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
-        self.remember(state)
+        remember(self.carried, state)
         return state, flatten_metrics(metrics)
 
     def _timed_step(self, step: Any, env: dict[fx.Node, Any], more_prompts: MorePrompts | None, lane: str = "") -> None:
@@ -133,7 +143,7 @@ class PlanRunner(Interpreter):
         (`more_prompts()`) around the training of batch 0; each later call's `batch` is batch i+k.
         """
         overlap, lowered = self.compiled.plan.overlap, self.compiled.program
-        k, plan = overlap.staleness, self.compiled.plan
+        k = overlap.staleness
         if not self.in_flight and more_prompts is None:
             raise PlanInputError(f"staleness={k}: the first iteration generates {k} batch(es) ahead of the one it trains, "
                                  "but this run was given no prompt source\n  fix: pass one, e.g. runner.run(batch, "
@@ -157,23 +167,20 @@ class PlanRunner(Interpreter):
         self.in_flight.append(issued)
         self._hold_in_flight()
         self._rollout_done(issued)
-        self._slot = trained.slot
-        with self._context(plan.steps[-1]):
-            state, metrics = fx.node.map_arg(lowered.output.args[0], functools.partial(self._value, trained.env))
-            self.outputs = {key: self._value(trained.env, node) for key, node in lowered.outputs.items()}
-            self.transport.flush()
-        self._check_rank_metrics(lowered.output.args[0][1], metrics, trained.env)
-        self._slot = None
-        self.versions.update({ref.role: ref.version for ref in state.values() if isinstance(ref, ModelRef)})
-        self.remember(state)
+        self._slot = trained.slot  # the output reads the trained batch's values
+        try:
+            state, metrics = self._finish(trained.env)
+        finally:
+            self._slot = None
         lag = live - trained.version
         assert 0 <= lag <= k, (lag, k)  # the schedule's guarantee; a violation is a runner bug
-        return state, {**flatten_metrics(metrics), "rollout/staleness": float(lag)}
+        return state, {**metrics, "rollout/staleness": float(lag)}
 
     def _issue(self, batch: Any, steps: tuple[int, ...], more_prompts: MorePrompts | None) -> InFlight:
         """A new batch on `batch`'s prompts, generated by the live version, and its first rollout steps."""
         overlap = self.compiled.plan.overlap
-        env = dict(zip(self.compiled.program.inputs, self.bind_inputs(self.compiled.program, batch)))
+        lowered = self.compiled.program
+        env = dict(zip(lowered.inputs, bind_inputs(lowered, batch, self.model_ref, self.carried)))
         item = InFlight(self.batches % (overlap.staleness + 1), env, self.model_ref(overlap.role).version, self.batches)
         self.batches += 1
         self._run_lane(item, steps, more_prompts, "rollout")
@@ -200,7 +207,7 @@ class PlanRunner(Interpreter):
     def _refresh(self, env: dict[fx.Node, Any], batch: Any) -> None:
         """The train lane reads the live model versions and carried values, not those of when its batch was issued."""
         lowered = self.compiled.program
-        for node, value in zip(lowered.inputs, self.bind_inputs(lowered, batch)):
+        for node, value in zip(lowered.inputs, bind_inputs(lowered, batch, self.model_ref, self.carried)):
             if isinstance(node.meta["spec"], S.ModelSpec) or "carry" in node.meta:
                 env[node] = value
 
@@ -209,7 +216,7 @@ class PlanRunner(Interpreter):
         micro-batches: ranks that disagree on the number of FSDP2 collectives would wait forever)."""
         rows = len(batch) if isinstance(batch, Sized) else None
         for group in self.compiled.plan.groups:
-            ways = max(group.dp, group.generate.dp if group.generate else 1)
+            ways = group.data_parallel
             if rows is not None and ways > 1 and rows % ways:
                 raise PlanInputError(
                     f"the batch has {rows} rows, which group {group.name!r} cannot split evenly over its {ways} "
@@ -250,9 +257,7 @@ class PlanRunner(Interpreter):
         overlap = self.compiled.plan.overlap
         saved = (data or {}).get("in_flight", [])
         if overlap is None or not data:
-            if saved:
-                raise RLGraphError(f"{where} holds {len(saved)} batch(es) in flight (asynchronous RL), but this plan is "
-                                   "synchronous; resume it with the staleness it was saved with")
+            super().import_in_flight(data, where)  # a synchronous plan: refused if the checkpoint holds any
             return
         if len(saved) != overlap.staleness:
             raise RLGraphError(f"{where} holds {len(saved)} batch(es) in flight but staleness={overlap.staleness} keeps "
@@ -300,7 +305,7 @@ class PlanRunner(Interpreter):
         of `slots`' names; the values some runner holds stay on the workers)."""
         env: dict[fx.Node, Any] = {}
         bindings: dict[int, dict[str, Any]] = {}
-        for node, value in zip(lowered.inputs, self.bind_inputs(lowered, batch)):
+        for node, value in zip(lowered.inputs, bind_inputs(lowered, batch, self.model_ref, self.carried)):
             if isinstance(node.meta["spec"], S.ModelSpec):
                 for rank in self.groups[node.meta["role"]].ranks:
                     bindings.setdefault(rank, {}).update({slot_name(node.name, slot): value for slot in slots})

@@ -43,8 +43,9 @@ def require_prompt_source(loops: tuple[RefillLoop, ...], program: Any, more_prom
         raise RefillError(
             f"rg.filter_groups may draw up to {needs[0].max_rounds - 1} more batches of prompts, but this run "
             f"was given no prompt source{_at(node.meta.get('source'))}\n"
-            "  fix: pass one, e.g. interpreter.run(program, batch, more_prompts=lambda: next_prompts()) (the "
-            "Trainer passes its next_batch), or set max_rounds=1 to filter without refilling"
+            "  fix: pass one, e.g. runner.run(batch, more_prompts=lambda: next_prompts()) (or "
+            "interpreter.run(program, batch, more_prompts=...); the Trainer passes its next_batch), or set "
+            "max_rounds=1 to filter without refilling"
         )
 
 

@@ -13,6 +13,7 @@ transports run one per rank and call it through a pipe or an actor call (`serve`
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ import torch.fx as fx
 from rlgraph.backends.protocols import Executor, ModelRef
 from rlgraph.batches import to_device
 from rlgraph.ir.program import Program
-from rlgraph.runtime.eager import Interpreter, run_node
+from rlgraph.runtime.eager import call_primitive, run_node
 
 
 class Worker:
@@ -33,7 +34,7 @@ class Worker:
     def __init__(self, executor: Executor, rank: int = 0):
         self.executor = executor
         self.rank = rank
-        self.interpreter = Interpreter(executor)  # its `_primitive` runs primitives on the executor
+        self._primitive = functools.partial(call_primitive, executor)  # a stage's primitives run on this rank's executor
         self.programs: dict[str, dict[str, fx.Node]] = {}
         self.store: dict[str, Any] = {}
 
@@ -52,7 +53,7 @@ class Worker:
         nodes = self.programs[key]
         env = _StoreView(self.store)
         for name in names:
-            self.store[name] = run_node(nodes[name], env, self.interpreter._primitive)
+            self.store[name] = run_node(nodes[name], env, self._primitive)
 
     # -- values ------------------------------------------------------------------------------
     def put(self, name: str, value: Any) -> None:

@@ -249,11 +249,10 @@ def _parameters(executor: Any) -> dict[str, list[torch.Tensor]]:
     return {role: [p.detach().clone() for p in worker.model.parameters()] for role, worker in models.items()}
 
 
-def _run_steps(interpreter: Any, program: Any, batches: Sequence[Any], more_prompts: Sequence[Prompts] | None
-         ) -> list[dict[str, float]]:
+def _run_steps(runner: Any, batches: Sequence[Any], more_prompts: Sequence[Prompts] | None) -> list[dict[str, float]]:
     refills = iter(more_prompts or ())
     source = (lambda: next(refills)) if more_prompts is not None else None
-    return [interpreter.run(program, batch, more_prompts=source)[1] for batch in batches]
+    return [runner.run(batch, more_prompts=source)[1] for batch in batches]
 
 
 def _compare_runs(prop: str, what: str, labels: tuple[str, str], runs: list, rtol: float, atol: float,
@@ -296,16 +295,16 @@ def assert_compiled_matches_eager(algorithm: Any, *, executor: Callable[[], Any]
     Returns the compiled run's metrics.
     """
     import rlgraph as rg
-    from rlgraph.runtime.eager import Interpreter
     from rlgraph.runtime.plan_runner import PlanRunner
+    from rlgraph.runtime.runner import EagerRunner
 
     compiled = rg.compile(algorithm, mesh=mesh, placement=placement or rg.colocated(offload=False, checkpointing=False),
                           sizes=dict(sizes or _default_sizes(batches, hparams)), roles=roles, **hparams)
     runs = []
     for runner in ("eager", "compiled"):
         ex = executor()
-        interpreter = Interpreter(ex) if runner == "eager" else PlanRunner(compiled, ex)
-        runs.append((_run_steps(interpreter, compiled.source, batches, more_prompts), _parameters(ex)))
+        stepper = EagerRunner(compiled.source, ex) if runner == "eager" else PlanRunner(compiled, ex)
+        runs.append((_run_steps(stepper, batches, more_prompts), _parameters(ex)))
     _compare_runs("compiled == eager", getattr(algorithm, "name", repr(algorithm)), ("eager", "compiled"), runs,
                   rtol, atol, plan=compiled.as_text())
     return runs[1][0]
@@ -327,7 +326,7 @@ def assert_update_microbatch_invariant(algorithm: Any, *, executor: Callable[[],
     rewards tie, as they often do with 2 prompts of an untrained model) would agree for any split,
     so it is refused with a `ConfigError`, not passed. A failure's snippet is the call that repeats it.
     """
-    from rlgraph.runtime.eager import Interpreter
+    from rlgraph.runtime.runner import EagerRunner
     from rlgraph.testing.counterexample import PropertyFailure
 
     what = getattr(algorithm, "name", repr(algorithm))
@@ -336,7 +335,7 @@ def assert_update_microbatch_invariant(algorithm: Any, *, executor: Callable[[],
         ex = executor()
         program = algorithm.trace(roles=roles, micro_batch_size=size, **hparams)
         before = _parameters(ex)
-        metrics = _run_steps(Interpreter(ex), program, batches, more_prompts)
+        metrics = _run_steps(EagerRunner(program, ex), batches, more_prompts)
         return (metrics, _parameters(ex)), before, program
 
     whole, before, program = run(None)

@@ -32,7 +32,9 @@ from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite, untied
 from rlgraph.ir.errors import ConfigError
-from rlgraph.train.manifest import claim, owns, read_manifest, recorded_sha256, release, remove_owned
+from rlgraph.train.manifest import (
+    MANIFEST, claim, foreign_entries, owns, read_manifest, recorded_sha256, release, remove_owned,
+)
 from rlgraph.train.modes import follow_umask
 
 BASE_FILE = "base.safetensors"  # a LoRA run's base after its warm start (the adapters merged into it)
@@ -475,3 +477,48 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | Path | None) -> Path:
     have = [p.name for p in checkpoint_dirs(run_dir)]
     raise ConfigError(f"--checkpoint {text!r}: no such checkpoint in {run_dir}",
                       fix=f"one of {', '.join(have)} (or its step number)" if have else "the run has no checkpoints yet")
+
+
+def resume_point(run_dir: Path, chosen: str | int | None) -> Path:
+    """The checkpoint a resume starts from (`chosen`, or the latest), read whole first: a damaged one
+    (checksum, unreadable file, non-finite weights) is refused, naming the newest intact one to pass
+    with --checkpoint; there is no silent fallback, the user decides to lose the steps after it."""
+    if chosen is None and latest_checkpoint(run_dir) is None:
+        raise ConfigError(f"--resume {run_dir}: no checkpoint there (no 'latest' file)",
+                          fix="start the run without --resume, or point at a run directory that has step-* checkpoints")
+    path = resolve_checkpoint(run_dir, chosen)
+    if path.parent.resolve() != run_dir.resolve():  # a resume continues this run's own history
+        raise ConfigError(f"--checkpoint {chosen}: {path} is not a checkpoint of {run_dir}",
+                          fix="name one of the run's step-* checkpoints (or its step number); to start from another "
+                              "run's weights, export it and point model.path at the export")
+    problem = intact_checkpoint(path)
+    if problem is None:
+        return path
+    intact = newest_intact(run_dir, below=path)
+    which = "the latest checkpoint" if chosen is None else f"--checkpoint {chosen}:"
+    fix = (f"resume from the newest intact checkpoint: rlgraph train --resume {run_dir} --checkpoint {intact.name} "
+           "(the later steps are trained again)" if intact is not None
+           else "no intact checkpoint is left in the run: start a new run (model.path can point at an export)")
+    raise ConfigError(f"--resume {run_dir}: {which} {path.name} is damaged: {problem}", fix=fix)
+
+
+def refuse_foreign(run_dir: Path, overwrite: bool) -> None:
+    """A fresh run writes only into a directory holding nothing but what rlgraph wrote (its manifest,
+    `rlgraph.train.manifest`), unless `overwrite`. Never, even with `overwrite`: over an earlier run's
+    checkpoints (resume it instead), or beside a `base.safetensors` rlgraph did not write (a LoRA run
+    would start from it)."""
+    if latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"run directory {run_dir} already holds checkpoints",
+                          fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
+    base = run_dir / BASE_FILE
+    if (base.exists() or base.is_symlink()) and not owns(run_dir, BASE_FILE):
+        raise ConfigError(f"run directory {run_dir} holds a {BASE_FILE} rlgraph did not write (another run's LoRA base?); "
+                          "a fresh run neither deletes it nor starts from it",
+                          fix=f"move {base} away, or choose another run_dir")
+    foreign = foreign_entries(run_dir)
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"run directory {run_dir} holds files rlgraph did not write ({shown}); a fresh run there "
+                          "would overwrite its config.yaml, metrics.jsonl and summary.json",
+                          fix="choose another run_dir (or name), or pass --overwrite (overwrite: true) to write into it "
+                              f"anyway: rlgraph then replaces only the names it writes, listed in {MANIFEST}")

@@ -1,7 +1,8 @@
 """The trainer loop: run an algorithm's program step after step, with checkpoints and resume.
 
-The loop owns no RL logic: every step is one run of the traced program by the interpreter
-(the plan, once compiled). It owns the clock, the data, metrics history and checkpoints.
+The loop owns no RL logic: every step is one `run(batch)` of a runner (`rlgraph.runtime.runner`:
+the compiled plan's `PlanRunner`, or the eager reference's `EagerRunner`). It owns the clock, the
+data, metrics history and checkpoints.
 """
 
 from __future__ import annotations
@@ -14,15 +15,27 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.ir.program import Program
-from rlgraph.runtime.eager import Interpreter
+from rlgraph.plan.timing import STEP_SECONDS
+from rlgraph.runtime.runner import Runner
 from rlgraph.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+
+
+@attrs.frozen
+class RunResult:
+    """What a run gives back (`rlgraph.train.run.train`, continued pre-training alike): its directory,
+    the steps and seconds of its loop, and the held-out evaluation before and after (None: none)."""
+
+    run_dir: Path
+    steps: int
+    seconds: float
+    eval_before: float | None
+    eval_after: float | None
 
 
 @attrs.define
 class Trainer:
-    """`program` runs once per step on the batch `next_batch()` returns (and on more of them when
-    the program's `rg.filter_groups` refills its batch).
+    """`runner` runs its program once per step on the batch `next_batch()` returns (and on more of
+    them when the program's `rg.filter_groups` refills its batch).
 
     `sampler` (anything with `state_dict`/`load_state_dict`) is checkpointed with the models so a
     resumed run sees exactly the batches the uninterrupted run would have seen. So are the torch
@@ -33,8 +46,7 @@ class Trainer:
     history and the checkpoint. `keep_last` checkpoints are kept.
     """
 
-    program: Program
-    interpreter: Interpreter
+    runner: Runner
     next_batch: Callable[[], Any]
     sampler: Any = None
     run_dir: Path | None = None
@@ -52,28 +64,27 @@ class Trainer:
         path = path or (latest_checkpoint(self.run_dir) if self.run_dir else None)
         if path is None:
             return False
-        restored = load_checkpoint(path, self.interpreter)  # every file read and checked before anything changes
+        restored = load_checkpoint(path, self.runner)  # every file read and checked before anything changes
         if self.load_extra is not None:
             self.load_extra(restored.get("user", {}))
         self.step = restored["step"]
         self.history = list(restored.get("history", []))
         if self.sampler is not None:
             self.sampler.load_state_dict(restored["sampler"])
-        self.interpreter.carried = {name: torch.as_tensor(value) for name, value in restored.get("carried", {}).items()}
+        self.runner.carried = {name: torch.as_tensor(value) for name, value in restored.get("carried", {}).items()}
         if restored.get("torch_rng") is not None:
             torch.set_rng_state(restored["torch_rng"])
-        if hasattr(self.interpreter, "import_in_flight"):  # asynchronous RL: the batches generated ahead
-            self.interpreter.import_in_flight(restored.get("in_flight"), str(path))
+        self.runner.import_in_flight(restored.get("in_flight"), str(path))  # asynchronous RL: the batches generated ahead
         return True
 
     def save(self) -> Path:
         assert self.run_dir is not None, "set run_dir to checkpoint"
         extra = {"history": self.history, "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-                 "carried": dict(self.interpreter.carried),  # state.carry values (e.g. an adaptive KL coefficient)
+                 "carried": dict(self.runner.carried),  # state.carry values (e.g. an adaptive KL coefficient)
                  "torch_rng": torch.get_rng_state(),
-                 "in_flight": getattr(self.interpreter, "export_in_flight", lambda: None)(),
+                 "in_flight": self.runner.export_in_flight(),
                  "user": self.extra_state() if self.extra_state is not None else {}}
-        path = save_checkpoint(self.run_dir, self.step, self.interpreter, extra)  # spmd/Ray ranks write their own rows
+        path = save_checkpoint(self.run_dir, self.step, self.runner, extra)  # spmd/Ray ranks write their own rows
         if self.keep_last:
             prune_checkpoints(self.run_dir, self.keep_last)
         return path
@@ -84,8 +95,8 @@ class Trainer:
         start = time.perf_counter()
         # next_batch is also the prompt source of a refill loop (rg.filter_groups): the sampler,
         # checkpointed with the models, sees every batch drawn, so a resumed run stays exact.
-        _, metrics = self.interpreter.run(self.program, self.next_batch(), more_prompts=self.next_batch)
-        metrics["time/step_s"] = time.perf_counter() - start
+        _, metrics = self.runner.run(self.next_batch(), more_prompts=self.next_batch)
+        metrics[STEP_SECONDS] = time.perf_counter() - start
         self.step += 1
         if self.after_step is not None:
             metrics = self.after_step(self.step, metrics)

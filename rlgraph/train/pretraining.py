@@ -59,7 +59,7 @@ def compile_pretrain(config: TrainConfig, device: str) -> Any:
 def train_pretrain(config: TrainConfig, *, resume: bool = False, checkpoint: str | int | None = None,
                    console: Console | None = None, overwrite: bool = False) -> Any:
     """Run `config` (algorithm pretrain) in `config.directory`; `resume` continues its latest checkpoint."""
-    from rlgraph.train.run import RunResult
+    from rlgraph.train.loop import RunResult
 
     console = console or Console()
     trainer, logger, first = _open_run(config, resume, checkpoint, console, overwrite)
@@ -105,7 +105,7 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
     from rlgraph.train.manifest import claim
     from rlgraph.train.loop import Trainer
     from rlgraph.train.roles import lr_factor, policy_spec
-    from rlgraph.train.run import _refuse_foreign, _resume_point
+    from rlgraph.train.checkpoint import refuse_foreign, resume_point
     from rlgraph.train.setup import tokenizer_source
     from rlgraph.train.user_code import import_modules
 
@@ -118,8 +118,8 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
         raise ConfigError(f"--checkpoint {checkpoint}: a checkpoint to start from is only taken with --resume",
                           fix=f"rlgraph train --resume {run_dir} --checkpoint {checkpoint}")
     if not resume:  # the run directory rule of every run: nothing rlgraph did not write is overwritten
-        _refuse_foreign(run_dir, overwrite or config.overwrite)
-    saved = _resume_point(run_dir, checkpoint) if resume else None
+        refuse_foreign(run_dir, overwrite or config.overwrite)
+    saved = resume_point(run_dir, checkpoint) if resume else None
     if saved is not None:
         _refuse_other_corpus(config, saved)
     torch.manual_seed(config.train.seed)
@@ -149,7 +149,7 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
         logger.log(step, metrics)  # before the step's checkpoint: a run killed after it has its metrics
         return metrics
 
-    trainer = Trainer(compiled.program, PlanRunner(compiled, executor), packer.next_batch, packer, run_dir=run_dir,
+    trainer = Trainer(PlanRunner(compiled, executor), packer.next_batch, packer, run_dir=run_dir,
                       checkpoint_every=config.checkpoint.every, keep_last=config.checkpoint.keep_last,
                       before_step=before_step, after_step=after_step,
                       extra_state=lambda: {"fingerprint": _fingerprint(config)})

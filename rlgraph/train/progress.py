@@ -26,12 +26,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlgraph.ir.errors import ConfigError
+from rlgraph.plan.timing import COMPILE_SECONDS, STEP_SECONDS
 
 # (metrics key, label, format): what the bar shows, in order; the first three are smoothed
 _SMOOTHED = (("reward", "reward", "{:.3f}"), ("policy/kl", "kl", "{:.4f}"), ("accuracy", "acc", "{:.1%}"))
 _LATEST = (("eval/accuracy", "eval acc", "{:.1%}"),)
-_STEP_SECONDS = "time/step_s"
-_COMPILE_SECONDS = "time/compile_s"  # inside the step's time: shown apart, not averaged into s/step
 
 
 class Ema:
@@ -106,8 +105,8 @@ class RunProgress:
                               fix="pass the dict the trainer yielded")
         now = time.perf_counter()
         self._take(int(step), metrics)
-        seconds = _number(metrics.get(_STEP_SECONDS))
-        compiling = _number(metrics.get(_COMPILE_SECONDS)) or 0.0
+        seconds = _number(metrics.get(STEP_SECONDS))
+        compiling = _number(metrics.get(COMPILE_SECONDS)) or 0.0  # inside the step's time: shown apart, not averaged
         self.compile_seconds += compiling
         self.step_seconds.add((seconds if seconds is not None else now - self._last) - compiling)
         self._last, self.step = now, int(step)

@@ -31,25 +31,16 @@ from rich.console import Console
 from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.ir.errors import ConfigError
 from rlgraph.train.checkpoint import (
-    abandon_later_checkpoints, claim_file, intact_checkpoint, later_checkpoints, latest_checkpoint, newest_intact,
-    resolve_checkpoint,
+    abandon_later_checkpoints, claim_file, later_checkpoints, refuse_foreign, resume_point,
 )
 from rlgraph.train.config import TrainConfig, load_config
-from rlgraph.train.manifest import MANIFEST, claim, foreign_entries, owns, remove_owned, verify_recorded
+from rlgraph.train.loop import RunResult
+from rlgraph.train.manifest import claim, remove_owned, verify_recorded
 from rlgraph.train.recipe import add_rl_roles, build_roles, rebase_lora
 from rlgraph.train.roles import BASE_FILE, build_policy, checkpoint_policy, lr_factor  # noqa: F401 - public here too
 from rlgraph.train.session import _Session, data_digest, fingerprint  # noqa: F401
 from rlgraph.train.setup import Setup, prepare  # noqa: F401
 from rlgraph.train.user_code import build_rewards, load_object, resolved_hparams  # noqa: F401 - public here too
-
-
-@attrs.frozen
-class RunResult:
-    run_dir: Path
-    steps: int
-    seconds: float
-    eval_before: float | None
-    eval_after: float | None
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -112,10 +103,10 @@ class Run:
         if checkpoint is not None and not resume:
             raise ConfigError(f"--checkpoint {checkpoint}: a checkpoint to start from is only taken with --resume",
                               fix=f"rlgraph train --resume {run_dir} --checkpoint {checkpoint}")
-        checkpoint = _resume_point(run_dir, checkpoint) if resume else None
+        checkpoint = resume_point(run_dir, checkpoint) if resume else None
         later = later_checkpoints(run_dir, checkpoint) if checkpoint is not None else []  # refused now if not ours
         if not resume:
-            _refuse_foreign(run_dir, overwrite or config.overwrite)
+            refuse_foreign(run_dir, overwrite or config.overwrite)
         if checkpoint is not None:
             _refuse_other_run(config, checkpoint)  # before anything is compiled or built
         torch.manual_seed(config.train.seed)
@@ -133,7 +124,7 @@ class Run:
         claim_file(run_dir, "config.yaml")  # read back by resume, eval and export: recorded with its sha256
         (run_dir / "plan.txt").write_text(setup.rl.as_text() + "\n")
         if checkpoint is None and (run_dir / BASE_FILE).exists():  # a fresh run: no base of an earlier attempt here
-            remove_owned(run_dir, run_dir / BASE_FILE)  # _refuse_foreign made sure it is rlgraph's
+            remove_owned(run_dir, run_dir / BASE_FILE)  # refuse_foreign made sure it is rlgraph's
             console.print(f"removed {run_dir / BASE_FILE}: the LoRA base an earlier attempt of this run wrote")
         # The local runtime builds the models here; spmd/ray workers build them from the config's recipe.
         self.executor = build_roles(setup) if config.runtime.runtime == "local" else None
@@ -214,51 +205,6 @@ def _start(session: _Session, setup: Any, executor: Any, checkpoint: Any, run_di
             console.print(f"deleted {gone.name}: a later checkpoint of the branch this resume from {checkpoint.name} abandons")
         console.print(f"resumed {run_dir} at step {trainer.step} ({checkpoint.name})")
     return trainer
-
-
-def _refuse_foreign(run_dir: Path, overwrite: bool) -> None:
-    """A fresh run writes only into a directory holding nothing but what rlgraph wrote (its manifest,
-    `rlgraph.train.manifest`), unless `overwrite`. Never, even with `overwrite`: over an earlier run's
-    checkpoints (resume it instead), or beside a `base.safetensors` rlgraph did not write (a LoRA run
-    would start from it)."""
-    if latest_checkpoint(run_dir) is not None:
-        raise ConfigError(f"run directory {run_dir} already holds checkpoints",
-                          fix=f"resume it (rlgraph train --resume {run_dir}), or choose another name/run_dir")
-    base = run_dir / BASE_FILE
-    if (base.exists() or base.is_symlink()) and not owns(run_dir, BASE_FILE):
-        raise ConfigError(f"run directory {run_dir} holds a {BASE_FILE} rlgraph did not write (another run's LoRA base?); "
-                          "a fresh run neither deletes it nor starts from it",
-                          fix=f"move {base} away, or choose another run_dir")
-    foreign = foreign_entries(run_dir)
-    if foreign and not overwrite:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ConfigError(f"run directory {run_dir} holds files rlgraph did not write ({shown}); a fresh run there "
-                          "would overwrite its config.yaml, metrics.jsonl and summary.json",
-                          fix="choose another run_dir (or name), or pass --overwrite (overwrite: true) to write into it "
-                              f"anyway: rlgraph then replaces only the names it writes, listed in {MANIFEST}")
-
-
-def _resume_point(run_dir: Path, chosen: str | int | None) -> Path:
-    """The checkpoint a resume starts from (`chosen`, or the latest), read whole first: a damaged one
-    (checksum, unreadable file, non-finite weights) is refused, naming the newest intact one to pass
-    with --checkpoint; there is no silent fallback, the user decides to lose the steps after it."""
-    if chosen is None and latest_checkpoint(run_dir) is None:
-        raise ConfigError(f"--resume {run_dir}: no checkpoint there (no 'latest' file)",
-                          fix="start the run without --resume, or point at a run directory that has step-* checkpoints")
-    path = resolve_checkpoint(run_dir, chosen)
-    if path.parent.resolve() != run_dir.resolve():  # a resume continues this run's own history
-        raise ConfigError(f"--checkpoint {chosen}: {path} is not a checkpoint of {run_dir}",
-                          fix="name one of the run's step-* checkpoints (or its step number); to start from another "
-                              "run's weights, export it and point model.path at the export")
-    problem = intact_checkpoint(path)
-    if problem is None:
-        return path
-    intact = newest_intact(run_dir, below=path)
-    which = "the latest checkpoint" if chosen is None else f"--checkpoint {chosen}:"
-    fix = (f"resume from the newest intact checkpoint: rlgraph train --resume {run_dir} --checkpoint {intact.name} "
-           "(the later steps are trained again)" if intact is not None
-           else "no intact checkpoint is left in the run: start a new run (model.path can point at an export)")
-    raise ConfigError(f"--resume {run_dir}: {which} {path.name} is damaged: {problem}", fix=fix)
 
 
 def _warn_tokenizer(setup: Setup, console: Console) -> None:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.data.prompts import to_demonstrations
 from rlgraph.data.sampler import Sampler
+from rlgraph.plan.timing import COMPILE_SECONDS, STEP_SECONDS, seconds_by_kind, stage_metric
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.train.config import TrainConfig
 from rlgraph.train.logging import report_reward_failures
@@ -90,7 +91,7 @@ class _Session:
         if self.setup.rl.plan.overlap is not None:
             self.runner.on_rollout = self.scored
         checkpoint = self.config.checkpoint
-        return Trainer(self.setup.rl.program, self.runner, self.next_batch, self.sampler, run_dir=run_dir,
+        return Trainer(self.runner, self.next_batch, self.sampler, run_dir=run_dir,
                        checkpoint_every=checkpoint.every, keep_last=checkpoint.keep_last,
                        before_step=self.before_step, after_step=self.after_step,
                        extra_state=lambda: {"fingerprint": fingerprint(self.config),
@@ -183,7 +184,7 @@ class _Session:
                 for step in range(1, warm.steps + 1):
                     began = time.perf_counter()
                     train.run(demonstrations(sampler.next_batch()))
-                    shown = {"time/step_s": time.perf_counter() - began}
+                    shown = {STEP_SECONDS: time.perf_counter() - began}
                     if warm.target_accuracy and self.setup.target_rows and step % warm.eval_every == 0:
                         accuracy = self.evaluate(evaluation, self.setup.target_rows)["eval/accuracy"]
                         shown["eval/accuracy"] = accuracy
@@ -228,7 +229,7 @@ class _Session:
         """Step 0: the held-out evaluation of the policy RL starts from, which after a warm start is its
         accuracy (`warm_start/accuracy`, also printed), and the warm start's own metrics."""
         row = {**self.warm, **(self.evaluate() if self.setup.eval_rows else {})}
-        row["time/compile_s"] = self._compile_seconds()  # the evaluation's decode compiles
+        row[COMPILE_SECONDS] = self._compile_seconds()  # the evaluation's decode compiles
         if self.warm and "eval/accuracy" in row:
             row["warm_start/accuracy"] = row["eval/accuracy"]
             self.console.print(f"warm start: held-out accuracy {row['eval/accuracy']:.1%} "
@@ -301,7 +302,7 @@ class _Session:
         # Decode compiles (generation.compile) are reported apart: time/step_s is the step's wall time,
         # compile included; the throughputs are of the step without them.
         compile_seconds = self._compile_seconds()
-        seconds = metrics["time/step_s"] - compile_seconds
+        seconds = metrics[STEP_SECONDS] - compile_seconds
         metrics["samples_per_s"] = rows / seconds
         if "response_length/mean" in metrics:
             metrics["tokens_per_s"] = rows * metrics["response_length/mean"] / seconds
@@ -309,7 +310,7 @@ class _Session:
         every = self.config.eval.every
         if self.setup.eval_rows and every and step % every == 0:
             metrics.update(self.evaluate())
-        metrics["time/compile_s"] = compile_seconds + self._compile_seconds()  # and the evaluation's
+        metrics[COMPILE_SECONDS] = compile_seconds + self._compile_seconds()  # and the evaluation's
         if self.logger is not None:  # before the step's checkpoint: a run killed after it has its metrics
             self.logger.log(step, metrics)
         return metrics
@@ -319,18 +320,14 @@ class _Session:
         worker step's are the busiest rank's own (`time/sync_weights_s` is the ranks' sync), measured
         since `before_step` (evaluations between steps run on the same ranks); the controller's
         steps, and every step on the local runtime, are the controller's clock."""
-        totals: dict[str, float] = {}
-        for step in self.setup.rl.plan.steps:
-            kind = _step_kind(step)
-            totals[kind] = totals.get(kind, 0.0) + self.runner.step_seconds.get(step.index, 0.0)
-        out = {f"time/{kind}_s": seconds - self._stage_seconds.get(kind, 0.0) for kind, seconds in totals.items()}
+        steps = self.setup.rl.plan.steps
+        totals = seconds_by_kind(steps, self.runner.step_seconds)
+        out = {stage_metric(kind): seconds - self._stage_seconds.get(kind, 0.0) for kind, seconds in totals.items()}
         self._stage_seconds = totals
         busy, before = self._rank_busy(), self._busy_before
-        ranks: dict[str, float] = {}
-        for step in self.setup.rl.plan.steps:
-            if step.index in busy:
-                ranks[_step_kind(step)] = ranks.get(_step_kind(step), 0.0) + busy[step.index] - before.get(step.index, 0.0)
-        out.update({f"time/{kind}_s": seconds for kind, seconds in ranks.items()})
+        ranks = seconds_by_kind([step for step in steps if step.index in busy],
+                                {index: seconds - before.get(index, 0.0) for index, seconds in busy.items()})
+        out.update({stage_metric(kind): seconds for kind, seconds in ranks.items()})
         return out
 
     def evaluate(self, runner: Any = None, rows: list | None = None) -> dict[str, float]:
@@ -380,18 +377,8 @@ class _Session:
             trainer.save()  # the last step is always checkpointed
         if self.setup.eval_rows and (not self.config.eval.every or trainer.step % self.config.eval.every):
             final = self.evaluate()
-            final["time/compile_s"] = self._compile_seconds()  # the evaluation's decode compiles
+            final[COMPILE_SECONDS] = self._compile_seconds()  # the evaluation's decode compiles
             self.logger.log(trainer.step, final)
-
-
-def _step_kind(step: Any) -> str:
-    """A plan step's kind as the plan prints it: a stage's phase (generate, train, infer, reward, math,
-    controller), `transfer` for the collectives, `sync_weights`, `offload`."""
-    phase = getattr(step, "phase", None)
-    if phase is not None:
-        return phase
-    name = type(step).__name__
-    return {"Transfer": "transfer", "SyncWeights": "sync_weights", "Offload": "offload"}.get(name, name.lower())
 
 
 def data_digest(rows: list) -> dict[str, Any]:

@@ -435,7 +435,7 @@ def _warm_plan(config: TrainConfig, rl: Any, warm_rows: int) -> Any:
 def _check_splits(config: TrainConfig, compiled: Any, rows: int, what: str, key: str) -> None:
     """`rows` must split evenly over the data-parallel ranks of every group of `compiled` (each rank
     takes whole rows); refused before anything starts, naming the config key to change."""
-    ways = max((max(group.dp, group.generate.dp if group.generate else 1) for group in compiled.plan.groups), default=1)
+    ways = compiled.plan.data_parallel
     if rows and rows % ways:
         fit = rows - rows % ways
         raise ConfigError(f"{what}: {rows} rows cannot be split evenly over the {ways} data-parallel ranks of "

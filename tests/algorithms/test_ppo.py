@@ -71,12 +71,13 @@ def test_the_adaptive_coefficient_is_carried_from_step_to_step():
 
 
 def test_the_carried_coefficient_is_checkpointed_and_resumes_exactly(tmp_path):
+    from rlgraph.runtime.runner import EagerRunner
     from rlgraph.train.loop import Trainer
 
     def trainer():
         batches = iter(range(100))
-        return Trainer(ppo.trace(n=2, kl=0.05, kl_target=1e6, kl_horizon=10, max_new_tokens=4),
-                       Interpreter(executor_with_critic()), lambda: prompts(2, offset=2 * next(batches)), run_dir=tmp_path)
+        return Trainer(EagerRunner(ppo.trace(n=2, kl=0.05, kl_target=1e6, kl_horizon=10, max_new_tokens=4),
+                                   executor_with_critic()), lambda: prompts(2, offset=2 * next(batches)), run_dir=tmp_path)
 
     straight = trainer()
     history = list(straight.run(steps=3))
@@ -84,7 +85,7 @@ def test_the_carried_coefficient_is_checkpointed_and_resumes_exactly(tmp_path):
     list(first.run(steps=2))
     first.save()
     resumed = trainer()
-    assert resumed.resume() and resumed.interpreter.carried["kl_coef"].item() == pytest.approx(history[2]["kl_coef"])
+    assert resumed.resume() and resumed.runner.carried["kl_coef"].item() == pytest.approx(history[2]["kl_coef"])
 
 
 def test_compiled_adaptive_ppo_matches_eager():

@@ -168,7 +168,8 @@ def test_a_nan_gradient_under_the_compiled_forward_changes_no_weight(monkeypatch
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from rlgraph.backends.local import train_compile
-    from rlgraph.backends.local.executor import NonFiniteUpdate, role_outputs
+    from rlgraph.backends.local.executor import NonFiniteUpdate
+    from rlgraph.backends.local.logprobs import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))

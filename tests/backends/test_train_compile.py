@@ -62,7 +62,7 @@ def _graphs_over_changing_shapes(monkeypatch, **hparams) -> list[int]:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from rlgraph.backends.local import train_compile
-    from rlgraph.backends.local.executor import role_outputs
+    from rlgraph.backends.local.logprobs import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))
@@ -107,7 +107,7 @@ def _counting_compile(monkeypatch):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from rlgraph.backends.local import train_compile
-    from rlgraph.backends.local.executor import role_outputs
+    from rlgraph.backends.local.logprobs import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
     monkeypatch.setattr(train_compile, "compiled_role_outputs", lambda *_: torch.compile(role_outputs, backend=counter))

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from rlgraph.plan import memory as M
 from rlgraph.plan.memory import MemoryBreakdown, TrainMemoryConfig
+from rlgraph.plan.mesh import Mesh
 from rlgraph.plan.model_size import LoraShape, ModelShape
 from rlgraph.plan.presets import get_preset
 
@@ -166,14 +167,10 @@ def test_train_config_defaults_per_device_and_validation():
         TrainMemoryConfig(fsdp_shards=0)
 
 
-def test_device_capacities(tmp_path):
-    assert M.DEVICE_MEMORY["h100"] == M.DEVICE_MEMORY["a100"] == 80 * M.GiB and M.DEVICE_MEMORY["h200"] == 141 * M.GiB
-    (tmp_path / "meminfo").write_text("MemTotal:       24576000 kB\nMemFree: 1 kB\n")
-    assert M.host_memory_bytes(tmp_path / "meminfo") == 24576000 * 1024
-    assert M.host_memory_bytes(tmp_path / "absent", default=7) == 7
-    assert M.device_memory("cpu", 5 * M.GiB) == 5 * M.GiB
-    with pytest.raises(ValueError, match="unknown device 'tpu'"):
-        M.device_memory("tpu")
+def test_device_capacities():
+    # one table of device memory (the hardware profiles, through the mesh); a mesh's memory_gib overrides it
+    assert Mesh("h100").capacity_bytes == Mesh("a100").capacity_bytes == 80 * M.GiB and Mesh("h200").capacity_bytes == 141 * M.GiB
+    assert Mesh("cpu", memory_gib=5).capacity_bytes == 5 * M.GiB
 
 
 # -- the fit check ------------------------------------------------------------------------------
@@ -181,7 +178,7 @@ def test_infeasible_placement_names_role_rank_need_and_have():
     shape = ModelShape.from_hf_config(get_preset("llama3-70b"))
     need = M.train_memory(shape, TrainMemoryConfig(fsdp_shards=8, micro_batch_tokens=4096))
     with pytest.raises(M.PlacementError) as error:
-        M.check_fits("policy", 3, need, M.DEVICE_MEMORY["h100"])
+        M.check_fits("policy", 3, need, Mesh("h100").capacity_bytes)
     text = str(error.value)
     assert text.startswith(f"role policy does not fit on rank 3: it needs {M.format_bytes(need.total)} "
                            "but the device has 80.0 GiB (short by")

@@ -3,7 +3,7 @@
 import pytest
 
 from rlgraph.ir.errors import ConfigError
-from rlgraph.plan.mesh import GenerateLayout, Mesh, TrainLayout, colocated, parse_placement, split
+from rlgraph.plan.mesh import GenerateLayout, Group, Mesh, TrainLayout, colocated, parse_placement, split
 
 
 def test_a_generate_layout_prints_its_engine_once_place_has_named_it():
@@ -66,3 +66,10 @@ def test_parse_placement_names_the_flag_or_key_and_the_forms(text, where, messag
     with pytest.raises(ConfigError, match="fix: ") as error:
         parse_placement(text, where)
     assert message in str(error.value)
+
+
+def test_a_batch_splits_over_the_most_data_parallel_pieces_of_a_group():
+    trains_and_generates = Group("policy", (0, 1, 2, 3), train=TrainLayout(fsdp=2), generate=GenerateLayout(tp=1, dp=4))
+    assert trains_and_generates.dp == 2 and trains_and_generates.data_parallel == 4  # generation's replicas
+    assert Group("ref", (0, 1), infer_dp=2).data_parallel == 2
+    assert Group("rollout", (0, 1, 2, 3), generate=GenerateLayout(tp=2, dp=2)).data_parallel == 2

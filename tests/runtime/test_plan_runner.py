@@ -10,7 +10,7 @@ import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import dapo
-from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.runner import EagerRunner
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.pool import WorkerPool
 from tests.helpers import make_executor, params_of, prompt_source, prompts
@@ -35,12 +35,11 @@ def test_dapo_with_dynamic_sampling_runs_the_same_through_the_plan():
             compiled = rg.compile(dapo, mesh="cpu:1", placement=rg.colocated(offload=False, checkpointing=False),
                                   sizes={"B": 4, "P": 8, "T": 4}, **hparams)
             assert "loop: steps 1-" in compiled.as_text()
-            interpreter = PlanRunner(compiled, executor)
+            stepper = PlanRunner(compiled, executor)
         else:
-            interpreter = Interpreter(executor)
+            stepper = EagerRunner(dapo.trace(**hparams), executor)
         more = prompt_source(4, offset=100)
-        program = dapo.trace(**hparams)
-        metrics = [interpreter.run(program, prompts(4, offset=4 * i), more_prompts=more)[1] for i in range(2)]
+        metrics = [stepper.run(prompts(4, offset=4 * i), more_prompts=more)[1] for i in range(2)]
         results.append((metrics, params_of(executor)))
     (eager_metrics, eager_params), (plan_metrics, plan_params) = results
     assert max(m["filter/rounds"] for m in eager_metrics) >= 2  # the refill loop ran

@@ -38,9 +38,9 @@ def test_every_call_runs_the_plan_that_plan_of_the_call_shows(local, monkeypatch
     ran = []
 
     class Recording(programs.PlanRunner):
-        def run(self, program, batch=None, **kwargs):
+        def run(self, batch, **kwargs):
             ran.append(self.compiled)
-            return super().run(program, batch, **kwargs)
+            return super().run(batch, **kwargs)
 
     monkeypatch.setattr(programs, "PlanRunner", Recording)
     training = local.create_lora_training_client("tiny", rank=4).result()

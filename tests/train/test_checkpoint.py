@@ -9,7 +9,7 @@ import torch
 
 from rlgraph.algorithms import grpo
 from rlgraph.data import arithmetic
-from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.runner import EagerRunner
 from rlgraph.train.checkpoint import latest_checkpoint
 from rlgraph.train.loop import Trainer
 from rlgraph.train.manifest import read_manifest
@@ -20,7 +20,7 @@ def _trainer(run_dir):
     executor = make_executor(reward=parity_reward)
     sampler = arithmetic.PromptSampler(SPLITS.train, batch_size=3, seed=1)
     program = grpo.trace(n=2, max_new_tokens=3)
-    return Trainer(program, Interpreter(executor), lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER),
+    return Trainer(EagerRunner(program, executor), lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER),
                    sampler, run_dir=run_dir, checkpoint_every=2), executor
 
 

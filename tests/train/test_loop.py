@@ -4,7 +4,7 @@ import torch
 
 from rlgraph.algorithms import dapo
 from rlgraph.data import arithmetic
-from rlgraph.runtime.eager import Interpreter
+from rlgraph.runtime.runner import EagerRunner
 from rlgraph.train.loop import Trainer
 from tests.helpers import SPLITS, TOKENIZER, make_executor, params_of
 from tests.runtime.test_plan_runner import half_dead_reward
@@ -14,7 +14,7 @@ def _trainer(run_dir):
     executor = make_executor(reward=half_dead_reward)
     sampler = arithmetic.PromptSampler(SPLITS.train, batch_size=3, seed=1)
     program = dapo.trace(n=3, max_new_tokens=3, overlong_buffer=1, max_rounds=3)
-    return Trainer(program, Interpreter(executor), lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER),
+    return Trainer(EagerRunner(program, executor), lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER),
                    sampler, run_dir=run_dir, checkpoint_every=2), executor
 
 
@@ -44,7 +44,7 @@ def _async_trainer(run_dir, staleness=1):
     compiled = rg.compile(dapo, mesh="cpu:2", placement=rg.split({"policy": 1, "rollout": 1}),
                           sizes={"B": 4, "P": 8, "T": 3}, n=3, max_new_tokens=3, overlong_buffer=1, max_rounds=3,
                           staleness=staleness)
-    return Trainer(compiled.program, PlanRunner(compiled, executor),
+    return Trainer(PlanRunner(compiled, executor),
                    lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER), sampler, run_dir=run_dir,
                    checkpoint_every=2), executor
 
@@ -58,7 +58,7 @@ def test_an_async_run_resumes_with_its_batches_in_flight_exactly(tmp_path):
     first, _ = _async_trainer(tmp_path / "b")
     list(first.run(steps=2))
     resumed, resumed_exec = _async_trainer(tmp_path / "b")
-    assert resumed.resume() and resumed.step == 2 and len(resumed.interpreter.in_flight) == 1
+    assert resumed.resume() and resumed.step == 2 and len(resumed.runner.in_flight) == 1
     tail = list(resumed.run(steps=2))
     assert [{**m, "time/step_s": 0} for m in tail] == [{**m, "time/step_s": 0} for m in history[2:]]
     for a, b in zip(params_of(straight_exec), params_of(resumed_exec)):

@@ -278,7 +278,7 @@ def _grpo_trainer(run_dir):
     compiled = rg.compile(grpo, mesh=rg.Mesh("cpu", 1, 1), placement=rg.colocated(offload=False), engine="native",
                           sizes={"B": 3, "P": 8, "T": 3}, lora={"policy": {"r": 4}}, n=2, kl=0.1, max_new_tokens=3)
     sampler = arithmetic.PromptSampler(arithmetic.make_splits(seed=0).train, batch_size=3, seed=1)
-    trainer = Trainer(compiled.program, PlanRunner(compiled, executor),
+    trainer = Trainer(PlanRunner(compiled, executor),
                       lambda: arithmetic.to_prompts(sampler.next_batch(), TOKENIZER), sampler, run_dir=run_dir,
                       checkpoint_every=2)
     return trainer, executor
@@ -288,7 +288,7 @@ def _grpo_trainer(run_dir):
 def test_grpo_with_kl_on_a_lora_policy_trains_the_adapters_and_resumes_exactly(tmp_path):
     straight, straight_exec = _grpo_trainer(tmp_path / "a")
     list(straight.run(steps=4))
-    assert "ref" in {group.name for group in straight.interpreter.compiled.plan.groups}  # the KL term reads the view
+    assert "ref" in {group.name for group in straight.runner.compiled.plan.groups}  # the KL term reads the view
     model, base = straight_exec.models["policy"].model, _base()
     for name, tensor in merged_state_dict(model).items():  # the base never moved; the adapters did
         assert torch.equal(tensor, base.state_dict()[name]) != (name.endswith("_proj.weight") and "mlp" not in name), name

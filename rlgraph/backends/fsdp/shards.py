@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlgraph.backends.local.executor import LMWorker, role_outputs
+from rlgraph.backends.local.executor import LMWorker
+from rlgraph.backends.local.logprobs import role_outputs
 from rlgraph.batches import Rollouts
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there); older releases have only the old name.

@@ -35,7 +35,7 @@ from rlgraph.backends.local.generation import (
     NativeGenerator, SamplingParams, SamplingStream, cut_at_stop, token_id,
 )
 from rlgraph.backends.local.lean_decode import lean_unsupported
-from rlgraph.backends.local.logprobs import head_fits_one_block, sequence_logprobs, vocabulary_logprobs
+from rlgraph.backends.local.logprobs import head_fits_one_block, role_outputs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
 from rlgraph.backends.local.packing import pack_rows, row_tokens
 from rlgraph.backends.local.vlm import image_encoder
@@ -661,22 +661,6 @@ def describe_weights(weights: Mapping[str, torch.Tensor]) -> str:
         return f"full weights ({len(weights)} tensors)"
     rank = f"r={min(ranks)}" if len(ranks) == 1 else f"r={min(ranks)}..{max(ranks)}"
     return f"LoRA adapters {rank} on {','.join(sorted(targets))}"
-
-
-def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
-                 packed: bool = False, dense_head: bool = False,
-                 vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A role's per-token outputs: the critic's values, or an LM's log-probs (and entropy);
-    `packed`: from one forward over the rows' real tokens, without padding; `dense_head`: an LM's
-    head over every position at once (`logprobs.all_positions_head`); `vocab`: an LM's log-softmax
-    over the vocabulary [N, T, V] (`logprobs.vocabulary_logprobs`)."""
-    if kind == "critic":
-        return module.values(rollouts, packed=packed), None
-    if vocab:
-        return vocabulary_logprobs(module, rollouts, temperature=temperature), None
-    output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed,
-                               dense_head=dense_head)
-    return output if with_entropy else (output, None)
 
 
 def _refuse_packed_vocab(packed: Any, where: str) -> None:

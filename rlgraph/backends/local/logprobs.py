@@ -4,6 +4,9 @@ One forward of the decoder body over prompt ++ response, then the LM head + log-
 in the chunked `rlgraph.kernels.logprob_head.token_logprobs`, so the [N*T, V] logits never exist
 at once. For a model in eval mode the result matches the generator's sampling log-probs on its
 own rollouts, which is what makes the first PPO ratio exactly 1.
+
+`role_outputs` is a role's per-token outputs in a training forward: an LM's log-probs (and entropy)
+here, a critic's values from its head (`critic.py`); the executor's update runs it (compiled or not).
 """
 
 from __future__ import annotations
@@ -147,3 +150,19 @@ def masked_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)  # [N, T]
     full = zeros.masked_scatter(mask, logprobs.float())  # [N, T]
     return full, (zeros.masked_scatter(mask, entropy.float()) if with_entropy else None)  # [N, T], [N, T] | None
+
+
+def role_outputs(module: torch.nn.Module, kind: str, rollouts: Rollouts, *, temperature: float, with_entropy: bool,
+                 packed: bool = False, dense_head: bool = False,
+                 vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A role's per-token outputs: the critic's values, or an LM's log-probs (and entropy);
+    `packed`: from one forward over the rows' real tokens, without padding; `dense_head`: an LM's
+    head over every position at once (`all_positions_head`); `vocab`: an LM's log-softmax over the
+    vocabulary [N, T, V] (`vocabulary_logprobs`)."""
+    if kind == "critic":
+        return module.values(rollouts, packed=packed), None
+    if vocab:
+        return vocabulary_logprobs(module, rollouts, temperature=temperature), None
+    output = sequence_logprobs(module, rollouts, temperature=temperature, with_entropy=with_entropy, packed=packed,
+                               dense_head=dense_head)
+    return output if with_entropy else (output, None)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from rlgraph.backends.local.logprobs import role_outputs
 from rlgraph.batches import Rollouts
 from rlgraph.errors import ConfigError
 
@@ -47,8 +48,6 @@ def compiled_role_outputs(device_type: str = "cpu") -> Any:
     `lean_decode.compiled_decode_step`): the same kernels, called without Python in between
     (forward + loss + backward of the small bench's micro-batch 5.93 against 6.34 ms thread CPU;
     docs/benchmarks.md, "The update and reference stages")."""
-    from rlgraph.backends.local.executor import role_outputs
-
     return torch.compile(role_outputs, options={"cpp_wrapper": True} if device_type == "cpu" else None)
 
 
