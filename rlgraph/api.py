@@ -8,9 +8,9 @@ from typing import Any
 
 from rlgraph.agents import Env, Step, Tool, ToolEnv  # noqa: F401 - re-exported: rg.Env, rg.Step, rg.Tool, rg.ToolEnv
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.ir.program import Program
-from rlgraph.ir.tracing import DEFAULT_ROLES, check_algorithm_call, trace_algorithm
+from rlgraph.ir.entrypoints import DEFAULT_ROLES, check_algorithm_call, trace_algorithm
 
 
 class State:

@@ -53,7 +53,7 @@ from rlgraph.backends.local.generation import lean_decoding
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer, tiny_config
 from rlgraph.batches import Rollouts
 from rlgraph.data import arithmetic
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.plan.timing import COMPILE_SECONDS, STEP_SECONDS, seconds_by_kind
 from rlgraph.rewards import exact_match
 from rlgraph.train.config import TrainConfig

@@ -178,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; any error is printed as one message and exits 1 (`--debug`: with its traceback)."""
-    from rlgraph.ir.errors import RLGraphError
+    from rlgraph.errors import RLGraphError
     from rlgraph.train.user_code import import_modules
 
     parser = _parser()
@@ -221,7 +221,7 @@ def _trace(args) -> int:
 
 def _traced(algorithm: Any, hparams: dict[str, Any]) -> Any:
     """`algorithm.trace(**hparams)`; a hyper-parameter out of range names the `-p` flag that set it."""
-    from rlgraph.ir.errors import ConfigError, TraceError
+    from rlgraph.errors import ConfigError, TraceError
 
     try:
         return algorithm.trace(**hparams)
@@ -235,7 +235,7 @@ def _traced(algorithm: Any, hparams: dict[str, Any]) -> Any:
 
 def _demo(args) -> int:
     from rlgraph.algorithms import ALGORITHMS
-    from rlgraph.ir.errors import ConfigError, did_you_mean
+    from rlgraph.errors import ConfigError, did_you_mean
     from rlgraph.train.demo import RL_ALGORITHMS, DemoConfig, run_demo
 
     if args.algorithm not in RL_ALGORITHMS:
@@ -251,7 +251,7 @@ def _demo(args) -> int:
 
 
 def _train(args) -> int:
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
     from rlgraph.train.config import load_config
     from rlgraph.train.run import dry_run, load_run_config, train
 
@@ -293,7 +293,7 @@ _RUNTIME_FLAGS = {"--runtime": ("runtime", "runtime.runtime"), "--nproc": ("npro
 def _with_runtime_flags(args) -> list[str]:
     """`rlgraph train`'s -o list with --runtime/--nproc/--device added as the -o they stand for;
     a flag and an -o of the same key with another value is an error naming both."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
     from rlgraph.ir.keyvalue import parse_assignment
 
     given = dict(parse_assignment(item, "-o") for item in args.override)
@@ -318,7 +318,7 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
     from rlgraph.train.evaluation import evaluate_run
 
     if args.max_prompts is not None and args.max_prompts < 1:
@@ -445,7 +445,7 @@ def _plan(args) -> int:
     import rlgraph as rg
     from rlgraph.plan.dot import render
     from rlgraph.plan.mesh import parse_placement
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
     from rlgraph.train.user_code import load_algorithm
 
     algorithm = load_algorithm(args.algorithm, "algorithm")
@@ -484,7 +484,7 @@ def _plan(args) -> int:
 
 def _whole(text: str | None, flag: str, low: int, example: str) -> int | None:
     """A flag's whole number >= `low` (None: not given), the flag named when it is not one."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
 
     if text is None:
         return None
@@ -495,7 +495,7 @@ def _whole(text: str | None, flag: str, low: int, example: str) -> int | None:
 
 def _micro_batch_tokens(text: str | None) -> int | None:
     """`--micro-batch-tokens k` as a whole number >= 1 (None: not given), the flag named when it is not one."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
 
     if text is None:
         return None
@@ -507,7 +507,7 @@ def _micro_batch_tokens(text: str | None) -> int | None:
 
 def _staleness(text: str) -> int:
     """`--staleness k` as a whole number >= 0, the flag named when it is not one."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
 
     if not text.strip().isdigit():
         raise ConfigError(f"--staleness {text}: not a whole number >= 0 (0: synchronous; k: each batch is generated "
@@ -517,7 +517,7 @@ def _staleness(text: str) -> int:
 
 def _env_workers(text: str | None) -> int | None:
     """`--env-workers k` as a whole number >= 1 (absent: None), the flag named when it is not one."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
 
     if text is None:
         return None
@@ -530,7 +530,7 @@ def _env_workers(text: str | None) -> int | None:
 
 def _sizes(text: str) -> dict[str, int]:
     """`--sizes B=64,P=512,T=1024` as counts; a value that is not a whole number is named with the flag."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
 
     sizes = {}
     for key, value in _pairs([item for item in text.split(",") if item], "--sizes").items():
@@ -542,7 +542,7 @@ def _sizes(text: str) -> dict[str, int]:
 
 def _check_output_dirs(args) -> None:
     """Refuse --dot/--json into a directory that does not exist before compiling, not after."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
 
     for flag, path in (("--dot", args.dot), ("--json", args.json)):
         folder = os.path.dirname(path) if path else ""

@@ -4,7 +4,7 @@ import pytest
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 
 def plain(state, prompts):

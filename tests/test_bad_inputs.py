@@ -21,7 +21,7 @@ from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
 from rlgraph.backends.protocols import ModelRef, RewardRef
 from rlgraph.batches import BatchError, Prompts, Rollouts
 from rlgraph.cli import main
-from rlgraph.ir.errors import ConfigError, RLGraphError, SpecError, TraceError
+from rlgraph.errors import ConfigError, RLGraphError, SpecError, TraceError
 from rlgraph.train.checkpoint import latest_checkpoint, save_checkpoint
 from rlgraph.testing import tiny_executor, tiny_prompts
 

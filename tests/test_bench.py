@@ -9,7 +9,7 @@ from rlgraph.bench import (
     CONFIGS, RlgraphSide, Schedule, bench_problems, check_options, fixed_batch, loss_check, main, make_trl_trainer,
     trl_available, write_model,
 )
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 SMALL = CONFIGS["small"]
 

@@ -410,7 +410,7 @@ def test_train_runtime_flags_refuse_bad_values_naming_the_flag(flags, capsys):
 
 def test_dry_run_never_wraps_plan_lines_when_not_on_a_terminal(tmp_path, capsys):
     from tests.train.test_run import make_config
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     config, path = make_config(tmp_path, "wide")
     plan_lines = prepare(config).rl.as_text().splitlines()

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.functional.correction import check_cap
-from rlgraph.ir.errors import TraceError, user_location
+from rlgraph.errors import TraceError, user_location
 
 # Losses whose per-token term scales with A: weighting A weights the per-token surrogate.
 # clip_cov and kl_cov are not among them (they pick tokens by the covariance of A, and kl_cov's

@@ -36,7 +36,7 @@ def check_overlong_buffer(max_new_tokens: int | None, buffer: int, coef: float) 
         return
     import sys
 
-    from rlgraph.ir.errors import TraceError, user_location
+    from rlgraph.errors import TraceError, user_location
 
     start = max_new_tokens - buffer
     error = TraceError(f"dapo: overlong_buffer={buffer} covers {min(buffer, max_new_tokens)} of max_new_tokens="

@@ -19,8 +19,8 @@ import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.algorithms.hparams import check_hparams
 from rlgraph.algorithms.metrics import loss_metrics, rollout_metrics
-from rlgraph.ir.checks import check_number
-from rlgraph.ir.errors import TraceError, user_location
+from rlgraph.ir.number_checks import check_number
+from rlgraph.errors import TraceError, user_location
 
 
 @rg.algorithm

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from rlgraph.ir.checks import check_group_size, check_number
-from rlgraph.ir.errors import user_location
+from rlgraph.ir.number_checks import check_group_size, check_number
+from rlgraph.errors import user_location
 
 # name -> the keyword arguments of `check_number` that bound it
 RULES: dict[str, dict[str, Any]] = {

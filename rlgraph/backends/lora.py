@@ -30,7 +30,7 @@ import attrs
 import torch
 from transformers import PreTrainedModel
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlgraph.batches import Prompts, Rollouts
-from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.errors import ConfigError, did_you_mean
 
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "datasets")

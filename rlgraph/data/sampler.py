@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 # Mixes the seed and the epoch into one torch seed; kept fixed so old runs resume bit-for-bit.
 _EPOCH_STRIDE = 1_000_003

@@ -31,7 +31,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from rlgraph.ir.errors import SpecError, user_location
+from rlgraph.errors import SpecError, user_location
 from rlgraph.ir.ops import traceable
 
 Count = int | float | Tensor

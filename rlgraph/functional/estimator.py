@@ -33,7 +33,7 @@ from torch import Tensor
 from rlgraph.functional.registry import ESTIMATORS, get_estimator, register_estimator, same_definition
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import SourceLocation, TraceError
+from rlgraph.errors import SourceLocation, TraceError
 from rlgraph.ir.ops import traceable
 
 

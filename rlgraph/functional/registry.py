@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 from torch import Tensor
 
-from rlgraph.ir.errors import TraceError, user_location
+from rlgraph.errors import TraceError, user_location
 
 ROW_ARGUMENTS = ("mask",)  # the per-row tensors a call by name can supply, besides rewards and group
 

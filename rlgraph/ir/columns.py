@@ -23,7 +23,7 @@ import torch
 from rlgraph.batches import BatchError
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import SpecError, TraceError, user_location
+from rlgraph.errors import SpecError, TraceError, user_location
 
 
 def _column_spec(record: Any, key: Any, *, per_token: bool) -> S.TensorSpec:

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import SpecError, TraceError
+from rlgraph.errors import SpecError, TraceError
 from rlgraph.ir.program import constant
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 # YAML 1.1 (PyYAML) needs a dot in a float ("1.0e-3"); YAML 1.2 and Python do not.
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import torch.fx
 
-# The stack of active tracers, innermost last. Pushed and popped by `rlgraph.ir.trace` only.
+# The stack of active tracers, innermost last. Pushed and popped by `rlgraph.ir.tracer` only.
 ACTIVE_TRACERS: list[Any] = []
 
 # Every traceable op by name, for configs and the CLI.

@@ -24,8 +24,8 @@ import torch.fx as fx
 
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.checks import check_number
-from rlgraph.ir.errors import SpecError, TraceError, user_location
+from rlgraph.ir.number_checks import check_number
+from rlgraph.errors import SpecError, TraceError, user_location
 
 
 @attrs.frozen
@@ -313,7 +313,7 @@ def update(model, batch, loss, *, epochs=1, minibatches=1, micro_batch_size=None
     `vocab=True`: the closure's one parameter is the model's log-softmax over the whole vocabulary,
     f32[N,T,V] with gradients (a full-distribution divergence, GKD's), not the sampled tokens' log-probs.
     """
-    from rlgraph.ir.tracing import trace_loss  # the loss is traced by a child tracer
+    from rlgraph.ir.entrypoints import trace_loss  # the loss is traced by a child tracer
 
     if not ops.ACTIVE_TRACERS:
         raise TraceError("rg.update was called outside an algorithm", user_location(),

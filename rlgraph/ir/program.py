@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import VerifyError
+from rlgraph.errors import VerifyError
 
 
 @attrs.frozen(eq=False)

@@ -7,7 +7,7 @@ operands of another shape is caught here, naming the node.
 from __future__ import annotations
 
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import VerifyError
+from rlgraph.errors import VerifyError
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.infer import infer
 

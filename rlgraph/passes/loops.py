@@ -11,7 +11,7 @@ key is absent); no value of a region is used after the loop except by the filter
 
 from __future__ import annotations
 
-from rlgraph.ir.errors import VerifyError
+from rlgraph.errors import VerifyError
 from rlgraph.ir.primitives import refill_loops
 from rlgraph.ir.program import Program, copy_program
 

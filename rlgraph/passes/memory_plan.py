@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.errors import ConfigError, did_you_mean
 from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.program import Program
 from rlgraph.passes.options import CompileOptions

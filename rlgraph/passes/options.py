@@ -9,8 +9,8 @@ from typing import Any
 
 import attrs
 
-from rlgraph.ir.checks import number_problem
-from rlgraph.ir.errors import ConfigError, RLGraphError, did_you_mean
+from rlgraph.ir.number_checks import number_problem
+from rlgraph.errors import ConfigError, RLGraphError, did_you_mean
 from rlgraph.plan.mesh import Colocated, Mesh, Placement
 from rlgraph.plan.model_size import LoraShape
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import ConfigError, VerifyError
+from rlgraph.errors import ConfigError, VerifyError
 from rlgraph.ir.infer import get_field
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program

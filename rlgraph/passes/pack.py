@@ -15,7 +15,7 @@ Guarantees: values and specs are unchanged; only these nodes' `micro_batch_token
 
 from __future__ import annotations
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.passes.options import CompileOptions, check_micro_batch_tokens

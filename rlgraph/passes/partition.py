@@ -27,7 +27,7 @@ from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
-from rlgraph.plan.layouts import CONTROLLER  # re-exported: the passes import it from here
+from rlgraph.plan.layouts import CONTROLLER
 
 PHASES = {"generate": "generate", "rollout": "generate", "logprobs": "infer", "values": "infer", "score": "reward", "update": "train",
           "optimizer_step": "train", "filter_groups": "filter"}

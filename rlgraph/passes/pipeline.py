@@ -24,7 +24,7 @@ from rlgraph.passes.partition import partition
 from rlgraph.passes.place import place
 from rlgraph.passes.reshard import reshard
 from rlgraph.passes.schedule import schedule
-from rlgraph.plan.compiled import Compiled  # re-exported: `rlgraph.passes.pipeline.Compiled` keeps working
+from rlgraph.plan.compiled import Compiled
 
 PIPELINE: list[tuple[str, Callable[[Program, CompileOptions], Program]]] = [
     ("infer_specs", infer_specs),

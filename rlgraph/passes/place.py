@@ -26,12 +26,12 @@ from collections.abc import Sequence
 
 import attrs
 
-from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.errors import ConfigError, did_you_mean
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.ir.program import Program, copy_program
-from rlgraph.ir.tracing import DEFAULT_ROLES
+from rlgraph.ir.entrypoints import DEFAULT_ROLES
 from rlgraph.passes.options import CompileOptions, PlacementConfigError, check_engine
-from rlgraph.passes.partition import CONTROLLER
+from rlgraph.plan.layouts import CONTROLLER
 from rlgraph.plan.mesh import Colocated, Explicit, GenerateLayout, Group, Placement, Split, TrainLayout
 
 

@@ -25,8 +25,9 @@ from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.infer import get_field
 from rlgraph.passes.options import CompileOptions
-from rlgraph.passes.partition import CONTROLLER, value_bytes
-from rlgraph.plan.layouts import collective_kind  # re-exported: the rule is the plan's, shared with the runtime
+from rlgraph.plan.layouts import CONTROLLER
+from rlgraph.passes.partition import value_bytes
+from rlgraph.plan.layouts import collective_kind  # the rule is the plan's, shared with the runtime
 from rlgraph.plan.mesh import Group
 
 

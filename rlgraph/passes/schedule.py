@@ -36,7 +36,7 @@ from rlgraph.ir.program import Program
 from rlgraph.ir.infer import get_field
 from rlgraph.passes.memory_plan import vision_facts
 from rlgraph.passes.options import CompileOptions
-from rlgraph.passes.partition import CONTROLLER
+from rlgraph.plan.layouts import CONTROLLER
 from rlgraph.plan.memory import PARKED
 from rlgraph.plan.mesh import Colocated
 from rlgraph.plan.plan import Loop, Offload, Overlap, Plan, Stage, SyncWeights, Transfer

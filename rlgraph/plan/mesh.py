@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.errors import ConfigError, did_you_mean
 from rlgraph.ir.keyvalue import parse_assignments
 from rlgraph.plan.hardware import DEVICE_MEMORY_GIB, HOST_MEMORY_GIB  # one table: the hardware profiles
 

@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from rlgraph.ir.errors import ConfigError, RewardError, did_you_mean
+from rlgraph.errors import ConfigError, RewardError, did_you_mean
 from rlgraph.rewards.code_exec import CodeTests
 from rlgraph.rewards.combine import RewardPipeline, RewardTerm
 from rlgraph.rewards.formats import FormatRegex, Tags

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.errors import ConfigError, did_you_mean
 from rlgraph.rewards.code_verdict import TestsPlan, UnverifiableTest, plan_tests
 from rlgraph.rewards.sandbox import SandboxLimits, SandboxOutcome, require_sandbox, run_sandboxed
 

@@ -22,7 +22,7 @@ that is really a broken reward must not look like a policy that learnt nothing.
 `samples=k` keeps k (prompt, completion, reward) rows per call period for logging (`pop_samples`),
 spread evenly over the first call's rows, so they show several prompts.
 
-`workers=k` runs the terms in a pool of k supervised worker processes (`rlgraph.rewards.pool`),
+`workers=k` runs the terms in a pool of k supervised worker processes (`rlgraph.rewards.reward_pool`),
 the terms of one call concurrently: a term that runs past `timeout_s`, dies, or stops itself gets
 its worker killed and replaced, and its samples are scored by `on_error` like any failure ("timed
 out after 600 s", "killed by signal 9 (SIGKILL)", "exited with code 3"); nothing it does reaches the
@@ -44,8 +44,8 @@ from typing import Any, Literal
 
 import attrs
 
-from rlgraph.ir.errors import ConfigError, RewardError
-from rlgraph.rewards.pool import RewardPool
+from rlgraph.errors import ConfigError, RewardError
+from rlgraph.rewards.reward_pool import RewardPool
 from rlgraph.rewards.term import TermFailure, describe_raised, run_term
 
 

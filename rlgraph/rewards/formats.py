@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 _FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 
 class RewardModel:

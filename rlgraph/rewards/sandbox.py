@@ -37,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 NOBODY = 65534
 # Where Debian-like systems keep a Python that any user may run; used when the trainer runs as root

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from rlgraph.batches import Prompts, Rollouts
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.errors import RLGraphError
 from rlgraph.plan.layouts import CONTROLLER, Layout, collective_kind
 
 

@@ -7,7 +7,7 @@ them), so a failure far from the controller still reads as one message about the
 from __future__ import annotations
 
 from rlgraph.errors import RankFailure
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.errors import RLGraphError
 
 
 class WorkerFailure(RankFailure):

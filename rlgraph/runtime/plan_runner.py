@@ -40,13 +40,12 @@ import torch.fx as fx
 from rlgraph.backends.protocols import Executor, ModelRef
 from rlgraph.errors import RankFailure
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.errors import RLGraphError
 from rlgraph.ir.primitives import primitive_name
 from rlgraph.plan.compiled import Compiled
 from rlgraph.plan.layouts import CONTROLLER
 from rlgraph.plan.plan import Loop, Offload, Stage, SyncWeights, Transfer
 from rlgraph.runtime.eager import bind_inputs, call_primitive, flatten_metrics, remember, run_node
-# The errors are re-exported here, where callers have always imported them from.
 from rlgraph.runtime.errors import PlanInputError, PlanStepError, RankMetricWarning, WorkerFailure
 from rlgraph.runtime.inflight import InFlight, decode, encode, slot_name, slot_program
 from rlgraph.runtime.refill import MorePrompts, require_prompt_source, run_filter

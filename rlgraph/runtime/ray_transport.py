@@ -30,7 +30,7 @@ import torch
 
 from rlgraph.plan.plan import Plan
 from rlgraph.runtime.errors import WorkerFailure
-from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, WorkerPool, resolve_device, start_worker
+from rlgraph.runtime.worker_pool import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, WorkerPool, resolve_device, start_worker
 from rlgraph.user_files import loaded_files
 
 PING_S = 3.0  # a live actor's health thread answers in milliseconds; 3 s covers a loaded node

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from rlgraph.batches import Prompts, Rollouts
-from rlgraph.ir.errors import RLGraphError, SourceLocation
+from rlgraph.errors import RLGraphError, SourceLocation
 from rlgraph.ir.primitives import RefillLoop
 
 MorePrompts = Callable[[], Prompts]

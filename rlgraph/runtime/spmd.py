@@ -15,7 +15,7 @@ Failures never hang the controller: every wait is on the workers' pipes and thei
 sentinels together, with a timeout (default 60 s on CPU, 600 s on CUDA). A worker that raises
 sends its error back; one that dies is seen by its sentinel; one that does not answer in time is
 reported with the ranks still missing, and among them those whose process is stopped
-(`rlgraph.runtime.pool`). A command that a worker does not read within the timeout fails too (the
+(`rlgraph.runtime.worker_pool`). A command that a worker does not read within the timeout fails too (the
 controller's end of each pipe has a send timeout). Workers ignore Ctrl-C (the controller stops
 them), so an interrupt leaves one clean message.
 
@@ -43,7 +43,7 @@ import torch
 
 from rlgraph.plan.plan import Plan
 from rlgraph.runtime.errors import WorkerFailure
-from rlgraph.runtime.pool import DEFAULT_TIMEOUT_S, WorkerPool, resolve_device, start_worker
+from rlgraph.runtime.worker_pool import DEFAULT_TIMEOUT_S, WorkerPool, resolve_device, start_worker
 from rlgraph.user_files import UserFileError, loaded_files, unpickle
 
 __all__ = ["SpmdTransport", "resolve_device", "free_port"]

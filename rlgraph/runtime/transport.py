@@ -31,7 +31,7 @@ of them (tests/runtime/test_transport.py checks the signatures):
 `LocalTransport` runs every rank in this process with one `Worker`: a layout's pieces are all the
 whole value, so moves are renames; values cross between the controller (CPU) and the executor's
 device at scatters, gathers and fetches, as they do between processes.
-`rlgraph.runtime.pool.WorkerPool` implements the commands for remote workers (`SpmdTransport`:
+`rlgraph.runtime.worker_pool.WorkerPool` implements the commands for remote workers (`SpmdTransport`:
 processes, `RayTransport`: Ray actors); `rlgraph.runtime.collectives` is the reference they agree with.
 """
 
@@ -46,7 +46,7 @@ import attrs
 import torch
 
 from rlgraph.backends.protocols import Executor, ExecutorState, ModelRef
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.errors import RLGraphError
 from rlgraph.ir.program import Program
 from rlgraph.runtime.worker import Worker
 

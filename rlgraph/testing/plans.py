@@ -17,7 +17,7 @@ from hypothesis import given, settings as Settings, strategies as st
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import specs as S
 from rlgraph.passes.partition import value_bytes
-from rlgraph.passes.pipeline import Compiled
+from rlgraph.plan.compiled import Compiled
 from rlgraph.passes.reshard import is_per_row, layout_of, transfer
 from rlgraph.plan.plan import Stage
 from rlgraph.runtime import collectives as C
@@ -351,7 +351,7 @@ def assert_update_microbatch_invariant(algorithm: Any, *, executor: Callable[[],
 
 def _refuse_vacuous(what: str, program: Any, before: dict, after: dict, steps: int) -> None:
     """A ConfigError when a role the program updates kept every parameter: nothing to compare."""
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
 
     updated = sorted({program.spec(node.args[0]).role for node in program.primitive_nodes("update")})
     still = [role for role in updated if role in before

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from rlgraph.backends.local.executor import CheckpointMismatch
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite, untied
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.manifest import (
     MANIFEST, claim, foreign_entries, owns, read_manifest, recorded_sha256, release, remove_owned,
 )

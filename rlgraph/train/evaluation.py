@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 
 def evaluate_run(run_dir: str | Path, *, checkpoint: str | None = None, data: str | None = None,

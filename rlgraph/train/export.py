@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from rlgraph.backends.local.models import auto_tokenizer_mismatch, build_causal_lm
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
 from rlgraph.train.modes import follow_umask
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from rlgraph.ir.errors import ConfigError, RLGraphError
+from rlgraph.errors import ConfigError, RLGraphError
 
 METRICS_FILE = "metrics.jsonl"
 _RESERVED = ("step", "time")  # the keys every metrics.jsonl row has besides the metrics

@@ -21,7 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.config import TrainConfig
 
 
@@ -99,7 +99,7 @@ def _open_run(config: TrainConfig, resume: bool, checkpoint: Any, console: Conso
     from rlgraph.backends.world import WorldSpec
     from rlgraph.data.pretrain import Packer, TextStream
     from rlgraph.runtime.plan_runner import PlanRunner
-    from rlgraph.runtime.pool import resolve_device
+    from rlgraph.runtime.worker_pool import resolve_device
     from rlgraph.train.checkpoint import claim_file
     from rlgraph.train.logging import METRICS_FILE, MetricLogger, make_sinks
     from rlgraph.train.manifest import claim

@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.plan.timing import COMPILE_SECONDS, STEP_SECONDS
 
 # (metrics key, label, format): what the bar shows, in order; the first three are smoothed

@@ -29,7 +29,7 @@ import torch
 from rich.console import Console
 
 from rlgraph.backends.local.executor import CheckpointMismatch
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.checkpoint import (
     abandon_later_checkpoints, claim_file, later_checkpoints, refuse_foreign, resume_point,
 )
@@ -37,10 +37,10 @@ from rlgraph.train.config import TrainConfig, load_config
 from rlgraph.train.loop import RunResult
 from rlgraph.train.manifest import claim, remove_owned, verify_recorded
 from rlgraph.train.recipe import add_rl_roles, build_roles, rebase_lora
-from rlgraph.train.roles import BASE_FILE, build_policy, checkpoint_policy, lr_factor  # noqa: F401 - public here too
+from rlgraph.train.roles import BASE_FILE
 from rlgraph.train.session import _Session, data_digest, fingerprint  # noqa: F401
 from rlgraph.train.setup import Setup, prepare  # noqa: F401
-from rlgraph.train.user_code import build_rewards, load_object, resolved_hparams  # noqa: F401 - public here too
+from rlgraph.train.user_code import resolved_hparams
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def dry_run(config: TrainConfig, console: Console | None = None) -> Setup | None
     console = console or Console()
     if config.algorithm.name == "pretrain":  # raw text, no prompts or rewards: its own plan (train/pretraining.py)
         from rlgraph.train.pretraining import check_pretrain_config, compile_pretrain
-        from rlgraph.runtime.pool import resolve_device
+        from rlgraph.runtime.worker_pool import resolve_device
 
         check_pretrain_config(config)
         console.print(compile_pretrain(config, str(resolve_device(config.runtime.device))).as_text(), markup=False,

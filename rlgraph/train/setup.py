@@ -17,9 +17,9 @@ from rlgraph.api import compile as compile_algorithm
 from rlgraph.backends.local.executor import check_tokenizer
 from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.data.prompts import encode_texts, load_prompts, split_holdout, to_prompts
-from rlgraph.ir.errors import ConfigError, RLGraphError, TraceError
+from rlgraph.errors import ConfigError, RLGraphError, TraceError
 from rlgraph.rewards import RewardPipeline
-from rlgraph.runtime.pool import resolve_device
+from rlgraph.runtime.worker_pool import resolve_device
 from rlgraph.train.config import TrainConfig
 from rlgraph.train.teachers import check_teacher_sources, check_teachers_read, teacher_roles
 from rlgraph.train.vision import check_vision, vision_batches, vision_models, vision_tokenizer
@@ -314,7 +314,7 @@ def _compile(config: TrainConfig, device: str, prompt_len: int, reward_pool: str
     lora = {"policy": config.model.lora.model_dump()} if config.model.lora else None
     extra = {"lora": lora} if lora else {}
     if config.model.teachers:
-        from rlgraph.ir.tracing import DEFAULT_ROLES
+        from rlgraph.ir.entrypoints import DEFAULT_ROLES
 
         extra["roles"] = {**DEFAULT_ROLES, **teacher_roles(config)}
     sizes = {"B": rollout.prompts_per_step, "P": prompt_len, "T": rollout.max_new_tokens, "n": rollout.n}

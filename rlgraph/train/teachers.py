@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 # roles a teacher may not be named after: the run builds them from model.path
 RESERVED = ("policy", "ref", "critic", "reward", "env", "rollout")

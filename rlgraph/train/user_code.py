@@ -27,9 +27,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.errors import ConfigError, did_you_mean
 from rlgraph.rewards import RewardPipeline, RewardTerm, build_reward, reward_fields
-from rlgraph.rewards.pool import default_workers
+from rlgraph.rewards.reward_pool import default_workers
 from rlgraph.train.config import TrainConfig
 from rlgraph.user_files import import_file
 

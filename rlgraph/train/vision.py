@@ -20,7 +20,7 @@ from rlgraph.backends.local.vlm import build_image_processor, build_vision_lm, b
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.data.images import open_row_images
 from rlgraph.data.prompts import encode_responses, to_prompts
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.config import TrainConfig
 
 TINY_VL_PRESET = "tiny-qwen2-vl"

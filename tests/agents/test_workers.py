@@ -15,7 +15,7 @@ from rlgraph.agents.env import EnvError
 from rlgraph.agents.workers import EnvWorkers
 from rlgraph.algorithms import agent_grpo
 from rlgraph.backends.protocols import EnvRef
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.testing import tiny_executor, tiny_prompts
 from tests.agents import workers_envs as envs

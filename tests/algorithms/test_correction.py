@@ -8,7 +8,7 @@ import torch
 import rlgraph.functional as F
 from rlgraph.algorithms import grpo, ppo
 from rlgraph.algorithms.correction import WEIGHTED_BY_ADVANTAGE
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 
 from tests.functional._batches import random_batch
 

@@ -3,7 +3,7 @@ import torch
 
 from rlgraph.algorithms import dapo
 from rlgraph.algorithms.dapo import overlong_penalty
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 from tests.algorithms._steps import two_steps
 
 

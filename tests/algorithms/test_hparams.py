@@ -3,7 +3,7 @@
 import pytest
 
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 
 # (algorithm, hyper-parameter, three bad values): each would have run before, wrongly or pointlessly
 BAD = [

@@ -7,7 +7,7 @@ import torch
 import rlgraph.testing as rgt
 from rlgraph.algorithms import pretrain, sft
 from rlgraph.data.pretrain import segment_batch
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 from rlgraph.runtime.eager import Interpreter
 from tests.helpers import make_executor, params_of
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rlgraph.algorithms import vapo
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 from rlgraph.runtime.eager import Interpreter
 from tests.algorithms._steps import two_steps
 from tests.helpers import make_executor, params_of, parity_reward, prompts

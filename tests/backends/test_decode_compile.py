@@ -13,7 +13,7 @@ from rlgraph.backends.local import decode_compile as dc
 from rlgraph.backends.local.decode_compile import CompileLedger, DecodeCompile, padded_width, step_saving
 from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 from tests.backends.conftest import prompts_of
 

@@ -20,7 +20,7 @@ from rlgraph.backends.local.executor import LMWorker, LocalExecutor
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.testing.tiny import tiny_prompts
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"  # tied in the shipped tiny Qwen2 (as in Qwen2.5-0.5B)

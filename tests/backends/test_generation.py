@@ -5,9 +5,10 @@ from hypothesis import strategies as st
 
 from rlgraph.backends.local.executor import decode_responses
 from rlgraph.backends.local.generation import (
-    NativeGenerator, PromptError, SamplingParams, SamplingStream, as_int64, cut_at_stop, nucleus_filter, sample_tokens, sampling_keys,
-    splitmix64, uniform_from_bits,
+    NativeGenerator, PromptError, SamplingParams, SamplingStream, as_int64, cut_at_stop, nucleus_filter,
+    sample_tokens, sampling_keys,
 )
+from rlgraph.kernels.sampling import splitmix64, uniform_from_bits
 from rlgraph.backends.protocols import RewardRef
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.batches import Prompts, Rollouts

@@ -124,7 +124,7 @@ def test_a_reward_that_is_not_one_finite_number_per_completion_names_the_sample(
 
 def test_update_refuses_an_unknown_nonfinite_policy_at_the_users_line():
     import rlgraph as rg
-    from rlgraph.ir.errors import TraceError
+    from rlgraph.errors import TraceError
 
     @rg.algorithm
     def bad(state: rg.State, prompts: rg.Prompts):

@@ -301,6 +301,6 @@ def test_a_tokenizer_without_pad_is_refused_with_the_fix(tokenizer):
 
 
 def test_data_error_is_an_rlgraph_error_and_a_value_error():
-    from rlgraph.ir.errors import ConfigError, RLGraphError
+    from rlgraph.errors import ConfigError, RLGraphError
 
     assert issubclass(DataError, RLGraphError) and issubclass(DataError, ValueError) and issubclass(DataError, ConfigError)

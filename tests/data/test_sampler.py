@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 from rlgraph.data.arithmetic import Problem, PromptSampler
 from rlgraph.data.sampler import Sampler
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 
 def test_epoch_order_is_pinned():

@@ -130,7 +130,7 @@ def test_a_value_dependent_estimator_gets_rlgraphs_own_error_at_its_line(functio
     import re
 
     from rlgraph.algorithms import grpo
-    from rlgraph.ir.errors import TraceError
+    from rlgraph.errors import TraceError
 
     fn = _value_dependent_estimators()[function]
     expected = (rf"@F.estimator {fn.__name__}: {re.escape(what)}(.|\n)*at .*test_estimator.py:\d+ in {function}\(\):  "

@@ -5,7 +5,7 @@ import torch
 
 from rlgraph import functional as F
 from rlgraph.functional.registry import UnknownNameError
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 from tests.functional._batches import random_batch
 
 BUILT_IN_ESTIMATORS = {  # name -> the direct call it stands for

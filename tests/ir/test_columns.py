@@ -7,7 +7,7 @@ import torch
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.batches import BatchError
-from rlgraph.ir.errors import SpecError, TraceError
+from rlgraph.errors import SpecError, TraceError
 from rlgraph.runtime.eager import Interpreter
 from tests.helpers import make_executor, prompts
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.ir.keyvalue import parse_assignment, parse_assignments, parse_value
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 import rlgraph as rg
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 
 
 def _update_with(**config):

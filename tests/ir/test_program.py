@@ -1,7 +1,7 @@
 import pytest
 
 import rlgraph as rg
-from rlgraph.ir.errors import VerifyError
+from rlgraph.errors import VerifyError
 
 
 def _two_updates(use_stale: bool):

@@ -9,7 +9,7 @@ import rlgraph as rg
 import rlgraph.testing as rgt
 from rlgraph import functional as F
 from rlgraph.algorithms import ALGORITHMS, grpo
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.passes.options import CompileOptions, PlacementConfigError
 from rlgraph.plan.memory import PlacementError
 from rlgraph.plan.mesh import Mesh

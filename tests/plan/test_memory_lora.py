@@ -8,7 +8,7 @@ import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import grpo
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.plan import memory as M
 from rlgraph.plan.memory import MemoryBreakdown, PlacementError, TrainMemoryConfig
 from rlgraph.plan.model_size import LoraShape, ModelShape

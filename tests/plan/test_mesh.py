@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.plan.mesh import GenerateLayout, Group, Mesh, TrainLayout, colocated, parse_placement, split
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.rewards import CodeTests
 from rlgraph.rewards.code_verdict import UnverifiableTest, plan_tests
 from rlgraph.rewards.sandbox import bwrap_failure

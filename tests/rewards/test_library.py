@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.errors import ConfigError, RewardError
 from rlgraph.rewards import (CodeTests, FormatRegex, RewardPipeline, RewardTerm, Tags, answers_equal, build_reward,
                              extract_answer, math_reward)
 from rlgraph.rewards.code_exec import extract_code

@@ -1,4 +1,4 @@
-"""Reward terms in supervised worker processes (rlgraph/rewards/pool.py): what a hostile or broken
+"""Reward terms in supervised worker processes (rlgraph/rewards/reward_pool.py): what a hostile or broken
 reward does is scored by `reward_on_error`, the controller goes on, and no process outlives the pool.
 
 The hostile rewards live in tests/rewards/hostile_rewards.py (module level: workers import them).
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.errors import ConfigError, RewardError
 from rlgraph.rewards import FormatRegex, RewardPipeline, RewardTerm, exact_match, math_reward
-from rlgraph.rewards.pool import RewardPool, pid_namespace_failure
+from rlgraph.rewards.reward_pool import RewardPool
+from rlgraph.supervised.pool import pid_namespace_failure
 from tests.rewards import hostile_rewards as hostile
 
 ISOLATIONS = [pytest.param("pidns", marks=pytest.mark.skipif(pid_namespace_failure() is not None,
@@ -176,7 +177,7 @@ def test_bad_pool_settings_are_refused_naming_the_setting(monkeypatch):
         RewardPool(list, 1, isolation="chroot")
     with pytest.raises(ConfigError, match="define each reward function at module level"):
         RewardPipeline([RewardTerm("inline", lambda completions, **_: [1.0] * len(completions))], workers=1)
-    from rlgraph.rewards.pool import default_workers
+    from rlgraph.rewards.reward_pool import default_workers
 
     monkeypatch.setenv("RLGRAPH_REWARD_WORKERS", "two")
     with pytest.raises(ConfigError, match="RLGRAPH_REWARD_WORKERS='two'"):

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.rewards import CodeTests
 from rlgraph.rewards import code_exec
 from rlgraph.rewards import sandbox as sandbox_module

@@ -9,7 +9,7 @@ import torch
 import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.backends.local.executor import NonFiniteUpdate
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from tests.helpers import make_executor, params_of, prompts

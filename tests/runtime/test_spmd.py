@@ -20,7 +20,8 @@ from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.plan.plan import Offload
-from rlgraph.runtime.plan_runner import PlanInputError, PlanRunner, PlanStepError
+from rlgraph.runtime.errors import PlanInputError, PlanStepError
+from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.spmd import SpmdTransport
 from rlgraph.runtime.transport import SyncRoute
 from rlgraph.testing.tiny import length_parity_reward, tiny_prompts

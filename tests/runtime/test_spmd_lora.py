@@ -19,7 +19,7 @@ from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.backends.lora import merged_state_dict, reference_of, trainable_state
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.spmd import SpmdTransport
 from rlgraph.runtime.transport import SyncRoute

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 import rlgraph as rg
 import rlgraph.testing as rgt
 from rlgraph.algorithms import grpo
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.passes.reshard import transfer
 from rlgraph.runtime import collectives as C
 

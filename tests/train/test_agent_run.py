@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.run import train
 from rlgraph.train.setup import prepare
 from tests.train.test_run import make_config

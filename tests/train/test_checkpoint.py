@@ -245,7 +245,7 @@ def test_pruning_and_abandoning_delete_only_checkpoints_rlgraph_wrote(tmp_path):
 def test_a_later_checkpoint_rlgraph_did_not_write_refuses_the_resume_before_latest_changes(kind, tmp_path):
     import shutil
 
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
     from rlgraph.train.checkpoint import abandon_later_checkpoints
 
     _saved_steps(tmp_path, (1, 2))
@@ -266,7 +266,7 @@ def test_a_symlinked_checkpoint_is_refused_with_a_message(tmp_path):
     import shutil
 
     from rlgraph.backends.local.executor import CheckpointMismatch
-    from rlgraph.ir.errors import ConfigError
+    from rlgraph.errors import ConfigError
     from rlgraph.train.checkpoint import read_checkpoint, resolve_checkpoint
 
     _saved_steps(tmp_path / "run", (1,))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from hypothesis import Phase, example, given, settings, strategies as st
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.run import load_run_config, train
 from tests.helpers import assert_rows_close
 from tests.train.test_run import assert_same_run, make_config, metrics_of, train_rows

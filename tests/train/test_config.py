@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.config import TrainConfig, load_config
 
 MINIMAL = """\

@@ -12,7 +12,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rlgraph.backends.local.models import TINY_CONFIG
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.export import export_run
 from rlgraph.train.run import load_run_config, train
 from rlgraph.train.setup import _tokenizer

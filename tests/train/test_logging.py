@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.rewards.combine import RewardPipeline, RewardTerm
 from rlgraph.train import logging as run_logging
 from rlgraph.train.logging import (SAMPLES_FILE, JsonlSink, MetricLogger, MetricsError, MlflowSink, SampleLog,

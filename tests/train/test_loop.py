@@ -68,7 +68,7 @@ def test_an_async_run_resumes_with_its_batches_in_flight_exactly(tmp_path):
 
 def test_a_checkpoint_with_batches_in_flight_is_refused_by_a_synchronous_plan(tmp_path):
     import pytest
-    from rlgraph.ir.errors import RLGraphError
+    from rlgraph.errors import RLGraphError
 
     first, _ = _async_trainer(tmp_path / "run")
     list(first.run(steps=2))

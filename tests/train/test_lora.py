@@ -19,7 +19,7 @@ from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import LossCounts, ModelRef, UpdateConfig
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.testing import tiny_prompts
 from rlgraph.testing.tiny import length_parity_reward
 from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint

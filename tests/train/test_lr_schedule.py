@@ -10,7 +10,7 @@ from rlgraph.train.config import TrainConfig
 
 
 def lr_factor(**optimizer):
-    from rlgraph.train.run import lr_factor as factor
+    from rlgraph.train.roles import lr_factor as factor
 
     steps = optimizer.pop("steps", 10)
     config = TrainConfig(data={"train": "x"}, rewards=[{"name": "math"}], train={"steps": steps}, optimizer=optimizer)
@@ -35,7 +35,7 @@ def test_decays_reach_min_lr_ratio_at_the_last_step(schedule, expected):
 
 
 def test_a_time_bound_run_keeps_the_rate_constant():
-    from rlgraph.train.run import lr_factor as factor
+    from rlgraph.train.roles import lr_factor as factor
 
     config = TrainConfig(data={"train": "x"}, rewards=[{"name": "math"}], train={"seconds": 60},
                          optimizer={"schedule": "cosine"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.run import train
 from tests.train.test_run import make_config, metrics_of
 

@@ -7,7 +7,7 @@ import math
 import pytest
 from matplotlib.image import imread
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.logging import JsonlSink, MetricsError, read_metrics
 from rlgraph.train.plot import GROUPS, plot_run, series, smooth
 

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.checkpoint import latest_checkpoint, read_checkpoint
 from rlgraph.train.config import load_config
 from rlgraph.train.run import load_run_config, train

@@ -9,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.progress import Ema, RunProgress
 
 

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.recipe import world_of_config
 from rlgraph.train.recipe import add_rl_roles, build_roles
 from rlgraph.train.setup import prepare

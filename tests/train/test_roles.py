@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlgraph.backends.local.train_compile import AUTO_MIN_FORWARDS
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.roles import compiles_training
 from tests.train.test_run import make_config
 

@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from rlgraph.backends.local.executor import CheckpointMismatch
-from rlgraph.ir.errors import ConfigError, RLGraphError
+from rlgraph.errors import ConfigError, RLGraphError
 from rlgraph.train.checkpoint import file_sha256, latest_checkpoint
 from rlgraph.train.config import load_config
 from rlgraph.train.run import load_run_config, train
@@ -163,7 +163,8 @@ def test_a_run_left_without_finish_writes_no_summary_and_closes_once(tmp_path):
 
 def test_a_checkpoint_fingerprinted_before_hparams_were_resolved_still_resumes(tmp_path, monkeypatch):
     import rlgraph.train.checkpoint as checkpoint
-    from rlgraph.train.run import _refuse_other_run, fingerprint
+    from rlgraph.train.run import _refuse_other_run
+    from rlgraph.train.session import fingerprint
 
     config, _ = make_config(tmp_path, "old")
     old = {**fingerprint(config), "hparams": json.dumps({"kl": 0.04})}  # as runs wrote it: the config's hparams only
@@ -375,7 +376,7 @@ def test_a_run_with_compiled_decoding_compiles_once_and_reports_the_compile_apar
      r"runtime.engine=vllm with model.lora and a warm start: the warm start's adapters are merged into the base"),
 ])
 def test_generation_where_its_engine_cannot_run_is_refused_before_anything_starts(tmp_path, overrides, expected):
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     config, _ = make_config(tmp_path, "bad", overrides)
     with pytest.raises(ConfigError, match=expected):
@@ -388,7 +389,7 @@ def test_generation_where_its_engine_cannot_run_is_refused_before_anything_start
     ("split:policy=x", "group .policy. shares .x., which has no ranks"),
 ])
 def test_a_bad_placement_names_the_key(tmp_path, placement, expected):
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     # on spmd: the local runtime refuses every split first (tests/train/test_composition.py)
     config, _ = make_config(tmp_path, "bad", [f"runtime.placement={placement}", "runtime.runtime=spmd", "runtime.nproc=2"])
@@ -407,7 +408,7 @@ def test_a_bad_placement_names_the_key(tmp_path, placement, expected):
     ("rewards=[{name: no_such_module:fn}]", r"rewards\[0\] \(no_such_module:fn\): 'no_such_module:fn': cannot import"),
 ])
 def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected):
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     config, _ = make_config(tmp_path, "bad", [override.replace("{tmp}", str(tmp_path))])
     with pytest.raises(ConfigError, match=expected):
@@ -422,7 +423,7 @@ def test_bad_model_and_reward_entries_name_the_key(tmp_path, override, expected)
     (["rollout.n=1"], {}, r"rollout.n \(-o rollout.n=1\): grpo: n=1 samples per prompt"),
 ])
 def test_a_bad_hyper_parameter_names_its_config_line_or_flag_before_the_data_loads(tmp_path, overrides, sections, expected):
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     # the data file is missing too: the hyper-parameter is found first
     config, _ = make_config(tmp_path, "bad_hparam", [*overrides, f"data.train={tmp_path / 'missing.jsonl'}"], **sections)
@@ -433,7 +434,7 @@ def test_a_bad_hyper_parameter_names_its_config_line_or_flag_before_the_data_loa
 def test_a_tokenizer_without_eos_is_refused_naming_the_key_before_the_data_loads(tmp_path):
     from rlgraph.backends.local.generation import TokenizerError
     from rlgraph.backends.local.models import load_tokenizer
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     tokenizer = load_tokenizer()
     tokenizer.eos_token = None
@@ -479,7 +480,7 @@ def narrow(completions, answer):
      r"eval.accuracy_reward 'maht' is not one of the rewards \(math\); did you mean 'math'"),
 ])
 def test_reward_files_functions_and_fields_are_checked_before_step_one(tmp_path, overrides, expected):
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     (tmp_path / "rw.py").write_text(REWARDS_PY)
     config, _ = make_config(tmp_path, "bad", [o.replace("{tmp}", str(tmp_path)) for o in overrides])
@@ -502,7 +503,7 @@ def test_dry_run_catches_a_reward_field_the_data_does_not_pass_and_extra_fields_
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_cuda_without_a_gpu_names_runtime_device(tmp_path):
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     config, _ = make_config(tmp_path, "bad", ["runtime.device=cuda"])
     with pytest.raises(ConfigError, match=r"runtime.device 'cuda': .*no CUDA GPU(.|\n)*fix: set runtime.device: cpu"):
@@ -896,7 +897,7 @@ def test_the_warm_start_target_is_measured_on_its_own_dev_split(tmp_path, monkey
     (before RL, every eval.every, at the end) stay on the held-out split."""
     from rich.console import Console
 
-    from rlgraph.train.run import _Session
+    from rlgraph.train.session import _Session
 
     evaluated, evaluate = [], _Session.evaluate
 
@@ -921,7 +922,7 @@ def test_the_warm_start_target_is_measured_on_its_own_dev_split(tmp_path, monkey
      r"set warm_start.eval so that there are 2"),
 ])
 def test_a_bad_warm_start_dev_split_is_refused_naming_the_key(tmp_path, sections, error):
-    from rlgraph.train.run import prepare
+    from rlgraph.train.setup import prepare
 
     dev = str(write_dev(tmp_path, 3))
     sections = {key: {k: dev if v == "DEV" else v for k, v in value.items()} for key, value in sections.items()}

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
-from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.errors import ConfigError, RewardError
 from rlgraph.rewards.sandbox import bwrap_failure
 from rlgraph.train.config import load_config
 from rlgraph.train.run import train

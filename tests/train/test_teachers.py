@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import rlgraph
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.train.recipe import world_of_config
 from rlgraph.train.run import dry_run
 from rlgraph.train.setup import prepare

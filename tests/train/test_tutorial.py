@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from rlgraph.train.config import load_config
-from rlgraph.train.run import build_rewards
+from rlgraph.train.user_code import build_rewards
 
 TUTORIAL = Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "train-your-model.md"
 

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from rlgraph.ir.errors import ConfigError
-from rlgraph.train.run import prepare
+from rlgraph.errors import ConfigError
+from rlgraph.train.setup import prepare
 from rlgraph.train.user_code import import_modules, load_algorithm, load_object
 from tests.train.test_run import make_config
 

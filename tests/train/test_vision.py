@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 from rlgraph.data.images import ImageError
 from rlgraph.train.config import load_config
 from rlgraph.train.run import train

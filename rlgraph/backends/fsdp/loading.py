@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Shard
 
-from rlgraph.ir.errors import ConfigError
+from rlgraph.errors import ConfigError
 
 ALIASES = "rlgraph.aliases"  # metadata key: {dropped name: the stored name holding the same tensor}
 

@@ -26,7 +26,7 @@ from rlgraph.backends.state_files import (chunk_rows, merge_optimizer_states, op
                                           read_optimizer_part, read_rows, refuse_non_finite, tensor_names,
                                           write_part)
 from rlgraph.batches import to_device
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.errors import RLGraphError
 
 
 class ShardedState:

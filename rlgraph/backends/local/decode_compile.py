@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from rlgraph.ir.errors import ConfigError, did_you_mean
+from rlgraph.errors import ConfigError, did_you_mean
 
 MODES = ("auto", "on", "off")
 WIDTH_BUCKET = 16  # compiled decode pads the prompt columns up to a multiple of this: few cache lengths, few compiles

@@ -43,7 +43,7 @@ from rlgraph.backends.local.vlm_forward import is_vision_lm
 from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
                                         UpdateConfig)
 from rlgraph.functional.aggregate import global_counts
-from rlgraph.ir.errors import ConfigError, RewardError, RLGraphError
+from rlgraph.errors import ConfigError, RewardError, RLGraphError
 from rlgraph.batches import Prompts, Rollouts, check_token_ids, to_device
 
 

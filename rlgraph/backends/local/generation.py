@@ -34,11 +34,9 @@ from rlgraph.backends.local.decode_compile import CompileLedger, chunk_steps, mo
 from rlgraph.backends.local.lean_decode import LeanDecoder, lean_unsupported
 from rlgraph.backends.local.vlm_forward import is_vision_lm, prompt_inputs
 from rlgraph.kernels import sampling as fused
-from rlgraph.kernels.sampling import (  # noqa: F401 - re-exported
-    argmax_and_logprob, gumbel_noise, splitmix64, uniform_from_bits,
-)
+from rlgraph.kernels.sampling import argmax_and_logprob, gumbel_noise, splitmix64
 from rlgraph.batches import Prompts, Rollouts
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.errors import RLGraphError
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -132,7 +130,7 @@ def _stop_end(tokens: list[int], stop: Sequence[str], decode: Callable[[list[int
 
 # -- counter-based noise ---------------------------------------------------------------------------
 # The hash (splitmix64), its uniforms and the Gumbel noise are the fused sampling kernel's torch
-# reference (`rlgraph.kernels.sampling`); they are re-exported here, where the engine uses them.
+# reference (`rlgraph.kernels.sampling`).
 
 
 def as_int64(value: int) -> int:

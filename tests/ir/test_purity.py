@@ -1,5 +1,5 @@
 """In-place changes and Python/numpy conversions of traced values are refused at the user's line
-(rlgraph/ir/trace_checks.py), with the out-of-place form to write; the out-of-place forms trace."""
+(rlgraph/ir/purity.py), with the out-of-place form to write; the out-of-place forms trace."""
 
 from pathlib import Path
 
@@ -9,14 +9,14 @@ import torch
 
 import rlgraph as rg
 from rlgraph import functional as F
-from rlgraph.ir.errors import SpecError, TraceError
+from rlgraph.errors import SpecError, TraceError
 
 HERE = Path(__file__).read_text().splitlines()
 
 
 def assert_points_at(exc: pytest.ExceptionInfo, marker: str) -> None:
     line = next(i + 1 for i, text in enumerate(HERE) if text.rstrip().endswith(f"# {marker}"))
-    assert f"test_trace_checks.py:{line}" in str(exc.value), str(exc.value)
+    assert f"test_purity.py:{line}" in str(exc.value), str(exc.value)
 
 
 def _algorithm(construct: str):
@@ -109,6 +109,6 @@ def test_conversions_to_python_or_numpy_are_refused_at_the_line(name):
     with pytest.raises(TraceError) as exc:
         algo.trace()
     line = HERE.index(next(text for text in HERE if text.strip().startswith(f'"{name}"') or f' "{name}": ' in text)) + 1
-    assert f"test_trace_checks.py:{line}" in str(exc.value), str(exc.value)  # the user's line: the one that converts
+    assert f"test_purity.py:{line}" in str(exc.value), str(exc.value)  # the user's line: the one that converts
     assert what in exc.value.summary and "Python value of a traced value" in exc.value.summary
     assert not isinstance(exc.value, SpecError)  # not reported as a shape mismatch

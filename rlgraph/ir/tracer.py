@@ -24,10 +24,10 @@ import torch.fx as fx
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import TraceError, user_location
+from rlgraph.errors import TraceError, user_location
 from rlgraph.ir.infer import get_field, infer
 from rlgraph.ir.program import constant
-from rlgraph.ir.trace_checks import install_refusals, python_value_error, refuse_inplace_node
+from rlgraph.ir.purity import install_refusals, python_value_error, refuse_inplace_node
 
 
 class TracedValue(fx.Proxy):

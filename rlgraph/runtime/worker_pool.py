@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rlgraph.backends.protocols import ExecutorState, ModelRef, RankRecipe
-from rlgraph.ir.errors import RLGraphError
+from rlgraph.errors import RLGraphError
 from rlgraph.ir.program import Program
 from rlgraph.runtime import collectives as C
 from rlgraph.runtime.errors import WorkerFailure

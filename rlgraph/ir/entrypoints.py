@@ -16,11 +16,11 @@ import torch.fx as fx
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.ir import ops
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import SpecError, TraceError, user_location
+from rlgraph.errors import SpecError, TraceError, user_location
 from rlgraph.ir.primitives import RefillLoop, ancestors, primitive_name, refill_loops
 from rlgraph.ir.program import Program
 from rlgraph.ir.infer import infer
-from rlgraph.ir.trace import Handle, StateView, TracedValue, Tracer
+from rlgraph.ir.tracer import Handle, StateView, TracedValue, Tracer
 
 
 # -- tracing entry points -----------------------------------------------------------------------
@@ -79,7 +79,7 @@ def check_algorithm_call(fn: Callable[..., Any], args: tuple) -> None:
 
 
 def _definition_site(fn: Callable[..., Any]):
-    from rlgraph.ir.errors import SourceLocation
+    from rlgraph.errors import SourceLocation
 
     code = getattr(fn, "__code__", None)
     return SourceLocation(code.co_filename, code.co_firstlineno, fn.__name__) if code else None

@@ -21,10 +21,9 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlgraph.ir.errors import ConfigError, RewardError
+from rlgraph.errors import ConfigError, RewardError
 from rlgraph.rewards.reward_worker import ScoreTerms
-from rlgraph.supervised.pool import (BuildError, PoolNames, SupervisedPool, check_settings,  # noqa: F401 - re-exported
-                                     pid_namespace_failure)
+from rlgraph.supervised.pool import BuildError, PoolNames, SupervisedPool, check_settings
 
 WORKERS_ENV = "RLGRAPH_REWARD_WORKERS"
 NAMES = PoolNames("reward_", "reward", "reward_timeout_s", "scores")

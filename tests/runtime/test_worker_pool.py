@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlgraph.runtime.errors import WorkerFailure
-from rlgraph.runtime.pool import WorkerPool, resolve_device
+from rlgraph.runtime.worker_pool import WorkerPool, resolve_device
 
 
 def test_auto_is_cuda_only_where_torch_sees_a_gpu():

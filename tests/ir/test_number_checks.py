@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from rlgraph.ir.checks import check_number, number_problem
-from rlgraph.ir.errors import TraceError
+from rlgraph.ir.number_checks import check_number, number_problem
+from rlgraph.errors import TraceError
 
 
 @pytest.mark.parametrize("value", [-1, math.nan, math.inf, "1", None, True])
@@ -25,5 +25,5 @@ def test_check_number_names_owner_value_line_and_fix():
         check_number("rg.update", "grad_clip", -1, low=0, low_open=True, optional=True)  # E-here
     text = str(exc.value)
     assert "rg.update: grad_clip=-1 is not valid; it must be a finite number > 0 or None" in text
-    assert "test_checks.py" in text and "fix: pass grad_clip=" in text
+    assert "test_number_checks.py" in text and "fix: pass grad_clip=" in text
     check_number("rg.update", "grad_clip", None, low=0, optional=True)  # None: off

@@ -8,7 +8,7 @@ import torch
 
 import rlgraph as rg
 from rlgraph.ir import specs as S
-from rlgraph.ir.errors import SpecError, TraceError
+from rlgraph.errors import SpecError, TraceError
 
 HERE = Path(__file__).read_text().splitlines()
 
@@ -19,7 +19,7 @@ def line_of(marker: str) -> int:
 
 def assert_points_at(exc: pytest.ExceptionInfo, marker: str) -> None:
     text = str(exc.value)
-    assert f"test_trace.py:{line_of(marker)}" in text, text
+    assert f"test_tracer.py:{line_of(marker)}" in text, text
 
 
 def test_shape_mismatch_names_dims_and_line():

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from rlgraph.ir.errors import TraceError, user_location
+from rlgraph.errors import TraceError, user_location
 
 # augmented assignment hooks -> the operator to write instead
 _AUGMENTED = {"__iadd__": "+", "__isub__": "-", "__imul__": "*", "__itruediv__": "/", "__ifloordiv__": "//",

@@ -12,7 +12,7 @@ import numbers
 import sys
 from typing import Any
 
-from rlgraph.ir.errors import SourceLocation, TraceError, user_location
+from rlgraph.errors import SourceLocation, TraceError, user_location
 
 
 def number_problem(value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False,
