@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlgraph.backends.local import decode_compile  # noqa: E402
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams  # noqa: E402
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.lean_decode import LeanDecoder  # noqa: E402
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer  # noqa: E402
 from rlgraph.batches import Prompts  # noqa: E402

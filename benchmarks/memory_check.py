@@ -32,7 +32,8 @@ from torch.utils._pytree import tree_flatten
 
 from rlgraph.algorithms import evaluate, grpo, sft
 import rlgraph as rg
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.data import arithmetic

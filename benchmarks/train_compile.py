@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlgraph.backends.local.executor import LocalExecutor  # noqa: E402
 from rlgraph.backends.local.logprobs import role_outputs  # noqa: E402
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams  # noqa: E402
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.train_compile import mark_dynamic_shapes  # noqa: E402
 from rlgraph.bench import CONFIGS, RlgraphSide, bench_problems, write_model  # noqa: E402
 from rlgraph.backends.local.logprobs import sequence_logprobs  # noqa: E402

@@ -62,7 +62,8 @@ def _model(size, tokenizer):
 
 
 def generate(rounds: int) -> dict:
-    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+    from rlgraph.backends.local.generation import NativeGenerator
+    from rlgraph.backends.local.counter_sampling import SamplingParams
     from rlgraph.backends.local.models import load_tokenizer
     from rlgraph.backends.protocols import ModelRef
     from rlgraph.testing import tiny_prompts

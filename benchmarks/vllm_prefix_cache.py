@@ -17,7 +17,7 @@ import tempfile
 import time
 
 import rlgraph as rg
-from rlgraph.backends.local.executor import LMWorker
+from rlgraph.backends.local.state import LMWorker
 from rlgraph.backends.local.models import TINY_VLLM_CONFIG, build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import EnvRef
 from rlgraph.backends.vllm.engine import VLLMEngine, launcher_env

@@ -17,7 +17,8 @@ import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
 from rlgraph.algorithms.hparams import RULES
 from rlgraph.backends.local.executor import RewardWorker
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.protocols import ModelRef, RewardRef
 from rlgraph.batches import BatchError, Prompts, Rollouts
 from rlgraph.cli import main

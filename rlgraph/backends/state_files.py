@@ -111,7 +111,7 @@ def read_full(directory: Path, role: str, parts: int) -> dict[str, torch.Tensor]
 
 def refuse_non_finite(tensors: Mapping[str, torch.Tensor], role: str, where: str) -> None:
     """NaN/inf weights would train on as a 'gradient norm is nan' steps later: refuse them at load."""
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
 
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

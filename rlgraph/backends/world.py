@@ -263,7 +263,7 @@ class WorldSpec:
         """Each role's model (with its optimizer) on `device`, in the order of `roles`. A module in
         `given` is that role's model as it is (a live policy, a service's shared base): only its
         optimizer comes from the spec; a `base_of` view runs the viewed role's module, given or built."""
-        from rlgraph.backends.local.executor import LMWorker
+        from rlgraph.backends.local.state import LMWorker
 
         given = dict(given or {})
         models = {}

@@ -22,7 +22,7 @@ an ulp or two of each other (probability ~1e-6 per row at these magnitudes); tes
 fixed seeds and bound the log-prob difference by the summation's rounding.
 
 Nucleus (top-p < 1) filtering needs a sort of each row; it stays in torch
-(`rlgraph.backends.local.generation.sample_tokens`).
+(`rlgraph.backends.local.counter_sampling.sample_tokens`).
 """
 
 from __future__ import annotations

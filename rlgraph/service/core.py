@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.backends.local.executor import NonFiniteUpdate
+from rlgraph.backends.local.training import NonFiniteUpdate
 from rlgraph.service import programs
 from rlgraph.batches import Prompts
 from rlgraph.service.datums import Datum, Limits, check_datums, check_tokens, to_prompts, to_rollouts

@@ -29,8 +29,8 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.backends.local.executor import LMWorker
-from rlgraph.backends.local.generation import SamplingStream
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.counter_sampling import SamplingStream
 from rlgraph.service.tenants import BaseModel, LoraSpec, TenantExecutor
 
 COMMANDS = ("create", "drop", "tensors", "state", "load", "add_sampler", "use", "bad_values", "done")

@@ -25,7 +25,8 @@ from typing import Any
 import attrs
 import torch
 
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, require_device
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor, require_device
 from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.backends.world import RoleSpec
 from rlgraph.service.errors import CallError

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlgraph.backends.local.executor import CheckpointMismatch
+from rlgraph.backends.local.state import CheckpointMismatch
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import check_parts, full_state, refuse_non_finite, untied
 from rlgraph.errors import ConfigError

@@ -171,7 +171,7 @@ def _fingerprint(config: TrainConfig) -> dict[str, str]:
 
 def _refuse_other_corpus(config: TrainConfig, checkpoint: Path) -> None:
     """A checkpoint's data position means something only for its corpus, packing, algorithm and model."""
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.train.checkpoint import read_extra
 
     saved, mine = read_extra(checkpoint).get("user", {}).get("fingerprint"), _fingerprint(config)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from rlgraph.backends.local.decode_compile import DecodeCompile
-from rlgraph.backends.local.executor import CheckpointMismatch
+from rlgraph.backends.local.state import CheckpointMismatch
 from rlgraph.backends.world import RoleSpec, make_optimizer
 from rlgraph.train.checkpoint import BASE_FILE
 from rlgraph.train.config import TrainConfig

@@ -28,7 +28,7 @@ import attrs
 import torch
 from rich.console import Console
 
-from rlgraph.backends.local.executor import CheckpointMismatch
+from rlgraph.backends.local.state import CheckpointMismatch
 from rlgraph.errors import ConfigError
 from rlgraph.train.checkpoint import (
     abandon_later_checkpoints, claim_file, later_checkpoints, refuse_foreign, resume_point,

@@ -7,7 +7,7 @@ import torch
 import rlgraph as rg
 from rlgraph.api import DEFAULT_ROLES
 from rlgraph.algorithms import distill
-from rlgraph.backends.local.executor import LMWorker
+from rlgraph.backends.local.state import LMWorker
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.errors import TraceError
 from rlgraph.runtime.eager import Interpreter

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from rlgraph.backends.local import decode_compile as dc
 from rlgraph.backends.local.decode_compile import CompileLedger, DecodeCompile, padded_width, step_saving
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor, RewardWorker
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.errors import ConfigError
 
@@ -206,7 +207,8 @@ def test_a_chunk_is_taken_for_temperature_and_greedy_sampling_and_not_for_a_nucl
     """No compile here: which decode path a call takes. A nucleus needs a sort per row (the per-step sampler);
     the chunk's noise [N, k, V] is precomputed, so a call whose noise passes the budget runs a call a step."""
     from rlgraph.backends.local import generation
-    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+    from rlgraph.backends.local.generation import NativeGenerator
+    from rlgraph.backends.local.counter_sampling import SamplingParams
 
     model = build_causal_lm(None, tokenizer=tokenizer)
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -265,7 +267,8 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
     from torch._dynamo.utils import counters
 
     from rlgraph.backends.local import lean_decode
-    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+    from rlgraph.backends.local.generation import NativeGenerator
+    from rlgraph.backends.local.counter_sampling import SamplingParams
 
     monkeypatch.setattr(dc, "CHUNK_STEPS", 2)  # k = 8 compiles 4x longer and tests nothing more
     model = biased_model64(tokenizer, 2.0)
@@ -304,7 +307,8 @@ def test_the_compiled_chunk_draws_the_tokens_of_the_eager_loop_and_of_the_compil
 def test_the_compiled_chunk_draws_the_eager_tokens_for_any_prompts_seed_and_temperature(tokenizer, monkeypatch):
     """Hypothesis over prompt texts (4 prompts of 1-9 characters: one 16-column bucket, so one graph),
     seeds, calls and temperatures, on the EOS-biased float64 model: the eager loop's rollouts."""
-    from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+    from rlgraph.backends.local.generation import NativeGenerator
+    from rlgraph.backends.local.counter_sampling import SamplingParams
 
     monkeypatch.setattr(dc, "CHUNK_STEPS", 2)
     model = biased_model64(tokenizer, 2.0)

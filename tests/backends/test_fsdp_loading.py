@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
 from rlgraph.backends.fsdp.loading import WeightSource, fill_shards, missing_names, parameters_on_meta, write_weights
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.world import RoleSpec, WorldSpec

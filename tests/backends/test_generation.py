@@ -4,9 +4,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rlgraph.backends.local.executor import decode_responses
-from rlgraph.backends.local.generation import (
-    NativeGenerator, PromptError, SamplingParams, SamplingStream, as_int64, cut_at_stop, nucleus_filter,
-    sample_tokens, sampling_keys,
+from rlgraph.backends.local.generation import NativeGenerator, PromptError, cut_at_stop
+from rlgraph.backends.local.counter_sampling import (
+    SamplingParams, SamplingStream, as_int64, nucleus_filter, sample_tokens, sampling_keys,
 )
 from rlgraph.kernels.sampling import splitmix64, uniform_from_bits
 from rlgraph.backends.protocols import RewardRef

@@ -11,7 +11,8 @@ by ~1e-2 (tests/backends/test_lean_static.py). The tokens are the same draws.
 import pytest
 import torch
 
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.models import build_causal_lm
 
 from tests.backends.conftest import prompts_of

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams, StepNoise, lean_decoding, sampling_keys
+from rlgraph.backends.local.generation import NativeGenerator, lean_decoding
+from rlgraph.backends.local.counter_sampling import SamplingParams, StepNoise, sampling_keys
 from rlgraph.kernels.sampling import gumbel_noise, splitmix64
 from rlgraph.backends.local.lean_decode import lean_unsupported
 from rlgraph.backends.local.models import build_causal_lm, tiny_config

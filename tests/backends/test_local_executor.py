@@ -77,7 +77,7 @@ def _weights(executor):
 
 
 def test_a_nan_gradient_stops_the_update_before_any_weight_changes():
-    from rlgraph.backends.local.executor import NonFiniteUpdate
+    from rlgraph.backends.local.training import NonFiniteUpdate
     from rlgraph.backends.protocols import ModelRef, UpdateConfig
     from rlgraph.testing import tiny_executor, tiny_prompts
 
@@ -112,7 +112,7 @@ def test_on_nonfinite_skip_drops_the_step_and_counts_it():
     (lambda c, **_: [1.0], r"returned shape \(1,\); expected one number per completion \(4,\)"),
 ])
 def test_a_reward_that_is_not_one_finite_number_per_completion_names_the_sample(reward, message):
-    from rlgraph.backends.local.executor import RewardError
+    from rlgraph.errors import RewardError
     from rlgraph.backends.protocols import ModelRef, RewardRef
     from rlgraph.testing import tiny_executor, tiny_prompts
 
@@ -168,7 +168,7 @@ def test_a_nan_gradient_under_the_compiled_forward_changes_no_weight(monkeypatch
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from rlgraph.backends.local import train_compile
-    from rlgraph.backends.local.executor import NonFiniteUpdate
+    from rlgraph.backends.local.training import NonFiniteUpdate
     from rlgraph.backends.local.logprobs import role_outputs
 
     counter = CompileCounterWithBackend("aot_eager")
@@ -189,7 +189,7 @@ def test_a_nan_gradient_under_the_compiled_forward_changes_no_weight(monkeypatch
 
 
 def test_set_mode_walks_the_modules_only_when_one_is_in_the_other_mode(monkeypatch):
-    from rlgraph.backends.local.executor import set_mode
+    from rlgraph.backends.local.training import set_mode
 
     model = tiny_executor().models["policy"].model.train()
     walks = []

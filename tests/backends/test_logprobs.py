@@ -3,7 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs, vocabulary_logprobs
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.data.arithmetic import Problem, to_demonstrations

@@ -8,7 +8,7 @@ import torch
 
 import rlgraph as rg
 from rlgraph.agents.env import EnvError
-from rlgraph.backends.local.generation import SamplingParams
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.multiturn import TurnDecoder, TurnLimits, decode_turn, left_pad
 from rlgraph.backends.protocols import EnvRef
@@ -213,7 +213,8 @@ def test_an_environment_that_answers_with_an_image_is_seen_by_the_policy_and_the
     (one pass, mrope over prompt, turns and image) gives the sampling log-probs (fp32, 1e-5)."""
     from PIL import Image
 
-    from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
+    from rlgraph.backends.local.state import LMWorker
+    from rlgraph.backends.local.executor import LocalExecutor, RewardWorker
     from rlgraph.backends.local.vlm import build_image_processor, build_vision_lm, build_vl_tokenizer, vl_prompts
 
     tokenizer = build_vl_tokenizer()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlgraph.backends.local.executor import StaleVersionError
-from rlgraph.backends.local.generation import SamplingParams, sampling_keys
+from rlgraph.backends.local.counter_sampling import SamplingParams, sampling_keys
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm import (
     VLLMEngine, VLLMError, check_head_dim, import_vllm, request_seeds, rollouts_from_outputs, sampling_kwargs, token_prompts,

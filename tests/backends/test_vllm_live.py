@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rlgraph.backends.local.executor import StaleVersionError
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.models import TINY_VLLM_CONFIG, build_causal_lm
 from rlgraph.backends.protocols import ModelRef

@@ -12,8 +12,9 @@ import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.backends.local.executor import LMWorker, RewardWorker, StaleVersionError
-from rlgraph.backends.local.generation import SamplingParams
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import RewardWorker, StaleVersionError
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.transport import SyncRoute

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import rlgraph as rg
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor, RewardWorker
 from rlgraph.backends.protocols import EnvRef
 from rlgraph.backends.vllm.multiturn import cut_at_stop, turn_seeds
 from rlgraph.testing import tiny_prompts

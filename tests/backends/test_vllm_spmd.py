@@ -12,7 +12,8 @@ import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
-from rlgraph.backends.local.executor import LMWorker, RewardWorker
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import RewardWorker
 from rlgraph.backends.world import RoleSpec, WorldSpec
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.runtime.spmd import SpmdTransport

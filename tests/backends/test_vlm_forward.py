@@ -10,8 +10,10 @@ from PIL import Image
 
 import rlgraph.testing as rgt
 from rlgraph.algorithms import grpo
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor, RewardWorker
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.backends.local.vlm import (

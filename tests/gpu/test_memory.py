@@ -22,7 +22,8 @@ import gc
 import pytest
 import torch
 
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.backends.protocols import LossCounts, ModelRef, UpdateConfig
 from rlgraph.batches import Rollouts, to_device

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlgraph.backends.local.generation import SamplingParams, sample_tokens
+from rlgraph.backends.local.counter_sampling import SamplingParams, sample_tokens
 from rlgraph.kernels.sampling import gumbel_noise, gumbel_sample_reference, gumbel_sample_triton, splitmix64
 
 EPS = 2.0**-24

@@ -8,7 +8,7 @@ import torch
 
 import rlgraph as rg
 from rlgraph import functional as F
-from rlgraph.backends.local.executor import NonFiniteUpdate
+from rlgraph.backends.local.training import NonFiniteUpdate
 from rlgraph.errors import TraceError
 from rlgraph.runtime.eager import Interpreter
 from rlgraph.runtime.plan_runner import PlanRunner

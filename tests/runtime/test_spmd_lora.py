@@ -14,7 +14,8 @@ import torch
 import rlgraph as rg
 from rlgraph.algorithms import ALGORITHMS
 from rlgraph.backends.fsdp.build import check_views
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor
 from rlgraph.backends.local.models import load_tokenizer
 from rlgraph.backends.lora import merged_state_dict, reference_of, trainable_state
 from rlgraph.backends.protocols import ModelRef

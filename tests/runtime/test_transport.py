@@ -114,7 +114,7 @@ def test_a_checkpoint_state_restores_the_weights_it_was_taken_with():
 def test_save_weights_writes_the_roles_weights_and_a_lora_roles_merged(tmp_path):
     from safetensors.torch import load_file
 
-    from rlgraph.backends.local.executor import LMWorker
+    from rlgraph.backends.local.state import LMWorker
     from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict
 
     executor = make_executor()

@@ -54,7 +54,7 @@ def test_checkpoints_are_complete_or_absent(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate policy.safetensors", "truncate policy.optim.pt", "truncate run_state.pt",
                                     "truncate meta.json", "remove policy.safetensors", "random run_state.pt"])
 def test_a_damaged_checkpoint_is_refused_and_leaves_the_executor_as_it_was(damage, tmp_path):
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.testing import tiny_executor
     from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -77,7 +77,7 @@ def test_a_damaged_checkpoint_is_refused_and_leaves_the_executor_as_it_was(damag
 
 
 def test_a_checkpoint_of_another_shape_or_optimizer_is_refused_before_anything_changes(tmp_path):
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.testing import tiny_executor
     from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -96,7 +96,7 @@ def _saved(tmp_path, step=3, **kwargs):
 
 
 def test_a_flipped_bit_inside_tensor_data_is_refused_naming_the_file(tmp_path):
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.train.checkpoint import read_checkpoint
 
     path = _saved(tmp_path)
@@ -111,7 +111,7 @@ def test_a_flipped_bit_inside_tensor_data_is_refused_naming_the_file(tmp_path):
 @pytest.mark.parametrize("edit", ["sha256 key deleted", "sha256 key deleted, meta.sha256 rewritten", "step 3 -> 7",
                                   "meta.sha256 deleted"])
 def test_meta_json_is_checksummed_an_edit_of_it_is_refused_not_warned(edit, tmp_path):
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.train.checkpoint import file_sha256, intact_checkpoint, read_checkpoint
 
     path = _saved(tmp_path)
@@ -138,7 +138,7 @@ def test_meta_json_is_checksummed_an_edit_of_it_is_refused_not_warned(edit, tmp_
 
 
 def test_a_step_count_that_disagrees_with_the_directory_is_refused(tmp_path):
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.train.checkpoint import file_sha256, read_checkpoint
 
     path = _saved(tmp_path)
@@ -152,7 +152,7 @@ def test_a_step_count_that_disagrees_with_the_directory_is_refused(tmp_path):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_weights_are_refused_naming_the_role_tensor_and_file(value, tmp_path):
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.testing import tiny_executor
     from rlgraph.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -265,7 +265,7 @@ def test_a_later_checkpoint_rlgraph_did_not_write_refuses_the_resume_before_late
 def test_a_symlinked_checkpoint_is_refused_with_a_message(tmp_path):
     import shutil
 
-    from rlgraph.backends.local.executor import CheckpointMismatch
+    from rlgraph.backends.local.state import CheckpointMismatch
     from rlgraph.errors import ConfigError
     from rlgraph.train.checkpoint import read_checkpoint, resolve_checkpoint
 

@@ -13,7 +13,7 @@ import torch
 
 import rlgraph as rg
 from rlgraph.algorithms import grpo
-from rlgraph.backends.local.executor import CheckpointMismatch
+from rlgraph.backends.local.state import CheckpointMismatch
 from rlgraph.backends.state_files import chunk_rows, optimizer_file, part_file, read_rows, write_part
 from rlgraph.runtime.plan_runner import PlanRunner
 from rlgraph.testing import tiny_executor

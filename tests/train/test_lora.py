@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
-from rlgraph.backends.local.executor import (CheckpointMismatch, LMWorker, LocalExecutor, RewardWorker,
-                                             checkpoint_weights, describe_weights)
-from rlgraph.backends.local.generation import NativeGenerator, SamplingParams
+from rlgraph.backends.local.state import CheckpointMismatch, LMWorker, checkpoint_weights, describe_weights
+from rlgraph.backends.local.executor import LocalExecutor, RewardWorker
+from rlgraph.backends.local.generation import NativeGenerator
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.local.logprobs import sequence_logprobs
 from rlgraph.backends.local.models import build_causal_lm, load_tokenizer
 from rlgraph.backends.protocols import LossCounts, ModelRef, UpdateConfig

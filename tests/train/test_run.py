@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rlgraph.backends.local.executor import CheckpointMismatch
+from rlgraph.backends.local.state import CheckpointMismatch
 from rlgraph.errors import ConfigError, RLGraphError
 from rlgraph.train.checkpoint import file_sha256, latest_checkpoint
 from rlgraph.train.config import load_config

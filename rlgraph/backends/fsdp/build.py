@@ -29,7 +29,8 @@ from rlgraph.backends.fsdp.loading import (LoraStartSource, WeightSource, fill_s
 from rlgraph.backends.fsdp.shards import LocalShardOptimizer, RoleForward, decoder_layers, engine_dtype, role_module
 from rlgraph.backends.fsdp.sync import sync_ranks
 from rlgraph.backends.fsdp.executor import FSDPExecutor
-from rlgraph.backends.local.executor import LMWorker, RewardWorker
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import RewardWorker
 from rlgraph.backends.local.models import build_causal_lm, config_only
 from rlgraph.backends.vllm.engine import VLLMEngine
 

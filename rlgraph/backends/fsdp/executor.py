@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor
 from rlgraph.backends.fsdp.shards import HostBuffers, LocalShardOptimizer, RoleForward, gather_full, on_host, role_module
 from rlgraph.backends.fsdp.state import ShardedState, merge_optimizer_states
 from rlgraph.backends.fsdp.sync import WeightSync
-from rlgraph.backends.local.executor import LMWorker, LocalExecutor, RewardWorker, StaleVersionError
-from rlgraph.backends.local.generation import SamplingParams
+from rlgraph.backends.local.state import LMWorker
+from rlgraph.backends.local.executor import LocalExecutor, RewardWorker, StaleVersionError
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.engine import VLLMEngine
 from rlgraph.batches import Rollouts

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlgraph.backends.local.executor import LMWorker
+from rlgraph.backends.local.state import LMWorker
 from rlgraph.backends.local.logprobs import role_outputs
 from rlgraph.batches import Rollouts
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlgraph.backends.fsdp.shards import role_module, shard_rows
-from rlgraph.backends.local.executor import LMWorker, _optimizer_kind, check_role_state, checkpoint_weights
-from rlgraph.backends.local.generation import SamplingStream
+from rlgraph.backends.local.state import LMWorker, _optimizer_kind, check_role_state, checkpoint_weights
+from rlgraph.backends.local.counter_sampling import SamplingStream
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import (chunk_rows, merge_optimizer_states, optimizer_file, read_full_optimizer,
                                           read_optimizer_part, read_rows, refuse_non_finite, tensor_names,

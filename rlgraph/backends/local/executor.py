@@ -31,20 +31,21 @@ import torch
 
 from rlgraph.backends.local.decode_compile import (CompileLedger, Decision, DecodeCompile, model_signature,
                                                   padded_width)
-from rlgraph.backends.local.generation import (
-    NativeGenerator, SamplingParams, SamplingStream, cut_at_stop, token_id,
-)
+from rlgraph.backends.local.generation import NativeGenerator, cut_at_stop, token_id
+from rlgraph.backends.local.counter_sampling import SamplingParams, SamplingStream
 from rlgraph.backends.local.lean_decode import lean_unsupported
 from rlgraph.backends.local.logprobs import head_fits_one_block, role_outputs
 from rlgraph.backends.local.multiturn import TurnLimits, multi_turn_rollouts
 from rlgraph.backends.local.packing import pack_rows, row_tokens
 from rlgraph.backends.local.vlm import image_encoder
 from rlgraph.backends.local.vlm_forward import is_vision_lm
-from rlgraph.backends.protocols import (EnvRef, ExecutorState, LossCounts, LossFn, ModelRef, RewardRef, RoleState,
-                                        UpdateConfig)
-from rlgraph.functional.aggregate import global_counts
-from rlgraph.errors import ConfigError, RewardError, RLGraphError
+from rlgraph.backends.protocols import EnvRef, ExecutorState, LossFn, ModelRef, RewardRef, RoleState, UpdateConfig
+from rlgraph.errors import ConfigError, RewardError
 from rlgraph.batches import Prompts, Rollouts, check_token_ids, to_device
+from rlgraph.backends.local.state import (
+    LMWorker, _optimizer_kind, check_role_state, checkpoint_weights, load_checkpoint_weights,
+)
+from rlgraph.backends.local.training import NonFiniteUpdate, TrainingEpochs, set_mode, split_rows  # noqa: F401
 
 
 class StaleVersionError(RuntimeError):
@@ -58,20 +59,6 @@ def _check_ids(worker: Any, rollouts: Rollouts, where: str) -> None:
         if embeddings is not None:
             check_token_ids(rollouts, embeddings().num_embeddings, where)
             return
-
-
-@attrs.define
-class LMWorker:
-    """A model role. `optimizer=None` makes it frozen (a reference model).
-
-    `kind="critic"` marks a value model (`rlgraph.backends.local.critic.Critic`): `values` and its
-    updates use `model.values(rollouts)` in place of the log-probs.
-    """
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None = None
-    version: int = 0
-    kind: str = "lm"
 
 
 @attrs.define
@@ -89,7 +76,7 @@ def check_tokenizer(tokenizer: Any, where: str | None = None) -> Any:
     return tokenizer
 
 
-class LocalExecutor:
+class LocalExecutor(TrainingEpochs):
     """Every role of `models` on `device` (their modules must be there already)."""
 
     def __init__(self, models: Mapping[str, LMWorker], rewards: Mapping[str, RewardWorker], tokenizer: Any, *,
@@ -417,108 +404,6 @@ class LocalExecutor:
         worker.version += 1
         return ModelRef(model.role, worker.version), {"grad_norm": grad_norm}
 
-    # -- training: the data-parallel hooks a sharded executor overrides -------------------------
-    def _all_reduce_sum(self, role: str, values: torch.Tensor) -> torch.Tensor:
-        """Sum over the role's data-parallel ranks; one process holds every row."""
-        return values
-
-    def _all_reduce_max(self, role: str, count: int) -> int:
-        """The largest `count` over the role's data-parallel ranks; one process: `count`."""
-        return count
-
-    def _grad_sync(self, worker: LMWorker, sync: bool) -> None:
-        """Before a micro-batch's backward: whether its gradients are reduced across ranks now
-        (every micro-batch, or only the last under `grad_sync_last`); one process has nothing to reduce."""
-
-    def _clip_grads(self, worker: LMWorker, clip: float) -> float:
-        """Clip to the global norm `clip` (inf: measure only); returns the norm before clipping."""
-        return float(torch.nn.utils.clip_grad_norm_(worker.model.parameters(), clip))
-
-    def _train_epochs(self, worker: LMWorker, batch: Rollouts, loss_fn: LossFn, config: UpdateConfig,
-                      kept: torch.Tensor | None = None) -> dict[str, float]:
-        """Epochs x mini-batches x micro-batches; returns the mean of each statistic over optimizer steps.
-
-        Each mini-batch's token and sequence counts, and each step's statistics, are summed over
-        the data-parallel ranks (`_all_reduce_sum`), so N ranks holding N shards compute the loss,
-        gradients and statistics of the whole batch. `config.step=False` only adds gradients
-        (no zero_grad, no step); `kept` [N, T] receives each row's per-token output.
-        """
-        role, optimizer = self._role_of(worker), worker.optimizer
-        set_mode(worker.model, training=True)
-        wants_entropy = getattr(loss_fn, "wants_entropy", False)
-        packed = config.micro_batch_tokens is not None
-        # rows in order and split in order: a (mini/micro-)batch of every row is `batch` itself, not a copy
-        in_order = not config.shuffle and not packed
-        totals: dict[str, float] = {}
-        steps = 0
-        skipped = 0
-        for epoch in range(config.epochs):
-            order = torch.randperm(len(batch), generator=self.generator) if config.shuffle else torch.arange(len(batch))
-            for index, minibatch in enumerate(split_rows(order, parts=config.minibatches)):
-                if config.step:
-                    optimizer.zero_grad(set_to_none=True)
-                whole = in_order and len(minibatch) == len(batch)
-                mask = batch.mask if whole else batch.mask[minibatch.to(batch.mask.device)]
-                counts = self._all_reduce_sum(role, torch.stack(global_counts(mask)))
-                step: dict[str, torch.Tensor] = {}
-                micros, real = self._micro_batches(worker, batch, minibatch, config.micro_batch_tokens,
-                                                   f"rg.update({role})", size=config.micro_batch_size)
-                finite: list[torch.Tensor] = []  # per micro-batch, on the device: read only if the step fails
-                for position, micro in enumerate(micros):
-                    with self._autocast():  # the forward only: the loss math and backward stay out of autocast
-                        rows = batch if in_order and len(micro) == len(batch) else batch.select(micro)
-                        output, entropy = self._compiled_forward(worker, rows,
-                                                                 temperature=config.temperature,
-                                                                 with_entropy=wants_entropy, packed=packed,
-                                                                 vocab=config.vocab)
-                    if position >= real:  # a filler: no loss; its backward keeps the ranks' collectives in step
-                        self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
-                        (output.sum() * 0.0).backward()
-                        finite.append(torch.ones((), dtype=torch.bool, device=output.device))
-                        continue
-                    loss, metrics = loss_fn(micro, LossCounts(counts[0], counts[1]), output, entropy)
-                    if kept is not None:
-                        kept[micro.to(kept.device)] = output.detach()
-                    finite.append(torch.isfinite(loss.detach()))
-                    self._grad_sync(worker, position == len(micros) - 1 or not config.grad_sync_last)
-                    loss.backward()
-                    for key, value in {"loss": loss, **metrics}.items():
-                        step[key] = step.get(key, 0.0) + value.detach().double()
-                # The statistics are summed over ranks where they are; one copy to the host after the step.
-                summed = self._all_reduce_sum(role, torch.stack(list(step.values()))) if step else torch.zeros(0)
-                clip = config.grad_clip if config.grad_clip is not None else float("inf")
-                # The step's one host sync: the global norm decides, on every rank alike, whether to step.
-                grad_norm = self._clip_grads(worker, clip)
-                if not math.isfinite(grad_norm):
-                    if config.step:  # an accumulating update leaves the gradients to its caller
-                        optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights
-                    bad_rows = [row for micro, ok in zip(micros, torch.stack(finite).tolist()) if not ok for row in micro.tolist()]
-                    self._refuse_nonfinite(role, worker, config, grad_norm, epoch, index, bad_rows)
-                    skipped += 1
-                    continue
-                if config.step:
-                    optimizer.step()
-                for key, value in zip(step, summed.tolist()):
-                    totals[key] = totals.get(key, 0.0) + value
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
-                steps += 1
-        if not steps:  # every mini-batch was skipped: the statistics of no step
-            totals = {key: float("nan") for key in [*step, "grad_norm"]}
-        stats = {key: value / max(steps, 1) for key, value in totals.items()}
-        return {**stats, "skipped_steps": float(skipped)} if config.on_nonfinite == "skip" else stats
-
-    def _refuse_nonfinite(self, role: str, worker: LMWorker, config: UpdateConfig, grad_norm: float, epoch: int,
-                          minibatch: int, bad_rows: list[int]) -> None:
-        """With `on_nonfinite="raise"`: stop, saying where, before the optimizer step."""
-        if config.on_nonfinite == "skip":
-            return
-        rows = f"rows with a non-finite loss here: {bad_rows[:8]}" if bad_rows else "every loss was finite: the gradient overflowed"
-        raise NonFiniteUpdate(
-            f"update of {role}@{worker.version}: the gradient norm is {grad_norm} at epoch {epoch}, mini-batch "
-            f"{minibatch}; this mini-batch changed no weight ({rows})\n  fix: find where the NaN/inf enters (a reward, "
-            "an advantage, a log-ratio: this step's metrics show it), or pass on_nonfinite='skip' to rg.update to "
-            "drop such mini-batches and count them")
-
     # -- checkpoints -----------------------------------------------------------------------------
     def export_state(self) -> ExecutorState:
         # On the CPU, whatever the device, so a checkpoint loads on any machine.
@@ -554,10 +439,6 @@ def require_device(device: torch.device | str) -> torch.device:
     return device
 
 
-class NonFiniteUpdate(RLGraphError):
-    """An update's gradient norm was NaN or inf; no weight was changed by that mini-batch."""
-
-
 def _as_scores(role: str, values: Any, completions: list[str]) -> torch.Tensor:
     """A reward function's result as f32[N], or a `RewardError` naming the first bad sample."""
     fn = f"reward function {role!r}"
@@ -580,111 +461,12 @@ def _as_scores(role: str, values: Any, completions: list[str]) -> torch.Tensor:
     return scores
 
 
-class CheckpointMismatch(ValueError):
-    """A checkpoint that does not fit the executor it is loaded into."""
-
-
-def _optimizer_kind(optimizer: Any) -> str | None:
-    inner = getattr(optimizer, "optimizer", optimizer)  # a sharded executor wraps its optimizer
-    return None if inner is None else type(inner).__name__
-
-
-def check_role_state(role: str, expected: Mapping[str, torch.Tensor], optimizer_kind: str | None,
-                     state: ExecutorState, where: str) -> None:
-    """Refuse a checkpoint role that does not match: missing, other tensor names or shapes, other optimizer."""
-    if role not in state.roles:
-        raise CheckpointMismatch(f"{where} has no role {role!r} (it has {', '.join(state.roles) or 'none'}); "
-                                 "was it written by another algorithm?")
-    held = state.roles[role]
-    missing, extra = sorted(set(expected) - set(held.model)), sorted(set(held.model) - set(expected))
-    shapes = [name for name, tensor in expected.items()
-              if name in held.model and tuple(held.model[name].shape) != tuple(tensor.shape)]
-    if (missing or extra or shapes) and (_is_adapter_set(expected) or _is_adapter_set(held.model)):
-        raise CheckpointMismatch(f"{where}: role {role!r} holds {describe_weights(held.model)}; this run has "
-                                 f"{describe_weights(expected)}\n  fix: resume with the settings the checkpoint was "
-                                 "written with (model.lora), or start a new run")
-    if missing or extra:
-        raise CheckpointMismatch(f"{where}: role {role!r} has other weights than the model (missing {missing[:3]}, "
-                                 f"unexpected {extra[:3]}): another architecture")
-    if shapes:
-        name = shapes[0]
-        raise CheckpointMismatch(f"{where}: role {role!r} weight {name!r} is {tuple(held.model[name].shape)}, "
-                                 f"the model's is {tuple(expected[name].shape)}: another model shape")
-    if held.optimizer_kind != optimizer_kind:
-        raise CheckpointMismatch(f"{where}: role {role!r} was trained with {held.optimizer_kind or 'no optimizer'}, "
-                                 f"this run uses {optimizer_kind or 'none'}")
-
-
-def checkpoint_weights(worker: LMWorker) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint keeps of a role: every tensor of its state dict, except for a
-    trainable role that also has frozen parameters (LoRA adapters over a frozen base), which keeps
-    only its trainable parameters: the frozen ones never change, so they come back from the
-    model source on resume, and the optimizer (built over the parameters that require grad) holds
-    exactly these. A role with no parameters (a LoRA policy's reference view) keeps nothing."""
-    state = worker.model.state_dict()
-    if worker.optimizer is None:
-        return state
-    trainable = {name for name, param in worker.model.named_parameters() if param.requires_grad}
-    frozen = any(not param.requires_grad for param in worker.model.parameters())
-    return {name: tensor for name, tensor in state.items() if name in trainable} if trainable and frozen else state
-
-
-def load_checkpoint_weights(worker: LMWorker, weights: Mapping[str, torch.Tensor]) -> None:
-    """Load what `checkpoint_weights` gave (checked by `check_role_state` first): all of the state
-    dict, or only the trainable tensors, the frozen base staying as the model source built it."""
-    expected = checkpoint_weights(worker)
-    assert set(expected) == set(weights), sorted(set(expected) ^ set(weights))[:4]
-    if len(expected) == len(worker.model.state_dict()):
-        worker.model.load_state_dict(dict(weights), strict=True)
-        return
-    result = worker.model.load_state_dict(dict(weights), strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys[:4]
-
-
-def _is_adapter_set(weights: Mapping[str, torch.Tensor]) -> bool:
-    return any(".lora_" in name for name in weights)
-
-
-def describe_weights(weights: Mapping[str, torch.Tensor]) -> str:
-    """What a role's checkpoint tensors are, for a mismatch message: "LoRA adapters r=8 on
-    q_proj,v_proj", "full weights (27 tensors)" or "no weights" (peft's `<module>.lora_A.<adapter>.weight`
-    is [r, in]; the rank and the wrapped modules are read from those)."""
-    if not weights:
-        return "no weights (a view of another role's weights)"
-    ranks, targets = set(), set()
-    for name, tensor in weights.items():
-        module, found, _ = name.partition(".lora_A.")
-        if found:
-            ranks.add(int(tensor.shape[0]))
-            targets.add(module.rsplit(".", 1)[-1])
-    if not ranks:
-        return f"full weights ({len(weights)} tensors)"
-    rank = f"r={min(ranks)}" if len(ranks) == 1 else f"r={min(ranks)}..{max(ranks)}"
-    return f"LoRA adapters {rank} on {','.join(sorted(targets))}"
-
-
 def _refuse_packed_vocab(packed: Any, where: str) -> None:
     if packed:  # the pack pass sets a token budget on every update and logprobs of a packed compile
         raise ValueError(f"{where}: the vocabulary's log-probs [N, T, V] run on padded rows; compiled with "
                          "micro_batch_tokens they would be packed: compile without micro_batch_tokens")
 
 
-def set_mode(module: torch.nn.Module, *, training: bool) -> None:
-    """`module.train(training)`, unless every submodule is in that mode already: the walk sets the
-    flag on each module through `nn.Module.__setattr__` (0.1-0.3 ms on the bench's 2-layer model, a
-    few times a step); reading the flags costs a tenth of that."""
-    if any(sub.training != training for sub in module.modules()):
-        module.train(training)
-
-
 def decode_responses(tokenizer: Any, rollouts: Rollouts) -> list[str]:
     ids = rollouts.response_ids.masked_fill(~rollouts.mask, tokenizer.pad_token_id)  # [N, T]
     return tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
-
-
-def split_rows(rows: torch.Tensor, parts: int | None = None, size: int | None = None) -> list[torch.Tensor]:
-    """Split `rows` into `parts` near-equal chunks, or chunks of at most `size` rows."""
-    if parts is not None:
-        return [chunk for chunk in torch.tensor_split(rows, parts) if len(chunk)]
-    assert size is not None
-    return list(torch.split(rows, size))

@@ -31,7 +31,8 @@ import torch
 from transformers import DynamicCache
 
 from rlgraph.agents import episode as E
-from rlgraph.backends.local.generation import SamplingParams, StepNoise, _check_prompts, sample_tokens, sampling_keys
+from rlgraph.backends.local.counter_sampling import SamplingParams, StepNoise, sample_tokens, sampling_keys
+from rlgraph.backends.local.generation import _check_prompts
 from rlgraph.backends.local.vlm_forward import flat_images, image_inputs, is_vision_lm
 from rlgraph.batches import Prompts, Rollouts
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlgraph.backends.local.generation import SamplingParams, sampling_keys
+from rlgraph.backends.local.counter_sampling import SamplingParams, sampling_keys
 from rlgraph.batches import Prompts, Rollouts
 
 FINISH_REASONS = ("stop", "length")  # an EOS (our only stop token), or the token budget / context limit

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from rlgraph.backends.local.executor import StaleVersionError
-from rlgraph.backends.local.generation import SamplingParams
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.convert import (
     request_seeds, rollouts_from_outputs, sampled_tokens, sampling_kwargs, token_prompts,

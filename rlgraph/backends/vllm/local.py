@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlgraph.backends.local.executor import LocalExecutor
-from rlgraph.backends.local.generation import SamplingParams
+from rlgraph.backends.local.counter_sampling import SamplingParams
 from rlgraph.backends.lora import is_lora, plain_name, settings_of
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.engine import VLLMEngine, VLLMError, engine_from_config, launcher_env

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from rlgraph.agents import episode as E
-from rlgraph.backends.local.generation import SamplingParams, _check_prompts, sampling_keys
+from rlgraph.backends.local.counter_sampling import SamplingParams, sampling_keys
+from rlgraph.backends.local.generation import _check_prompts
 from rlgraph.backends.local.multiturn import TurnLimits, episode_outputs, episode_rows, mark_budget_cut, stop_checker
 from rlgraph.backends.vllm.convert import token_prompts
 from rlgraph.batches import Prompts, Rollouts
