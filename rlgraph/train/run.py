@@ -38,8 +38,8 @@ from rlgraph.train.loop import RunResult
 from rlgraph.train.manifest import claim, remove_owned, verify_recorded
 from rlgraph.train.recipe import add_rl_roles, build_roles, rebase_lora
 from rlgraph.train.roles import BASE_FILE
-from rlgraph.train.session import _Session, data_digest, fingerprint  # noqa: F401
-from rlgraph.train.setup import Setup, prepare  # noqa: F401
+from rlgraph.train.session import _Session, data_digest, fingerprint
+from rlgraph.train.setup import Setup, prepare
 from rlgraph.train.user_code import resolved_hparams
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlgraph.backends.fsdp.shards import role_module, shard_rows
-from rlgraph.backends.local.state import LMWorker, _optimizer_kind, check_role_state, checkpoint_weights
+from rlgraph.backends.local.state import LMWorker, optimizer_kind, check_role_state, checkpoint_weights
 from rlgraph.backends.local.counter_sampling import SamplingStream
 from rlgraph.backends.protocols import ExecutorState, RoleState
 from rlgraph.backends.state_files import (chunk_rows, merge_optimizer_states, optimizer_file, read_full_optimizer,
@@ -77,7 +77,7 @@ class ShardedState:
                            "version": worker.version,
                            "optimizer": to_device(worker.optimizer.state_dict(), torch.device("cpu"))
                            if worker.optimizer is not None else None,  # the controller may have no GPU
-                           "optimizer_kind": _optimizer_kind(worker.optimizer)}
+                           "optimizer_kind": optimizer_kind(worker.optimizer)}
         return {"roles": roles, "shuffle_rng": self.generator.get_state(), "sampling": attrs.asdict(self.sampling)}
 
     def import_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
@@ -85,7 +85,7 @@ class ShardedState:
         kept = {role: {name: value for name, value in role_module(worker).state_dict().items()
                        if name in self._checkpointed(role)} for role, worker in self.models.items()}
         for role, worker in self.models.items():
-            check_role_state(role, kept[role], _optimizer_kind(worker.optimizer), state, where)
+            check_role_state(role, kept[role], optimizer_kind(worker.optimizer), state, where)
         for role, worker in self.models.items():
             held, position, ways = state.roles[role], *self._position(role)
             with torch.no_grad():
@@ -119,7 +119,7 @@ class ShardedState:
             if worker.optimizer is not None:
                 torch.save(to_device(worker.optimizer.state_dict(), torch.device("cpu")),
                            directory / optimizer_file(role, position, ways))
-            roles[role] = {"version": worker.version, "optimizer": _optimizer_kind(worker.optimizer), "parts": ways}
+            roles[role] = {"version": worker.version, "optimizer": optimizer_kind(worker.optimizer), "parts": ways}
         return {"roles": roles, "shuffle_rng": self.generator.get_state(), "sampling": attrs.asdict(self.sampling)}
 
     def read_parts(self, directory: str, roles: Mapping[str, Mapping[str, Any]], shuffle_rng: torch.Tensor,
@@ -135,7 +135,7 @@ class ShardedState:
                        if name in self._checkpointed(role)} for role, worker in self.models.items()}
         loaded = {}
         for role, worker in self.models.items():
-            check_role_state(role, kept[role], _optimizer_kind(worker.optimizer), layout, where)
+            check_role_state(role, kept[role], optimizer_kind(worker.optimizer), layout, where)
             parts, (position, ways) = roles[role]["parts"], self._position(role)
             rows = read_rows(directory, role, parts, {name: chunk_rows(param.shape[0], position, ways)
                                                       if isinstance(param, DTensor) else None

@@ -43,9 +43,9 @@ from rlgraph.backends.protocols import EnvRef, ExecutorState, LossFn, ModelRef, 
 from rlgraph.errors import ConfigError, RewardError
 from rlgraph.batches import Prompts, Rollouts, check_token_ids, to_device
 from rlgraph.backends.local.state import (
-    LMWorker, _optimizer_kind, check_role_state, checkpoint_weights, load_checkpoint_weights,
+    LMWorker, optimizer_kind, check_role_state, checkpoint_weights, load_checkpoint_weights,
 )
-from rlgraph.backends.local.training import NonFiniteUpdate, TrainingEpochs, set_mode, split_rows  # noqa: F401
+from rlgraph.backends.local.training import NonFiniteUpdate, TrainingEpochs, set_mode, split_rows
 
 
 class StaleVersionError(RuntimeError):
@@ -409,14 +409,14 @@ class LocalExecutor(TrainingEpochs):
         # On the CPU, whatever the device, so a checkpoint loads on any machine.
         roles = {role: RoleState({k: v.detach().cpu().contiguous() for k, v in checkpoint_weights(worker).items()},
                                  None if worker.optimizer is None else to_device(worker.optimizer.state_dict(), "cpu"),
-                                 _optimizer_kind(worker.optimizer), worker.version)
+                                 optimizer_kind(worker.optimizer), worker.version)
                  for role, worker in self.models.items()}
         return ExecutorState(roles, self.generator.get_state(), attrs.asdict(self.sampling))
 
     def import_state(self, state: ExecutorState, where: str = "the checkpoint") -> None:
         """Restore `state`, all or nothing: every role, shape and optimizer kind is checked first."""
         for role, worker in self.models.items():
-            check_role_state(role, checkpoint_weights(worker), _optimizer_kind(worker.optimizer), state, where)
+            check_role_state(role, checkpoint_weights(worker), optimizer_kind(worker.optimizer), state, where)
         for role, worker in self.models.items():
             held = state.roles[role]
             load_checkpoint_weights(worker, held.model)

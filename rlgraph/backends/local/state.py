@@ -32,7 +32,7 @@ class CheckpointMismatch(ValueError):
     """A checkpoint that does not fit the executor it is loaded into."""
 
 
-def _optimizer_kind(optimizer: Any) -> str | None:
+def optimizer_kind(optimizer: Any) -> str | None:
     inner = getattr(optimizer, "optimizer", optimizer)  # a sharded executor wraps its optimizer
     return None if inner is None else type(inner).__name__
 
