@@ -126,9 +126,10 @@ def head_bound(logprobs: torch.Tensor, hidden: int = 64) -> float:
 
 def test_inference_forwards_share_one_graph_over_roles_and_shapes_and_equal_eager(monkeypatch):
     """The reference's and the policy's log-probs (and entropy) under `no_grad` (`rg.logprobs`) go
-    through the compiled forward too: one graph for both roles (Dynamo inlines the modules, their
-    parameters are graph inputs) and three shapes of `SHAPES`, then one more for the update's
-    forward with gradients, and no recompile after. The LM head runs in the graph over every
+    through the compiled forward too: one graph a role over three shapes of `SHAPES` (Dynamo inlines
+    the modules, their parameters are graph inputs; the reference is frozen, as the one role recipe
+    builds every role without an optimizer, and a parameter's requires_grad is a guard: a graph of its
+    own), then one more for the update's forward with gradients, and no recompile after. The LM head runs in the graph over every
     position (`all_positions_head`), so the values equal eager's within `head_bound`."""
     counter = _counting_compile(monkeypatch)
     executors = {compiled: tiny_executor(("policy", "ref")) for compiled in (False, True)}
@@ -147,7 +148,7 @@ def test_inference_forwards_share_one_graph_over_roles_and_shapes_and_equal_eage
         for c in (False, True):
             Interpreter(executors[c]).run(clipped_surrogate.trace(), batch)
     torch._dynamo.reset()
-    assert graphs == [1, 2, 2], f"graphs compiled before each shape's update: {graphs}"
+    assert graphs == [2, 3, 3], f"graphs compiled before each shape's update: {graphs}"
 
 
 def test_packed_inference_goes_through_the_compiled_forward(monkeypatch):
