@@ -127,12 +127,12 @@ class RoleSpec:
                     merged: bool) -> torch.nn.Module:
         """The base (its weights: `weights` when they are a plain model's), then seeded adapters (their
         weights: `weights` when they are a peft model's); merged: a plain model of the merged weights."""
-        from rlgraph.backends.local.executor import _is_adapter_set
+        from rlgraph.backends.local.state import is_adapter_set
         from rlgraph.backends.local.models import build_causal_lm
         from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict  # the one LoRA builder
 
         module = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed)  # fp32: the adapters train in it
-        peft_weights = weights is not None and _is_adapter_set(weights)
+        peft_weights = weights is not None and is_adapter_set(weights)
         if weights is not None and not peft_weights:
             module.load_state_dict(weights, strict=True)
         module = apply_lora(module, LoraSettings(**self.lora), seed=self.seed)

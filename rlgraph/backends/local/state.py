@@ -47,7 +47,7 @@ def check_role_state(role: str, expected: Mapping[str, torch.Tensor], optimizer_
     missing, extra = sorted(set(expected) - set(held.model)), sorted(set(held.model) - set(expected))
     shapes = [name for name, tensor in expected.items()
               if name in held.model and tuple(held.model[name].shape) != tuple(tensor.shape)]
-    if (missing or extra or shapes) and (_is_adapter_set(expected) or _is_adapter_set(held.model)):
+    if (missing or extra or shapes) and (is_adapter_set(expected) or is_adapter_set(held.model)):
         raise CheckpointMismatch(f"{where}: role {role!r} holds {describe_weights(held.model)}; this run has "
                                  f"{describe_weights(expected)}\n  fix: resume with the settings the checkpoint was "
                                  "written with (model.lora), or start a new run")
@@ -89,7 +89,7 @@ def load_checkpoint_weights(worker: LMWorker, weights: Mapping[str, torch.Tensor
     assert not result.unexpected_keys, result.unexpected_keys[:4]
 
 
-def _is_adapter_set(weights: Mapping[str, torch.Tensor]) -> bool:
+def is_adapter_set(weights: Mapping[str, torch.Tensor]) -> bool:
     return any(".lora_" in name for name in weights)
 
 
