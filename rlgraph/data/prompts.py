@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
-from rlgraph.backends.local.vlm import build_image_processor, build_vision_lm, build_vl_tokenizer, vl_config, vl_prompts
+from rlgraph.backends.local.vlm import build_image_processor, build_vl_tokenizer, vl_config, vl_prompts
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.data.images import open_row_images
 from rlgraph.data.prompts import encode_responses, to_prompts

@@ -8,7 +8,6 @@ and are overridden by the FSDP2 executor and the service's tenant hosts, whose r
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
