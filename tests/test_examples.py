@@ -101,24 +101,26 @@ def test_calculator_agent_example_runs_multi_turn_from_the_command_line(tmp_path
 
 @pytest.mark.slow
 def test_calculator_agent_example_raises_held_out_accuracy(tmp_path, monkeypatch):
-    """The agent example as shipped (warm start on traces to 30%), 40 of its 100 GRPO steps on
+    """The agent example as shipped (warm start on traces to 30%), 20 of its 100 GRPO steps on
     multi-turn episodes, on one thread: greedy held-out accuracy (100 problems) rises by more than
-    10 points. Measured on one thread (2026-11-28; held-out at steps 0/10/20/30/40): seed 0
-    51/59/66/67/69 (+18), seed 1 69/76/80/80/82 (+13), seed 2 32/60/55/63/65 (+33); the example's two
-    threads, seed 0: 34 -> 58 (+24). The warm start stops at its first check at or above 30%, so the
-    base lands anywhere in 32-69%; a high base has less to gain, and seed 1's +11 at step 20 is why
-    the test runs 40 steps, not 20 (the warm start, 120-160 SFT steps, is most of the time anyway)."""
+    8 points. Measured on one thread (2026-11-28; held-out at steps 0/10/20/30/40): seed 0
+    51/59/66/67/69 (+15 at step 20), seed 1 69/76/80/80/82 (+11), seed 2 32/60/55/63/65 (+23); the
+    example's two threads, seed 0: 34 -> 58 (+24) at step 100. The warm start stops at its first
+    check at or above 30%, so the base lands anywhere in 32-69%; a high base has less to gain. The
+    bound keeps 3 points (3 problems) of margin on the worst seed at step 20; the test's seed 0 (51 ->
+    66, re-measured 2026-12-02) clears it by 7. 20 steps, not 40: the suite's time budget (the warm
+    start, 145 SFT steps and their checks, is half the test either way)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from rlgraph.train.config import load_config
     from rlgraph.train.run import train
 
     config = load_config(ROOT / "examples/calculator_agent/config.yaml",
-                         [f"run_dir={tmp_path / 'agent'}", "train.steps=40", "eval.every=0", "logging.progress=false",
+                         [f"run_dir={tmp_path / 'agent'}", "train.steps=20", "eval.every=0", "logging.progress=false",
                           "logging.plots=false", "logging.tensorboard=false",
                           "runtime.threads=1"])  # the example's 2 threads would fight the other test worker
     result = train(config)
     assert result.eval_before >= 0.25                      # the warm start reached its target
-    assert result.eval_after >= result.eval_before + 0.10  # seed 0 on one thread: 0.51 -> 0.69
+    assert result.eval_after >= result.eval_before + 0.08  # seed 0 on one thread: 0.51 -> 0.66
 
 
 @pytest.mark.slow
