@@ -77,6 +77,7 @@ class RssSampler(threading.Thread):
         self.pss_peaks: dict[int, int] = {}
         self.total_pss_peak = 0
         self.names: dict[int, str] = {}
+        self.parents: dict[int, int] = {}
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -91,6 +92,7 @@ class RssSampler(threading.Thread):
                     memory = process.memory_full_info()
                     if process.pid not in self.names:
                         self.names[process.pid] = " ".join(process.cmdline()[1:])[:200]  # without the interpreter
+                        self.parents[process.pid] = process.ppid()
                 except psutil.Error:
                     continue
                 self.peaks[process.pid] = max(memory.rss, self.peaks.get(process.pid, 0))
@@ -232,7 +234,8 @@ def _labelled(sampler: RssSampler, controller: int, peaks: dict[int, int]) -> di
         name = sampler.names.get(pid, "?")
         if pid == controller:
             label = "controller"
-        elif "spawn_main" in name or "ray::" in name:
+        elif "spawn_main" in name or "ray::" in name or "forkserver" in sampler.names.get(sampler.parents.get(pid), ""):
+            # spawned, a Ray actor, or forked by the fork server (whose own cmdline the child keeps)
             label, ranks = f"worker {ranks}", ranks + 1
         else:
             label = f"other: {' '.join(name.split())[:60] or '?'}"  # e.g. a reward worker, the resource tracker

@@ -19,10 +19,17 @@ reported with the ranks still missing, and among them those whose process is sto
 controller's end of each pipe has a send timeout). Workers ignore Ctrl-C (the controller stops
 them), so an interrupt leaves one clean message.
 
+Workers are forked from a server process (multiprocessing's `forkserver`) that imported torch and
+transformers once: most of a rank's start on CPU was those imports (~5 s of ~7 s on a 2-core
+machine), paid again by every pool a process starts. The server, and the resource tracker it
+shares, live as long as the controller process and serve its every pool. Each worker takes the
+controller's environment as it is when the pool starts (`os.environ`, as `spawn` would), and nothing
+is preloaded that reads a run's settings when imported (rlgraph's own modules, whose Triton kernels
+read TRITON_INTERPRET as they are defined, import in the worker).
+
 Stopping is bounded: `close` tells idle workers to exit, then SIGTERM (with SIGCONT, so a stopped
 worker acts on it) to the workers and their child processes after a grace of `GRACE_S`, then SIGKILL
-after `TERM_S` more, then reaps; the multiprocessing resource tracker is stopped too when the pool
-started it and no other pool runs: `CLOSE_S` (11 s) at most in all, whatever state the workers are in.
+after `TERM_S` more, then reaps: `CLOSE_S` (9 s) at most in all, whatever state the workers are in.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ import signal
 import socket
 import struct
 import time
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -51,7 +57,10 @@ __all__ = ["SpmdTransport", "resolve_device", "free_port"]
 GRACE_S = 5.0  # an idle worker told to close exits in well under 1 s (it drops its process group); 5 s covers a loaded machine
 TERM_S = 2.0  # SIGTERM's default action ends a process at once; 2 s covers scheduling on a loaded machine
 KILL_WAIT_S = 2.0  # SIGKILL cannot be caught or blocked (it ends a stopped process too): this only covers reaping
-CLOSE_S = GRACE_S + TERM_S + 2 * KILL_WAIT_S  # the bound on `close`: the workers', then the resource tracker's end
+CLOSE_S = GRACE_S + TERM_S + KILL_WAIT_S  # the bound on `close`
+# What the fork server imports before it forks any worker: the imports that dominate a rank's start and
+# read nothing of a run when imported (a module it cannot import is skipped, as multiprocessing does).
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.qwen2.modeling_qwen2", "peft")
 
 
 def free_port() -> int:
@@ -63,8 +72,6 @@ def free_port() -> int:
 class SpmdTransport(WorkerPool):
     """`plan.mesh.size` worker processes; `world.build(rank, plan, device)` makes each one's executor."""
 
-    _open = 0  # pools of this process not yet closed: the last one to close may stop the resource tracker
-
     def __init__(self, plan: Plan, world: Any, *, device: str = "auto", timeout_s: float | None = None,
                  threads_per_worker: int | None = None):
         self.device = resolve_device(device)
@@ -75,28 +82,24 @@ class SpmdTransport(WorkerPool):
         self.timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S[self.device]
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.world)
         world = attrs.evolve(world, rewards={})  # reward functions run on the controller, and need not pickle
-        context = mp.get_context("spawn")
+        context = _context()
         master = ("127.0.0.1", free_port())
         # Sent as bytes and rebuilt inside the worker's own error handling, after the user's files loaded
         # there: a module it cannot import is a failure naming the rank, not a raw spawn traceback.
         recipe, files = pickle.dumps((plan, world), protocol=pickle.HIGHEST_PROTOCOL), loaded_files()
         self.connections: list[Connection] = []
         self.processes: list[mp.Process] = []
-        tracker_ran = _tracker_pid() is not None  # else starting the first worker starts one, the pool's own
-        self._tracker: int | None = None
         self._init_pool(world)
-        SpmdTransport._open += 1
         for rank in range(self.world):
             ours, theirs = context.Pipe()
             _send_timeout(ours, self.timeout_s)
             process = context.Process(target=_worker_main, name=f"rlgraph-rank{rank}", daemon=True,
-                                      args=(rank, self.world, master, recipe, files, self.device, self.timeout_s, threads, theirs))
+                                      args=(dict(os.environ), rank, self.world, master, recipe, files, self.device, self.timeout_s, threads, theirs))
             process.start()
             theirs.close()
             self.connections.append(ours)
             self.processes.append(process)
             self.outstanding[rank].append(("start", None, None))
-        self._tracker = None if tracker_ran else _tracker_pid()
         try:
             self._wait_started()
         except BaseException:
@@ -165,16 +168,15 @@ class SpmdTransport(WorkerPool):
                 mp.process._children.discard(process)  # exit hook would join it without a bound
         for connection in self.connections:
             connection.close()
-        SpmdTransport._open -= 1
-        if self._tracker and not SpmdTransport._open:
-            _stop_tracker(self._tracker)
 
 
 # -- the worker process ------------------------------------------------------------------------------
 
 
-def _worker_main(rank: int, world: int, master: tuple[str, int], recipe: bytes, files: dict[str, str], device: str,
+def _worker_main(environ: dict[str, str], rank: int, world: int, master: tuple[str, int], recipe: bytes, files: dict[str, str], device: str,
                  timeout_s: float, threads: int, connection: Connection) -> None:
+    os.environ.clear()  # the controller's, as the pool started: the fork server's is as it was when *it* started
+    os.environ.update(environ)
     import torch.distributed as dist
 
     from rlgraph.runtime.worker import describe_error, serve
@@ -225,7 +227,7 @@ def _receive(connection: Connection) -> Any:
     return pickle.loads(connection.recv_bytes())
 
 
-# -- processes: state, children, signals, the resource tracker (Linux /proc; elsewhere none are seen) -----
+# -- processes: state, children, signals (Linux /proc; elsewhere none are seen) ---------------------------
 
 _STOPPED = {"T": "by SIGSTOP or Ctrl-Z (SIGCONT resumes it)", "t": "by a debugger or tracer"}
 
@@ -284,25 +286,7 @@ def _send_timeout(connection: Connection, seconds: float) -> None:
         sock.close()
 
 
-def _tracker_pid() -> int | None:
-    """The multiprocessing resource tracker this process started, if one runs."""
-    return getattr(resource_tracker._resource_tracker, "_pid", None)
-
-
-def _stop_tracker(pid: int) -> None:
-    """End the resource tracker a pool started: it exits once every holder of its pipe closed it (the
-    workers are gone; this closes ours). If it outlives `KILL_WAIT_S`, another process still uses it."""
-    tracker = resource_tracker._resource_tracker
-    with tracker._lock:
-        if tracker._pid != pid:
-            return  # restarted meanwhile: not the one the pool started
-        os.close(tracker._fd)
-        tracker._fd = tracker._pid = None
-    deadline = time.monotonic() + KILL_WAIT_S
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return
-        except ChildProcessError:
-            return  # reaped elsewhere
-        time.sleep(0.05)
+def _context() -> mp.context.ForkServerContext:
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context

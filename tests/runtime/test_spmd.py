@@ -6,9 +6,13 @@ and runs the local reference beside it, from the same initial weights, on the sa
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import attrs
 import pytest
@@ -209,6 +213,38 @@ def test_an_environment_file_that_cannot_load_on_a_rank_is_named_with_the_rank(t
                                             r".*No module named 'a_module_only_the_controller_has'"):
         SpmdTransport(rg.compile(ALGORITHMS["grpo"], mesh="cpu:1", placement=COLOCATED, sizes={"B": 4, "P": 8, "T": TOKENS},
                                  max_new_tokens=TOKENS).plan, world, device="cpu")  # one rank: the start is the cost
+
+
+class WorldThatRecordsItsEnvironment(WorldSpec):
+    """Each rank writes the variables it sees as it builds its roles."""
+
+    def build(self, rank, plan, device):
+        record = {name: os.environ.get(name) for name in ("RLGRAPH_PROBE", "TRITON_INTERPRET")}
+        (Path(os.environ["RLGRAPH_PROBE_DIR"]) / f"{record['RLGRAPH_PROBE']}-{rank}.json").write_text(json.dumps(record))
+        return super().build(rank, plan, device)
+
+
+def test_every_pool_s_workers_see_the_controller_s_environment_as_the_pool_starts(tmp_path, monkeypatch):
+    """The workers fork from one server per controller, started with its first pool, yet each pool's
+    ranks see the controller's variables as they are when that pool starts, as spawned ones would; and
+    the worker's entry module imports neither Triton nor rlgraph's kernels, which read TRITON_INTERPRET
+    as they are defined, before the worker takes the controller's variables."""
+    monkeypatch.setenv("RLGRAPH_PROBE_DIR", str(tmp_path))
+    plan = _compile("grpo").plan
+    for probe, interpret in (("first", "0"), ("second", "1")):
+        monkeypatch.setenv("RLGRAPH_PROBE", probe)
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        with SpmdTransport(plan, WorldThatRecordsItsEnvironment(
+                {"policy": RoleSpec(optimizer="sgd", lr=0.1)}, {"reward": length_parity_reward}, max_new_tokens=TOKENS), device="cpu"):
+            pass
+    for probe, interpret in (("first", "0"), ("second", "1")):
+        for rank in (0, 1):
+            assert json.loads((tmp_path / f"{probe}-{rank}.json").read_text()) == {
+                "RLGRAPH_PROBE": probe, "TRITON_INTERPRET": interpret}
+    imported = subprocess.run([sys.executable, "-c", "import sys, rlgraph.runtime.spmd; print(sorted(m for m in sys.modules "
+                               "if m.split('.')[0] == 'triton' or m.startswith('rlgraph.kernels')))"],
+                              capture_output=True, text=True, timeout=120)
+    assert imported.stdout.strip() == "[]", imported.stderr[-2000:]
 
 
 @pytest.mark.parametrize("form", ["parts", "full"])
