@@ -66,7 +66,7 @@ def test_a_model_that_is_not_a_directory_is_refused_naming_the_flag(tmp_path):
     from rlgraph.service.tenants import BaseModel
 
     for source in (str(tmp_path / "missing"), str(tmp_path), "llama"):
-        with pytest.raises(CallError, match="neither 'tiny' nor a model directory") as error:
+        with pytest.raises(CallError, match="neither 'tiny', a model config") as error:
             BaseModel.build(source)
         assert error.value.field == "--model"
 
