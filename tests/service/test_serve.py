@@ -116,3 +116,12 @@ def test_bad_runtimes_and_rank_counts_are_refused_saying_why(runtime, nproc, mes
     with pytest.raises(ConfigError, match=message):
         check_options("127.0.0.1", 8000, runtime, {KEY_A}, False, nproc=nproc)
     check_options("127.0.0.1", 8000, "spmd", {KEY_A}, False, nproc=2)  # the good form passes
+
+
+def test_a_python_without_the_service_extra_gets_the_fix_not_a_traceback(tmp_path, monkeypatch):
+    from rlgraph.service.serve import serve
+
+    monkeypatch.setitem(sys.modules, "rlgraph.service.http", None)  # as in .venv-vllm built without the extra
+    with pytest.raises(ConfigError, match="needs the `service` extra") as error:
+        serve("tiny", host="127.0.0.1", port=0, state_dir=str(tmp_path), keys_file=None, insecure_local=True)
+    assert "pip install 'rlgraph[service]'" in str(error.value)
