@@ -152,8 +152,14 @@ class BaseModel:
         path = Path(source).expanduser().resolve()
         if path.suffix == ".json" and path.is_file():  # a config alone: random init, the shipped tokenizer
             tokenizer = load_tokenizer()
-            return cls(str(path), RoleSpec(source=path, seed=seed).build_module(tokenizer), tokenizer,
-                       tokenizer_dir=Path(ASSETS).resolve() / "char_tokenizer", device=place)
+            try:
+                module = RoleSpec(source=path, seed=seed).build_module(tokenizer)
+            except ValueError as exc:  # not JSON, no model_type, a vocabulary smaller than the tokenizer's
+                raise CallError(f"{source} is not a model config this server can build: {exc}", field="--model",
+                                fix="a Hugging Face config.json with model_type and vocab_size >= the shipped "
+                                    "tokenizer's (rlgraph/assets/tiny_qwen2_vllm.json is one)") from None
+            return cls(str(path), module, tokenizer, tokenizer_dir=Path(ASSETS).resolve() / "char_tokenizer",
+                       device=place)
         if not (path / "config.json").is_file():
             raise CallError(f"{source!r} is neither 'tiny', a model config (.json) nor a model directory with a "
                             "config.json", field="--model",

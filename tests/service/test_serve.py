@@ -69,6 +69,12 @@ def test_a_model_that_is_not_a_directory_is_refused_naming_the_flag(tmp_path):
         with pytest.raises(CallError, match="neither 'tiny', a model config") as error:
             BaseModel.build(source)
         assert error.value.field == "--model"
+    bad_configs = {"a.json": "{not json", "b.json": "{}", "c.json": '{"model_type": "qwen2", "vocab_size": 10}'}
+    for name, text in bad_configs.items():  # a config file (random init): each mistake named, not a raw error
+        (tmp_path / name).write_text(text)
+        with pytest.raises(CallError, match="is not a model config this server can build") as error:
+            BaseModel.build(str(tmp_path / name))
+        assert error.value.field == "--model"
 
 
 def test_the_command_refuses_to_start_without_keys(tmp_path):
