@@ -33,7 +33,7 @@ from rlgraph.service.losses import check_loss
 from rlgraph.service.store import Store
 from rlgraph.service.host import TenantHost
 from rlgraph.service.ranks import LocalRanks, SpmdRanks
-from rlgraph.service.tenants import BaseModel, LoraSpec, Sampler, Tenant
+from rlgraph.service.tenants import MAX_RANK, BaseModel, LoraSpec, Sampler, Tenant
 
 PLAN_CALLS = ("forward", "forward_backward", "optim_step", "sample", "compute_logprobs")
 ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
@@ -69,8 +69,9 @@ class Service:
     now, the model built once: BaseModel has no config-only form)."""
 
     def __init__(self, model: str = "tiny", *, state_dir: str | Path, limits: Limits | None = None, seed: int = 0,
-                 device: str = "cpu", nproc: int = 1, runtime: str = "spmd", engine: str = "native"):
-        check_engine(engine, nproc)
+                 device: str = "cpu", nproc: int = 1, runtime: str = "spmd", engine: str = "native",
+                 max_lora_rank: int = MAX_RANK):
+        check_engine(engine, nproc, max_lora_rank)
         self.base = BaseModel.build(model, seed=seed, device=device)
         self.limits = limits or Limits(self.base.vocab_size, self.base.context)
         self.store = Store(state_dir)
@@ -84,7 +85,7 @@ class Service:
         if engine == "vllm":  # the samplers generate on one vLLM engine in this process (service/vllm.py)
             from rlgraph.service.vllm import build_host
 
-            self.ranks: LocalRanks | SpmdRanks = LocalRanks(build_host(self.base, seed=seed))
+            self.ranks: LocalRanks | SpmdRanks = LocalRanks(build_host(self.base, seed=seed, max_lora_rank=max_lora_rank))
         elif nproc == 1:
             self.ranks = LocalRanks(TenantHost(self.base))
         else:

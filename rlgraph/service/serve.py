@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from rlgraph.errors import ConfigError
+from rlgraph.service.tenants import MAX_RANK
 from rlgraph.service.vllm import check_engine
 
 KEYS_ENV = "RLGRAPH_SERVE_KEYS"
@@ -53,14 +54,15 @@ def read_keys(path: str | None, environ: dict[str, str] | None = None) -> set[st
 
 
 def check_options(host: str, port: int, runtime: str, keys: set[str] | None, insecure_local: bool,
-                  device: str = "cpu", state_dir: str | None = None, nproc: object = 1, engine: object = "native") -> str:
+                  device: str = "cpu", state_dir: str | None = None, nproc: object = 1, engine: object = "native",
+                  max_lora_rank: object = MAX_RANK) -> str:
     """Refuse bad options naming the flag; returns the device to serve on."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port", fix="--port 8000 (0 picks a free one)")
     if runtime not in ("local", "spmd", "ray"):
         raise ConfigError(f"--runtime {runtime!r} is not a runtime (local, spmd or ray)", fix="--runtime local or spmd")
     _check_nproc(runtime, nproc)
-    check_engine(engine, nproc)
+    check_engine(engine, nproc, max_lora_rank)
     if keys is None and not insecure_local:
         raise ConfigError("no API keys: the server refuses to start without them",
                           fix=f"--keys FILE (one tml-... key a line) or ${KEYS_ENV}; or --insecure-local on a "
@@ -106,12 +108,13 @@ def _loopback(host: str) -> bool:
 
 
 def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | None, insecure_local: bool,
-          runtime: str = "local", device: str = "cpu", nproc: int = 1, engine: str = "native") -> None:
+          runtime: str = "local", device: str = "cpu", nproc: int = 1, engine: str = "native",
+          max_lora_rank: int = MAX_RANK) -> None:
     """Check the options, build the service and run uvicorn until interrupted."""
     from rlgraph.service.core import Service
 
     keys = read_keys(keys_file)
-    device = check_options(host, port, runtime, keys, insecure_local, device, state_dir, nproc, engine)
+    device = check_options(host, port, runtime, keys, insecure_local, device, state_dir, nproc, engine, max_lora_rank)
     try:
         import uvicorn
 
@@ -119,7 +122,8 @@ def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | 
     except ImportError as exc:  # e.g. .venv-vllm built without the extra: say which, not a deep traceback
         raise ConfigError(f"rlgraph serve needs the `service` extra (tinker, fastapi, uvicorn): {exc}",
                           fix="pip install 'rlgraph[service]' into this Python") from exc
-    service = Service(model, state_dir=state_dir, device=device, nproc=nproc, runtime=runtime, engine=engine)
+    service = Service(model, state_dir=state_dir, device=device, nproc=nproc, runtime=runtime, engine=engine,
+                      max_lora_rank=max_lora_rank)
     try:
         app = build_app(service, keys)
         ranks = f", {nproc} {runtime} ranks" if nproc > 1 else ""

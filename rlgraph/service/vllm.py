@@ -43,9 +43,10 @@ from rlgraph.service.tenants import MAX_RANK, BaseModel, LoraSpec
 ENGINES = ("native", "vllm")
 
 
-def check_engine(engine: object, nproc: object) -> None:
+def check_engine(engine: object, nproc: object, max_lora_rank: object = MAX_RANK) -> None:
     """Refuse, before anything is built, an engine that is not one, vLLM on worker ranks (its engine lives
-    in the server's process) and vLLM where it is not installed; each names `--engine` and the fix."""
+    in the server's process), vLLM where it is not installed, and a bad `--max-lora-rank`; each names its flag."""
+    engine_lora_rank(max_lora_rank)
     if engine not in ENGINES:
         raise CallError(f"{engine!r} is not a generation engine (native or vllm)", field="--engine",
                         fix="--engine native (the default), or --engine vllm")
@@ -61,10 +62,17 @@ def check_engine(engine: object, nproc: object) -> None:
                             "builds .venv-vllm with it: docs/vllm.md), or --engine native")
 
 
-MAX_LORA_RANK = min(rank for rank in LORA_RANKS if rank >= MAX_RANK)  # every tenant's rank fits the one engine
+def engine_lora_rank(max_lora_rank: object) -> int:
+    """`--max-lora-rank`: the largest tenant rank the engine takes, as the vLLM value that holds it
+    (vLLM pads every adapter to it, so a smaller one samples faster: docs/service.md)."""
+    if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or not 1 <= max_lora_rank <= MAX_RANK:
+        raise CallError(f"{max_lora_rank!r} is not a LoRA rank in 1..{MAX_RANK} (the service's largest)",
+                        field="--max-lora-rank", fix=f"--max-lora-rank {MAX_RANK} (every rank), or the largest "
+                                                     "rank your tenants use, e.g. 32")
+    return min(rank for rank in LORA_RANKS if rank >= max_lora_rank)
 
 
-def check_lora(lora: LoraSpec, field: str) -> None:
+def check_lora(lora: LoraSpec, field: str, max_lora_rank: int = MAX_RANK) -> None:
     """Refuse an adapter vLLM's LoRA layers cannot serve (naming the field), before anything is made of it."""
     unsupported = [target for target in lora.targets if target not in LORA_TARGETS]
     if unsupported:
@@ -72,6 +80,10 @@ def check_lora(lora: LoraSpec, field: str) -> None:
                         f"{', '.join(unsupported)} (it wraps {', '.join(LORA_TARGETS)})", field=field,
                         fix="train_unembed=False (LoRA on attention and MLP only), or a server started with "
                             "--engine native")
+    if lora.rank > max_lora_rank:
+        raise CallError(f"rank {lora.rank} is above {max_lora_rank}, the largest this server's vLLM engine takes "
+                        "(--max-lora-rank)", field="lora_config.rank",
+                        fix=f"rank <= {max_lora_rank}, or a server started with a larger --max-lora-rank")
 
 
 class VLLMSamplerExecutor(VLLMLocalExecutor):
@@ -102,20 +114,21 @@ class VLLMTenantHost(TenantHost):
     """The server's tenants (training as on the native engine) with every sampler on `vllm`; the
     samplers' adapters saved in `folder`, which the host made and removes."""
 
-    def __init__(self, base: BaseModel, vllm: VLLMEngine):
+    def __init__(self, base: BaseModel, vllm: VLLMEngine, max_lora_rank: int = MAX_RANK):
         super().__init__(base)
         self.vllm = vllm
+        self.max_lora_rank = max_lora_rank
         self.folder = tempfile.mkdtemp(prefix="rlgraph-serve-lora-")
         self.paths: dict[str, str] = {}  # sampler key -> its adapter's folder (in `folder`)
 
     def create(self, adapter: str, lora: LoraSpec, max_new_tokens: int) -> None:
-        check_lora(lora, "lora_config.train_unembed")  # refused before training what vLLM could not sample
+        check_lora(lora, "lora_config.train_unembed", self.max_lora_rank)  # before training what vLLM cannot sample
         super().create(adapter, lora, max_new_tokens)
 
     def add_sampler(self, key: str, lora: LoraSpec | None, tensors: Mapping[str, torch.Tensor] | None,
                     where: str, max_new_tokens: int) -> None:
         if lora is not None:
-            check_lora(lora, where)
+            check_lora(lora, where, self.max_lora_rank)
         super().add_sampler(key, lora, tensors, where, max_new_tokens)
 
     def sampler_executor(self, key: str, lora: LoraSpec | None, max_new_tokens: int) -> VLLMSamplerExecutor:
@@ -151,17 +164,18 @@ def serial(key: str) -> int:
     return int(key[1:])
 
 
-def build_host(base: BaseModel, *, seed: int = 0) -> VLLMTenantHost:
+def build_host(base: BaseModel, *, seed: int = 0, max_lora_rank: int = MAX_RANK) -> VLLMTenantHost:
     """The server's vLLM engine over `base`'s weights (before any adapter exists) and the host
-    sampling on it; the engine's context is the model's (the service's `max_tokens`)."""
+    sampling on it; the engine's context is the model's (the service's `max_tokens`), its adapters
+    up to rank `max_lora_rank`."""
     config = base.module.config.to_dict()
     for name, value in launcher_env().items():  # external_launcher: the server's process is a one-rank job
         os.environ.setdefault(name, value)
 
     def weights(directory: str) -> dict[str, Any]:
         save_base_weights(base.module, directory)
-        return dict(enable_lora=True, max_loras=1, max_lora_rank=MAX_LORA_RANK)
+        return dict(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(max_lora_rank))
 
     engine = engine_from_config(config, role="policy", tokenizer=base.tokenizer, seed=seed, where="--model",
                                 weights=weights, enforce_eager=True, max_model_len=base.context)
-    return VLLMTenantHost(base, engine)
+    return VLLMTenantHost(base, engine, max_lora_rank)

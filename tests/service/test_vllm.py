@@ -38,6 +38,10 @@ def test_bad_engines_and_vllm_on_worker_ranks_are_refused_before_anything_starts
     if not HAS_VLLM:
         with pytest.raises(CallError, match="vLLM is not installed"):
             check_options("127.0.0.1", 8000, "local", None, True, engine="vllm")
+    for rank in (0, 129, "32", True):
+        with pytest.raises(CallError, match="is not a LoRA rank in 1..128") as error:
+            check_options("127.0.0.1", 8000, "local", None, True, engine="native", max_lora_rank=rank)
+        assert error.value.field == "--max-lora-rank"
     with pytest.raises(ConfigError, match="--port"):  # the other flags are still checked first
         check_options("127.0.0.1", -1, "local", None, True, engine="vllm")
 
@@ -49,7 +53,7 @@ def services(tmp_path_factory):
     this process's vLLM parallel groups with the session's other engines (tests/backends/conftest.py)."""
     config = tmp_path_factory.mktemp("model") / "tiny_qwen2_vllm.json"
     config.write_text(json.dumps({**json.loads(TINY_VLLM_CONFIG.read_text()), "initializer_range": 0.3}))
-    on_vllm = Service(str(config), state_dir=tmp_path_factory.mktemp("vllm_states"), engine="vllm")
+    on_vllm = Service(str(config), state_dir=tmp_path_factory.mktemp("vllm_states"), engine="vllm", max_lora_rank=8)
     native = Service(str(config), state_dir=tmp_path_factory.mktemp("native_states"))
     yield on_vllm, native
     on_vllm.close()
@@ -101,6 +105,9 @@ def test_samplers_generate_on_vllm_as_the_native_engine_and_sync_by_version(serv
 @live
 def test_what_vllm_cannot_serve_is_refused_with_the_reason(services, tmp_path):
     on_vllm, _ = services
+    with pytest.raises(CallError, match="rank 16 is above 8") as error:  # the engine takes ranks <= 8 here
+        on_vllm.create_model(OWNER, "wide", on_vllm.base.name, LoraSpec(rank=16, train_unembed=False))
+    assert error.value.field == "lora_config.rank" and "--max-lora-rank" in error.value.fix
     with pytest.raises(CallError, match="cannot apply an adapter to lm_head") as error:
         on_vllm.create_model(OWNER, "unembed", on_vllm.base.name, LoraSpec(rank=8))  # Tinker's default: train_unembed
     assert error.value.field == "lora_config.train_unembed" and "train_unembed=False" in error.value.fix
