@@ -3,9 +3,9 @@
     rlgraph serve --model rlgraph/assets/tiny_qwen2_vllm.json --engine vllm --insecure-local --state-dir states
 
 At start-up the server builds one `VLLMEngine` from the base model's weights (frozen: LoRA never
-trains them) with vLLM's LoRA support on: one adapter slot, `max_lora_rank` the service's largest
-rank. A sampler is a frozen snapshot: the base (every adapter off), or a tenant's adapter as it was
-at `save_weights_for_sampler` (after its optim steps), or a saved one. Each sampler is a version of
+trains them) with vLLM's LoRA support on: one adapter slot, `max_lora_rank` from `--max-lora-rank`
+(default: the service's largest rank). A sampler is a frozen snapshot: the base (every adapter off),
+or a tenant's adapter as it was at `save_weights_for_sampler` (after its optim steps), or a saved one. Each sampler is a version of
 the engine's `policy`, its serial number on this server (sampler `s4` is `policy@4`), which no other
 sampler holds. A sample call's plan begins with `sync_weights policy@v`: when the engine serves
 another sampler, that step loads this sampler's adapter (saved once, in peft's format, to a folder
@@ -16,9 +16,9 @@ adapter in the server's process, as on the native engine.
 
 What does not fit is refused, with the reason: `--runtime spmd/ray` (the engine lives in the
 server's process; an engine per rank would join the ranks' torch.distributed world), heads vLLM's
-CPU attention cannot run (before it starts), and adapters on the LM head (`train_unembed`, Tinker's
-default), which vLLM 0.32 cannot apply to Qwen2's head: refused when the training model or sampler
-is created, so nothing is trained that could not be sampled.
+CPU attention cannot run (before it starts), adapters above `--max-lora-rank`, and adapters on the
+LM head (`train_unembed`, Tinker's default), which vLLM 0.32 cannot apply to Qwen2's head: these two
+refused when the training model or sampler is created, so nothing is trained that could not be sampled.
 """
 
 from __future__ import annotations
@@ -72,17 +72,19 @@ def engine_lora_rank(max_lora_rank: object) -> int:
     return min(rank for rank in LORA_RANKS if rank >= max_lora_rank)
 
 
-def check_lora(lora: LoraSpec, field: str, max_lora_rank: int = MAX_RANK) -> None:
-    """Refuse an adapter vLLM's LoRA layers cannot serve (naming the field), before anything is made of it."""
+def check_lora(lora: LoraSpec, field: str | None = None, max_lora_rank: int = MAX_RANK) -> None:
+    """Refuse an adapter vLLM's LoRA layers cannot serve, before anything is made of it; the error names
+    `field` (a saved sampler's `model_path`), or the `lora_config` field at fault for a new training model."""
     unsupported = [target for target in lora.targets if target not in LORA_TARGETS]
     if unsupported:
         raise CallError(f"this server samples on vLLM, whose LoRA layers cannot apply an adapter to "
-                        f"{', '.join(unsupported)} (it wraps {', '.join(LORA_TARGETS)})", field=field,
+                        f"{', '.join(unsupported)} (it wraps {', '.join(LORA_TARGETS)})",
+                        field=field or "lora_config.train_unembed",
                         fix="train_unembed=False (LoRA on attention and MLP only), or a server started with "
                             "--engine native")
     if lora.rank > max_lora_rank:
         raise CallError(f"rank {lora.rank} is above {max_lora_rank}, the largest this server's vLLM engine takes "
-                        "(--max-lora-rank)", field="lora_config.rank",
+                        "(--max-lora-rank)", field=field or "lora_config.rank",
                         fix=f"rank <= {max_lora_rank}, or a server started with a larger --max-lora-rank")
 
 
@@ -122,7 +124,7 @@ class VLLMTenantHost(TenantHost):
         self.paths: dict[str, str] = {}  # sampler key -> its adapter's folder (in `folder`)
 
     def create(self, adapter: str, lora: LoraSpec, max_new_tokens: int) -> None:
-        check_lora(lora, "lora_config.train_unembed", self.max_lora_rank)  # before training what vLLM cannot sample
+        check_lora(lora, max_lora_rank=self.max_lora_rank)  # refused before training what vLLM cannot sample
         super().create(adapter, lora, max_new_tokens)
 
     def add_sampler(self, key: str, lora: LoraSpec | None, tensors: Mapping[str, torch.Tensor] | None,
