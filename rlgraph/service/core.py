@@ -26,13 +26,14 @@ import torch
 from rlgraph.backends.local.training import NonFiniteUpdate
 from rlgraph.service import programs
 from rlgraph.batches import Prompts
+from rlgraph.service.vllm import check_engine
 from rlgraph.service.datums import Datum, Limits, check_datums, check_tokens, to_prompts, to_rollouts
 from rlgraph.service.errors import CallError, not_found
 from rlgraph.service.losses import check_loss
 from rlgraph.service.store import Store
 from rlgraph.service.host import TenantHost
 from rlgraph.service.ranks import LocalRanks, SpmdRanks
-from rlgraph.service.tenants import BaseModel, LoraSpec, Sampler, Tenant
+from rlgraph.service.tenants import MAX_RANK, BaseModel, LoraSpec, Sampler, Tenant
 
 PLAN_CALLS = ("forward", "forward_backward", "optim_step", "sample", "compute_logprobs")
 ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
@@ -68,7 +69,9 @@ class Service:
     now, the model built once: BaseModel has no config-only form)."""
 
     def __init__(self, model: str = "tiny", *, state_dir: str | Path, limits: Limits | None = None, seed: int = 0,
-                 device: str = "cpu", nproc: int = 1, runtime: str = "spmd"):
+                 device: str = "cpu", nproc: int = 1, runtime: str = "spmd", engine: str = "native",
+                 max_lora_rank: int = MAX_RANK):
+        check_engine(engine, nproc, max_lora_rank)
         self.base = BaseModel.build(model, seed=seed, device=device)
         self.limits = limits or Limits(self.base.vocab_size, self.base.context)
         self.store = Store(state_dir)
@@ -77,10 +80,14 @@ class Service:
         self.tenants: dict[str, Tenant] = {}
         self.samplers: dict[str, Sampler] = {}
         self.plans = programs.Plans(_unwrapped(self.base.module).config.to_dict(),
-                                    mesh=f"{self.base.device.type}:{nproc}")
+                                    mesh=f"{self.base.device.type}:{nproc}", engine=engine)
         self._adapters = 0
-        if nproc == 1:
-            self.ranks: LocalRanks | SpmdRanks = LocalRanks(TenantHost(self.base))
+        if engine == "vllm":  # the samplers generate on one vLLM engine in this process (service/vllm.py)
+            from rlgraph.service.vllm import build_host
+
+            self.ranks: LocalRanks | SpmdRanks = LocalRanks(build_host(self.base, seed=seed, max_lora_rank=max_lora_rank))
+        elif nproc == 1:
+            self.ranks = LocalRanks(TenantHost(self.base))
         else:
             self.ranks = SpmdRanks(model, nproc=nproc, plan=self.plans.get("logprobs").plan, seed=seed,
                                    device=self.base.device.type, tokenizer=self.base.tokenizer, runtime=runtime)

@@ -63,6 +63,9 @@ class TenantHost:
             raise AttributeError(f"TenantHost.{name}: no tenant's executor is active")
         return getattr(executors[self.__dict__["active"]], name)
 
+    def close(self) -> None:
+        """Release what the host made outside its models (nothing here; the vLLM host's adapter folder)."""
+
     # -- commands ----------------------------------------------------------------------------------
     def create(self, adapter: str, lora: LoraSpec, max_new_tokens: int) -> None:
         """A training tenant: a fresh adapter, its AdamW (Tinker's defaults) and its executor."""
@@ -83,8 +86,11 @@ class TenantHost:
             except BaseException:
                 self.engine.delete_adapter(key)
                 raise
-        self.executors[key] = self.engine.executor([], None, seed=lora.seed if lora else 0,
-                                                       max_new_tokens=max_new_tokens)
+        self.executors[key] = self.sampler_executor(key, lora, max_new_tokens)
+
+    def sampler_executor(self, key: str, lora: LoraSpec | None, max_new_tokens: int) -> Any:
+        """The executor that samples for `key` (its adapter, or the bare base, already set up)."""
+        return self.engine.executor([], None, seed=lora.seed if lora else 0, max_new_tokens=max_new_tokens)
 
     def drop(self, key: str) -> None:
         executor = self.executors.pop(key, None)

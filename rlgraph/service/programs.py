@@ -85,8 +85,10 @@ CALLS = {"forward": forward, "forward_backward": forward_backward, "optim_step":
 class Plans:
     """The compiled plan of each (call, settings), compiled on first use; the `size` most recent kept."""
 
-    def __init__(self, model: Mapping[str, Any] | None = None, size: int = 128, mesh: str = "cpu:1"):
+    def __init__(self, model: Mapping[str, Any] | None = None, size: int = 128, mesh: str = "cpu:1",
+                 engine: str = "native"):
         self.mesh = mesh  # "cpu:2": the tenants live on 2 ranks (`rlgraph serve --runtime spmd --nproc 2`)
+        self.engine = engine  # the sample plan's generation engine: "vllm" adds its sync_weights step
         self.models = {"policy": dict(model)} if model is not None else {}  # the served model's HF config
         self.size = size
         self._compiled: OrderedDict[tuple, Compiled] = OrderedDict()
@@ -107,12 +109,19 @@ class Plans:
             # Every rank holds every tenant: no offload, and the executor checkpoints no activations.
             compiled = rg.compile(CALLS[call], mesh=self.mesh, placement=rg.colocated(offload=False, checkpointing=False),
                                   sizes=sizes, models=self.models, lora={"policy": dict(lora)} if lora else None,
-                                  **settings)
+                                  **self._engine_options(call), **settings)
             self._compiled[key] = compiled
             if len(self._compiled) > self.size:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
         return compiled
+
+    def _engine_options(self, call: str) -> dict[str, Any]:
+        """A sample plan's engine; on vLLM, whose engine holds its own copy of the weights, the sampled
+        policy counts as trained elsewhere (the tenants' calls), so the plan syncs it before generating."""
+        if call != "sample":
+            return {}
+        return {"engine": "vllm", "trained": ("policy",)} if self.engine == "vllm" else {"engine": "native"}
 
 
 def run(compiled: Compiled, executor: Any, batch: Any) -> tuple[dict[str, float], dict[str, Any]]:

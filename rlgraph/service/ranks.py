@@ -34,7 +34,7 @@ class LocalRanks:
         return programs.run(compiled, self.host, batch)
 
     def close(self) -> None:
-        pass
+        self.host.close()
 
 
 class SpmdRanks:

@@ -5,6 +5,7 @@
     rlgraph serve --model tiny --insecure-local --state-dir /tmp/states      # no keys: this machine only
     rlgraph serve --model tiny --runtime spmd --nproc 2 --keys keys.txt --state-dir states   # the base on 2 ranks
     rlgraph serve --model tiny --runtime ray --nproc 2 --keys keys.txt --state-dir states    # on 2 Ray actors
+    rlgraph serve --model rlgraph/assets/tiny_qwen2_vllm.json --engine vllm --keys keys.txt --state-dir states
 
 A keys file holds one API key a line (`#` starts a comment). Keys start with `tml-` (the Tinker
 SDK refuses any other) and have at least 16 characters after it. Without keys the server
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 
 from rlgraph.errors import ConfigError
+from rlgraph.service.tenants import MAX_RANK
+from rlgraph.service.vllm import check_engine
 
 KEYS_ENV = "RLGRAPH_SERVE_KEYS"
 MIN_KEY_BODY = 16
@@ -51,13 +54,15 @@ def read_keys(path: str | None, environ: dict[str, str] | None = None) -> set[st
 
 
 def check_options(host: str, port: int, runtime: str, keys: set[str] | None, insecure_local: bool,
-                  device: str = "cpu", state_dir: str | None = None, nproc: object = 1) -> str:
+                  device: str = "cpu", state_dir: str | None = None, nproc: object = 1, engine: object = "native",
+                  max_lora_rank: object = MAX_RANK) -> str:
     """Refuse bad options naming the flag; returns the device to serve on."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a TCP port", fix="--port 8000 (0 picks a free one)")
     if runtime not in ("local", "spmd", "ray"):
         raise ConfigError(f"--runtime {runtime!r} is not a runtime (local, spmd or ray)", fix="--runtime local or spmd")
     _check_nproc(runtime, nproc)
+    check_engine(engine, nproc, max_lora_rank)
     if keys is None and not insecure_local:
         raise ConfigError("no API keys: the server refuses to start without them",
                           fix=f"--keys FILE (one tml-... key a line) or ${KEYS_ENV}; or --insecure-local on a "
@@ -103,19 +108,26 @@ def _loopback(host: str) -> bool:
 
 
 def serve(model: str, *, host: str, port: int, state_dir: str, keys_file: str | None, insecure_local: bool,
-          runtime: str = "local", device: str = "cpu", nproc: int = 1) -> None:
+          runtime: str = "local", device: str = "cpu", nproc: int = 1, engine: str = "native",
+          max_lora_rank: int = MAX_RANK) -> None:
     """Check the options, build the service and run uvicorn until interrupted."""
-    import uvicorn
-
     from rlgraph.service.core import Service
-    from rlgraph.service.http import build_app
 
     keys = read_keys(keys_file)
-    device = check_options(host, port, runtime, keys, insecure_local, device, state_dir, nproc)
-    service = Service(model, state_dir=state_dir, device=device, nproc=nproc, runtime=runtime)
+    device = check_options(host, port, runtime, keys, insecure_local, device, state_dir, nproc, engine, max_lora_rank)
+    try:
+        import uvicorn
+
+        from rlgraph.service.http import build_app
+    except ImportError as exc:  # e.g. .venv-vllm built without the extra: say which, not a deep traceback
+        raise ConfigError(f"rlgraph serve needs the `service` extra (tinker, fastapi, uvicorn): {exc}",
+                          fix="pip install 'rlgraph[service]' into this Python") from exc
+    service = Service(model, state_dir=state_dir, device=device, nproc=nproc, runtime=runtime, engine=engine,
+                      max_lora_rank=max_lora_rank)
     try:
         app = build_app(service, keys)
         ranks = f", {nproc} {runtime} ranks" if nproc > 1 else ""
+        ranks += ", sampling on vLLM" if engine == "vllm" else ""
         print(f"rlgraph serve: {service.base.name} on http://{host}:{port} ({len(keys or ())} keys{ranks}; "
               f"states in {state_dir})")
         try:

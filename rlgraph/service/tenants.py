@@ -138,7 +138,8 @@ class BaseModel:
 
     @classmethod
     def build(cls, source: str = "tiny", *, seed: int = 0, device: str = "cpu") -> BaseModel:
-        """`tiny` (the shipped tiny Qwen2 and character tokenizer) or a local Hugging Face directory
+        """`tiny` (the shipped tiny Qwen2 and character tokenizer), a model config file (`.json`: that
+        architecture, random init, the shipped tokenizer) or a local Hugging Face directory
         holding the model and its tokenizer, on `device` (built on the CPU: the same weights anywhere).
         On CUDA the executors run the forwards under bf16 autocast (untested: no GPU here)."""
         from rlgraph.backends.local.models import ASSETS
@@ -149,9 +150,21 @@ class BaseModel:
             return cls("tiny", RoleSpec(seed=seed).build_module(tokenizer), tokenizer,
                        tokenizer_dir=Path(ASSETS).resolve() / "char_tokenizer", device=place)
         path = Path(source).expanduser().resolve()
+        if path.suffix == ".json" and path.is_file():  # a config alone: random init, the shipped tokenizer
+            tokenizer = load_tokenizer()
+            try:
+                module = RoleSpec(source=path, seed=seed).build_module(tokenizer)
+            except ValueError as exc:  # not JSON, no model_type, a vocabulary smaller than the tokenizer's
+                raise CallError(f"{source} is not a model config this server can build: {exc}", field="--model",
+                                fix="a Hugging Face config.json with model_type and vocab_size >= the shipped "
+                                    "tokenizer's (rlgraph/assets/tiny_qwen2_vllm.json is one)") from None
+            return cls(str(path), module, tokenizer, tokenizer_dir=Path(ASSETS).resolve() / "char_tokenizer",
+                       device=place)
         if not (path / "config.json").is_file():
-            raise CallError(f"{source!r} is neither 'tiny' nor a model directory with a config.json", field="--model",
-                            fix="--model tiny, or --model /path/to/hf_model (config, weights and tokenizer files)")
+            raise CallError(f"{source!r} is neither 'tiny', a model config (.json) nor a model directory with a "
+                            "config.json", field="--model",
+                            fix="--model tiny, --model rlgraph/assets/tiny_qwen2_vllm.json (its head_dim suits vLLM's "
+                                "CPU attention), or --model /path/to/hf_model (config, weights and tokenizer files)")
         tokenizer = load_tokenizer(path)
         return cls(str(path), RoleSpec(source=path, seed=seed).build_module(tokenizer), tokenizer, tokenizer_dir=path,
                    device=place)

@@ -477,3 +477,21 @@ def test_a_lora_engine_starts_from_the_frozen_base_and_refuses_what_vllms_lora_l
     huge = apply_lora(build_causal_lm(config, tokenizer=load_tokenizer(), seed=0), LoraSettings(r=600))
     with pytest.raises(VLLMError, match="LoRA rank 600 is above vLLM's largest max_lora_rank 512"):
         lora_engine_args(huge, str(tmp_path), "model.lora")
+
+
+def test_serving_the_base_drops_the_adapters_and_is_refused_mid_sync(fake_vllm):
+    engine = synced_engine(version=3)
+    removed = []
+    engine.llm.llm_engine.remove_lora = removed.append
+    engine.adapter = types.SimpleNamespace(lora_int_id=4)  # as load_adapter leaves it: policy@3's adapters
+    engine.serve_base(7)
+    assert removed == [4] and engine.adapter is None and engine.version == 7
+    assert engine.llm.calls[-1] == ("reset_prefix_cache",)  # no cached prefix of the adapters' version is reused
+    # a plain request: FakeLLM.generate has no lora_request keyword, so one passed would fail here
+    engine.generate(PROMPTS, 1, PARAMS, seed=0, call=0, model=ModelRef("policy", 7))
+    engine.load_weights([("model.embed_tokens.weight", torch.zeros(2, 2))])  # a sync opens
+    with pytest.raises(VLLMError, match="in the middle of a sync"):
+        engine.serve_base(8)
+    for version in (-1, "3", 2.0):
+        with pytest.raises(ValueError, match="version must be an int >= 0"):
+            engine.serve_base(version)

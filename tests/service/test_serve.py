@@ -66,8 +66,14 @@ def test_a_model_that_is_not_a_directory_is_refused_naming_the_flag(tmp_path):
     from rlgraph.service.tenants import BaseModel
 
     for source in (str(tmp_path / "missing"), str(tmp_path), "llama"):
-        with pytest.raises(CallError, match="neither 'tiny' nor a model directory") as error:
+        with pytest.raises(CallError, match="neither 'tiny', a model config") as error:
             BaseModel.build(source)
+        assert error.value.field == "--model"
+    bad_configs = {"a.json": "{not json", "b.json": "{}", "c.json": '{"model_type": "qwen2", "vocab_size": 10}'}
+    for name, text in bad_configs.items():  # a config file (random init): each mistake named, not a raw error
+        (tmp_path / name).write_text(text)
+        with pytest.raises(CallError, match="is not a model config this server can build") as error:
+            BaseModel.build(str(tmp_path / name))
         assert error.value.field == "--model"
 
 
@@ -116,3 +122,12 @@ def test_bad_runtimes_and_rank_counts_are_refused_saying_why(runtime, nproc, mes
     with pytest.raises(ConfigError, match=message):
         check_options("127.0.0.1", 8000, runtime, {KEY_A}, False, nproc=nproc)
     check_options("127.0.0.1", 8000, "spmd", {KEY_A}, False, nproc=2)  # the good form passes
+
+
+def test_a_python_without_the_service_extra_gets_the_fix_not_a_traceback(tmp_path, monkeypatch):
+    from rlgraph.service.serve import serve
+
+    monkeypatch.setitem(sys.modules, "rlgraph.service.http", None)  # as in .venv-vllm built without the extra
+    with pytest.raises(ConfigError, match="needs the `service` extra") as error:
+        serve("tiny", host="127.0.0.1", port=0, state_dir=str(tmp_path), keys_file=None, insecure_local=True)
+    assert "pip install 'rlgraph[service]'" in str(error.value)

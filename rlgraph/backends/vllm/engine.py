@@ -323,10 +323,8 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest(lora_name=f"{self.role}@{version}", lora_int_id=version + 1, lora_path=str(directory))
-        previous, self.version, self.adapter = self.adapter, None, None
+        self._drop_adapter(keep=request.lora_int_id)
         core = self.llm.llm_engine
-        if previous is not None and previous.lora_int_id != request.lora_int_id:
-            self._core("dropping the previous adapters", lambda: core.remove_lora(previous.lora_int_id))
         try:
             self._core("loading LoRA adapters", lambda: core.add_lora(request))
         except VLLMError as error:  # a bad adapter leaves the core sound: the next sync may try again
@@ -337,6 +335,25 @@ class VLLMEngine:
                             "(enable_lora, max_lora_rank)", rank=self.rank) from error.__cause__
         self.adapter, self.version = request, version
         self.llm.reset_prefix_cache()
+
+    def serve_base(self, version: int) -> None:
+        """Serve `role@version` as the weights the engine holds, without adapters (a LoRA engine's frozen
+        base, e.g. the training service's base-model sampler); the adapters served before are dropped."""
+        version = _check_int(version, "VLLMEngine.serve_base: version", at_least=0)
+        self._check_alive()
+        if self.loading:
+            raise VLLMError(f"rank {self.rank}'s vLLM engine is in the middle of a sync; finish or abort it before "
+                            "serving its base", rank=self.rank)
+        self._drop_adapter()
+        self.version = version
+        self.llm.reset_prefix_cache()
+
+    def _drop_adapter(self, keep: int | None = None) -> None:
+        """Remove the adapters served from the engine (unless their LoRA id is `keep`); no version is held after."""
+        previous, self.version, self.adapter = self.adapter, None, None
+        if previous is not None and previous.lora_int_id != keep:
+            core = self.llm.llm_engine
+            self._core("dropping the previous adapters", lambda: core.remove_lora(previous.lora_int_id))
 
     def _lora(self) -> dict[str, Any]:
         """generate's keyword for the adapters served (none without LoRA: a plain engine's call stays as it was)."""

@@ -132,8 +132,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def lora_engine_args(module: torch.nn.Module, directory: str, where: str) -> dict[str, Any]:
     """Save `module`'s frozen base (adapters off: what LoRA never trains) to `directory` as safetensors
     and return the engine arguments of a LoRA engine over it: one adapter slot of a rank vLLM accepts."""
-    from safetensors.torch import save_file
-
     settings = settings_of(module)
     unsupported = sorted(set(settings.target_modules) - set(LORA_TARGETS))
     if unsupported:
@@ -143,9 +141,18 @@ def lora_engine_args(module: torch.nn.Module, directory: str, where: str) -> dic
     if settings.r > LORA_RANKS[-1]:
         raise VLLMError(f"{where}: LoRA rank {settings.r} is above vLLM's largest max_lora_rank {LORA_RANKS[-1]}"
                         "\n  fix: a smaller model.lora.r, or runtime.engine: native")
+    save_base_weights(module, directory)
+    return dict(enable_lora=True, max_loras=1, max_lora_rank=min(rank for rank in LORA_RANKS if rank >= settings.r))
+
+
+def save_base_weights(module: torch.nn.Module, directory: str) -> None:
+    """`module`'s base weights (a peft model's with its adapters left out; a plain model's all) as
+    `directory/model.safetensors`, by Hugging Face names: the weights a LoRA engine starts from."""
+    from safetensors.torch import save_file
+
     base = {plain: tensor.detach().contiguous() for name, tensor in module.state_dict().items()
             if (plain := plain_name(name)) is not None}
-    if module.get_base_model().config.tie_word_embeddings:
+    plain_module = module.get_base_model() if is_lora(module) else module
+    if plain_module.config.tie_word_embeddings:
         base.pop("lm_head.weight", None)  # one tensor in the checkpoint, as Hugging Face saves a tied head
     save_file(base, os.path.join(directory, "model.safetensors"))
-    return dict(enable_lora=True, max_loras=1, max_lora_rank=min(rank for rank in LORA_RANKS if rank >= settings.r))
