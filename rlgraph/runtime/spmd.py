@@ -52,7 +52,7 @@ from rlgraph.runtime.errors import WorkerFailure
 from rlgraph.runtime.worker_pool import DEFAULT_TIMEOUT_S, WorkerPool, resolve_device, start_worker
 from rlgraph.user_files import UserFileError, loaded_files, unpickle
 
-__all__ = ["SpmdTransport", "resolve_device", "free_port"]
+__all__ = ["SpmdTransport", "resolve_device", "free_port", "worker_context"]
 
 GRACE_S = 5.0  # an idle worker told to close exits in well under 1 s (it drops its process group); 5 s covers a loaded machine
 TERM_S = 2.0  # SIGTERM's default action ends a process at once; 2 s covers scheduling on a loaded machine
@@ -82,7 +82,7 @@ class SpmdTransport(WorkerPool):
         self.timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S[self.device]
         threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.world)
         world = attrs.evolve(world, rewards={})  # reward functions run on the controller, and need not pickle
-        context = _context()
+        context = worker_context()
         master = ("127.0.0.1", free_port())
         # Sent as bytes and rebuilt inside the worker's own error handling, after the user's files loaded
         # there: a module it cannot import is a failure naming the rank, not a raw spawn traceback.
@@ -286,7 +286,8 @@ def _send_timeout(connection: Connection, seconds: float) -> None:
         sock.close()
 
 
-def _context() -> mp.context.ForkServerContext:
+def worker_context() -> mp.context.ForkServerContext:
+    """The multiprocessing context workers start from: the fork server, with `PRELOAD` imported."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     return context

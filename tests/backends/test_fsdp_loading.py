@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import pickle
 import traceback
 from pathlib import Path
@@ -182,7 +181,7 @@ def _rank_main(rank: int, port: int, world: WorldSpec, plan, out: str, rollouts,
 
 
 def test_two_fsdp2_ranks_read_exactly_their_rows_from_the_weights_files(tmp_path):
-    from rlgraph.runtime.spmd import free_port
+    from rlgraph.runtime.spmd import free_port, worker_context
 
     executor = _executor()
     world = attrs.evolve(WorldSpec.of_executor(executor, {}, weights_dir=tmp_path / "w"), fsdp_unit_params=0)
@@ -190,7 +189,7 @@ def test_two_fsdp2_ranks_read_exactly_their_rows_from_the_weights_files(tmp_path
                       sizes={"B": 2, "P": 8, "T": 4}, n=2, kl=0.1, max_new_tokens=4).plan
     rollouts = executor.generate(ModelRef("policy", 0), tiny_prompts(2), n=2, temperature=0.0, max_new_tokens=4)
     expected = {role: executor.logprobs(ModelRef(role, 0), rollouts) for role in ("policy", "ref")}
-    context, port = multiprocessing.get_context("spawn"), free_port()
+    context, port = worker_context(), free_port()
     outs = [str(tmp_path / f"rank{rank}.txt") for rank in range(2)]
     ranks = [context.Process(target=_rank_main, args=(rank, port, world, plan, outs[rank], rollouts, expected))
              for rank in range(2)]

@@ -17,14 +17,14 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, strategies as st
 
 from rlgraph.ir import specs as S
 from rlgraph.runtime import collectives as C
 from rlgraph.runtime import distributed as D
+from rlgraph.runtime.spmd import worker_context
 
-# The spawned processes import this module: `rlgraph.testing` (which loads transformers, ~2 s a
+# The worker processes import this module: `rlgraph.testing` (which loads transformers, ~2 s a
 # process) is imported inside the functions that only the parent runs.
 
 CTRL = ("controller",)
@@ -211,7 +211,7 @@ def _free_port() -> int:
 
 def _run_job(world: int, cases: list[tuple]) -> dict[int, list[tuple]]:
     """Run `cases` in `world` gloo processes; their results by process, or fail with a child's error."""
-    context = mp.get_context("spawn")
+    context = worker_context()  # the spmd workers' fork server: torch imported once per test process
     reports = context.Queue()
     port = _free_port()
     children = [context.Process(target=_worker, args=(i, world, port, cases, reports), daemon=True)
