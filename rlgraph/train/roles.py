@@ -36,7 +36,7 @@ def policy_spec(config: TrainConfig, *, start: Start = None, lr: float | None = 
     adapters = None if lora is None else {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
                                           "target_modules": tuple(lora.target_modules)}
     source, train_vision = config.model.path, False
-    if config.vision is not None:  # a Qwen2-VL / Qwen2.5-VL: null is the shipped tiny one (no LoRA: `check_vision`)
+    if config.vision is not None:  # a Qwen2-VL / Qwen2.5-VL: null is the shipped tiny one (LoRA: on its language model)
         from rlgraph.backends.local.vlm import TINY_VL_CONFIG
 
         source, train_vision = source or str(TINY_VL_CONFIG), config.vision.train_tower

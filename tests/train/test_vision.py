@@ -12,8 +12,9 @@ import yaml
 from rlgraph.errors import ConfigError
 from rlgraph.data.images import ImageError
 from rlgraph.train.config import load_config
-from rlgraph.train.run import train
+from rlgraph.train.run import load_run_config, train
 from rlgraph.train.setup import prepare
+from tests.train.test_run import assert_same_run, policy_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("vision_shapes_data", ROOT / "examples" / "vision_shapes" / "make_data.py")
@@ -90,3 +91,31 @@ def test_a_bad_image_is_named_by_file_row_and_field_before_step_1(tmp_path, imag
     with pytest.raises(ImageError, match=message):
         train(config)
     assert not (tmp_path / "run").exists()  # refused before the run wrote anything, before any model was built
+
+
+def test_lora_on_a_vision_run_trains_only_the_adapters_and_resumes_exactly(tmp_path):
+    """model.lora on the tiny Qwen2-VL (local runtime): the warm start's merged base, then adapters on the
+    language model's attention only; the checkpoints hold only the adapters (the tower and the base stay
+    in RUN_DIR/base.safetensors, unchanged), the KL reference is the base (adapters off, kl 0.04 here),
+    and a run cut at step 1 and resumed equals the uninterrupted run (metrics and weights, exactly)."""
+    from safetensors.torch import load_file
+
+    lora = {"lora": {"r": 4}}
+    vowel = [{"name": "format_regex", "options": {"pattern": "[aeiou]"}}]  # varies within groups: a gradient
+    whole = _config(tmp_path, ["checkpoint.every=1", "checkpoint.keep_last=2", "eval.every=1"], model=lora,
+                    rewards=vowel)
+    train(whole)
+    adapters = policy_weights(tmp_path / "run")
+    assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters)
+    assert not any("visual" in name for name in adapters)  # the tower has no adapters: it is frozen with the base
+    assert any(".self_attn.q_proj.lora_B." in name and (tensor != 0).any() for name, tensor in adapters.items())
+    base = load_file(str(tmp_path / "run" / "base.safetensors"))
+    assert any(name.startswith("model.visual.") for name in base)  # the base holds the tower
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
+    cut = _config(cut_dir, ["train.steps=1", "checkpoint.every=1", "checkpoint.keep_last=2", "eval.every=1"],
+                  model=lora, rewards=vowel)
+    train(cut)
+    assert train(load_run_config(cut_dir / "run", ["train.steps=2"]), resume=True).steps == 2
+    assert_same_run(tmp_path / "run", cut_dir / "run")
+    assert load_file(str(cut_dir / "run" / "base.safetensors")).keys() == base.keys()
