@@ -7,11 +7,16 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from transformers import AutoModelForImageTextToText
 
+from rlgraph.backends.local.vlm import build_vision_lm, build_vl_tokenizer
 from rlgraph.errors import ConfigError
 from rlgraph.data.images import ImageError
 from rlgraph.train.config import load_config
+from rlgraph.train.evaluation import evaluate_run
+from rlgraph.train.export import export_run
 from rlgraph.train.run import load_run_config, train
 from rlgraph.train.setup import prepare
 from tests.train.test_run import assert_same_run, policy_weights
@@ -63,6 +68,14 @@ def test_a_vision_run_warm_starts_trains_and_evaluates_with_its_images(tmp_path)
     assert len(trained) == 2 and all(row["policy/grad_norm"] == row["policy/grad_norm"] for row in trained)
     plan = (tmp_path / "run" / "plan.txt").read_text()
     assert "vision policy: tower" in plan and "pixel budget 256 px" in plan  # the plan counts the images
+    # the checkpoint holds the trained language model, the frozen tower comes from the seeded source again
+    assert evaluate_run(tmp_path / "run")["eval/accuracy"] == result.eval_after
+    exported = AutoModelForImageTextToText.from_pretrained(str(export_run(tmp_path / "run", tmp_path / "hf")))
+    assert type(exported).__name__ == "Qwen2VLForConditionalGeneration"
+    seeded = build_vision_lm(tokenizer=build_vl_tokenizer(), seed=0).model.visual.state_dict()  # as the run built it
+    assert all(torch.equal(seeded[name], tensor) for name, tensor in exported.model.visual.state_dict().items())
+    trained = policy_weights(tmp_path / "run")
+    assert all(torch.equal(exported.state_dict()[name], tensor) for name, tensor in trained.items())
 
 
 @pytest.mark.parametrize("override, message", [
