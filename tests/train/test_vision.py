@@ -124,6 +124,11 @@ def test_lora_on_a_vision_run_trains_only_the_adapters_and_resumes_exactly(tmp_p
     assert any(".self_attn.q_proj.lora_B." in name and (tensor != 0).any() for name, tensor in adapters.items())
     base = load_file(str(tmp_path / "run" / "base.safetensors"))
     assert any(name.startswith("model.visual.") for name in base)  # the base holds the tower
+    assert 0.0 <= evaluate_run(tmp_path / "run")["eval/accuracy"] <= 1.0  # eval builds base + adapters
+    merged = AutoModelForImageTextToText.from_pretrained(str(export_run(tmp_path / "run", tmp_path / "hf"))).state_dict()
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], base[q])  # the adapters merged into the exported weights
+    assert all(torch.equal(merged[name], tensor) for name, tensor in base.items() if name.startswith("model.visual."))
     cut_dir = tmp_path / "cut"
     cut_dir.mkdir()
     cut = _config(cut_dir, ["train.steps=1", "checkpoint.every=1", "checkpoint.keep_last=2", "eval.every=1"],
