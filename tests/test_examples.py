@@ -156,13 +156,9 @@ def test_the_vapo_and_pretrain_example_configs_load():
     assert len(list((ROOT / pretrain_config.data.train).glob("*.txt"))) == 8
 
 
-def test_the_vision_example_prepares_and_its_data_is_what_make_data_draws(tmp_path, monkeypatch):
-    """examples/vision_shapes: the shipped data files are make_data.py's output, and the config prepares
-    (every image decoded and checked, the plan compiled with the tower counted). A run of the same
-    machinery on the same drawings: tests/train/test_vision.py; the example's figures: docs/benchmarks.md."""
-    from rlgraph.train.config import load_config
-    from rlgraph.train.setup import prepare
-
+def test_the_vision_example_data_is_what_make_data_draws(tmp_path, monkeypatch):
+    """examples/vision_shapes: the shipped data files are make_data.py's output (the run below, and
+    tests/train/test_vision.py on the same drawings, read them)."""
     spec = importlib.util.spec_from_file_location("vision_make_data", ROOT / "examples/vision_shapes/make_data.py")
     make_data = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_data)
@@ -170,6 +166,24 @@ def test_the_vision_example_prepares_and_its_data_is_what_make_data_draws(tmp_pa
     make_data.main()
     for name in ("train.jsonl", "test.jsonl"):
         assert (tmp_path / name).read_text() == (ROOT / "examples/vision_shapes" / name).read_text()
-    setup = prepare(load_config(ROOT / "examples/vision_shapes/config.yaml", ["runtime.threads=1"]))
-    assert len(setup.train_rows) == 1500 and len(setup.images.images) == 1700  # both splits' images, decoded
-    assert "pixel budget 256 px an image -> <= 4 image tokens" in setup.rl.as_text()
+
+
+@pytest.mark.slow
+def test_the_vision_example_raises_held_out_accuracy(tmp_path, monkeypatch):
+    """examples/vision_shapes as shipped (warm start to 40%, 100 GRPO steps at temperature 0.7, one
+    thread): greedy held-out accuracy on its 200 images rises by 10 points or more, and the plan counts
+    the images. Measured 2026-12-02 on the loaded 2-core machine, held-out at steps 0/25/50/75/100:
+    seed 0 47.5/65.5/71/69.5/72.5 (+25), seed 1 56/54/63.5/71/74 (+18), seed 2 58/48.5/69/80.5/93.5
+    (+35.5). The worst seed's +18 leaves 8 points over the asserted 10 (the test runs seed 0: 15); at
+    step 50 seed 1 had only +7.5, so the test runs the example's 100 steps, not fewer."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch kernels, as `rlgraph train` runs on CPU (interpreted: 10x slower)
+    from rlgraph.train.config import load_config
+    from rlgraph.train.run import train
+
+    run_dir = tmp_path / "vision"
+    config = load_config(ROOT / "examples/vision_shapes/config.yaml",
+                         [f"run_dir={run_dir}", "eval.every=0", "logging.progress=false", "logging.samples=0"])
+    result = train(config)
+    assert result.eval_before >= 0.40                       # the warm start reached its target
+    assert result.eval_after >= result.eval_before + 0.10   # seed 0: 0.475 -> 0.725
+    assert "pixel budget 256 px an image -> <= 4 image tokens" in (run_dir / "plan.txt").read_text()

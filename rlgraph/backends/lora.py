@@ -305,6 +305,26 @@ class LoraReference(_AdaptersOff):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self._held[0].get_base_model().get_output_embeddings()
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """A Qwen2-VL's multimodal body (vision tower + language model) with the adapters off: what
+        the VLM forwards (`vlm_forward`) call, where a text model's read `get_decoder()`."""
+        return _VisionBodyOff(self._held[0], self._held[0].get_base_model().model).train(self.training)
+
+
+class _VisionBodyOff(_AdaptersOff):
+    """A VLM body's forward, tower and embeddings with a peft model's adapters off."""
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self._held[1].get_input_embeddings()
+
+    def get_image_features(self, *args, **kwargs):
+        with self.adapters_off():
+            return self._held[1].get_image_features(*args, **kwargs)
+
+    def get_rope_index(self, *args, **kwargs):
+        return self._held[1].get_rope_index(*args, **kwargs)  # positions: no parameters
+
 
 def base_view(lora_model: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
     """A module whose forward is `module`'s (a module that runs `lora_model`, e.g. its FSDP2 root)

@@ -128,10 +128,11 @@ class RoleSpec:
         """The base (its weights: `weights` when they are a plain model's), then seeded adapters (their
         weights: `weights` when they are a peft model's); merged: a plain model of the merged weights."""
         from rlgraph.backends.local.state import is_adapter_set
-        from rlgraph.backends.local.models import build_causal_lm
+        from rlgraph.backends.local.vlm import build_language_model
         from rlgraph.backends.lora import LoraSettings, apply_lora, merged_state_dict  # the one LoRA builder
 
-        module = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed)  # fp32: the adapters train in it
+        # fp32: the adapters train in it; a VLM's tower is frozen with the rest of the base (peft)
+        module = build_language_model(source, tokenizer=tokenizer, seed=self.seed)
         peft_weights = weights is not None and is_adapter_set(weights)
         if weights is not None and not peft_weights:
             module.load_state_dict(weights, strict=True)
@@ -140,7 +141,7 @@ class RoleSpec:
             module.load_state_dict(weights, strict=True)
         if not merged:
             return module.to(dtype)
-        plain = build_causal_lm(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
+        plain = build_language_model(source, tokenizer=tokenizer, seed=self.seed, dtype=dtype)
         plain.load_state_dict(merged_state_dict(module), strict=True)
         return plain
 

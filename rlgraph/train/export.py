@@ -13,7 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rlgraph.backends.local.models import auto_tokenizer_mismatch, build_causal_lm
+from rlgraph.backends.local.models import auto_tokenizer_mismatch
+from rlgraph.backends.local.vlm import build_language_model
 from rlgraph.errors import ConfigError
 from rlgraph.train.checkpoint import load_weights, resolve_checkpoint
 from rlgraph.train.modes import follow_umask
@@ -30,7 +31,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
 
     The directory is written to a temporary sibling and renamed, so a failed export leaves nothing.
     """
-    from rlgraph.train.roles import BASE_FILE, checkpoint_policy
+    from rlgraph.train.roles import BASE_FILE, checkpoint_policy, policy_spec
     from rlgraph.train.run import load_run_config
     from rlgraph.train.setup import _tokenizer
 
@@ -59,7 +60,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, checkpoint: str | Path |
         from rlgraph.backends.lora import merged_state_dict
 
         merged = merged_state_dict(model)
-        model = build_causal_lm(config.model.path, tokenizer=tokenizer, seed=config.train.seed)
+        # the policy's own source: a vision run's Qwen2-VL (the shipped tiny one when model.path is null)
+        model = build_language_model(policy_spec(config).source, tokenizer=tokenizer, seed=config.train.seed)
         load_weights(model, merged, path, strict=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))

@@ -36,7 +36,7 @@ def policy_spec(config: TrainConfig, *, start: Start = None, lr: float | None = 
     adapters = None if lora is None else {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
                                           "target_modules": tuple(lora.target_modules)}
     source, train_vision = config.model.path, False
-    if config.vision is not None:  # a Qwen2-VL / Qwen2.5-VL: null is the shipped tiny one (no LoRA: `check_vision`)
+    if config.vision is not None:  # a Qwen2-VL / Qwen2.5-VL: null is the shipped tiny one (LoRA: on its language model)
         from rlgraph.backends.local.vlm import TINY_VL_CONFIG
 
         source, train_vision = source or str(TINY_VL_CONFIG), config.vision.train_tower
@@ -62,14 +62,16 @@ def build_policy(config: TrainConfig, tokenizer: Any) -> torch.nn.Module:
 def checkpoint_policy(config: TrainConfig, tokenizer: Any, path: Path) -> tuple[torch.nn.Module, int]:
     """(the policy as the run built it, with checkpoint `path`'s weights; the checkpoint's step).
     A LoRA checkpoint holds the adapters only: the base comes from `build_policy`."""
-    from rlgraph.backends.lora import is_lora
     from rlgraph.train.checkpoint import load_weights, read_checkpoint
 
     state, step, _ = read_checkpoint(path)
     if "policy" not in state.roles:
         raise CheckpointMismatch(f"checkpoint {path} has no policy role (it has {', '.join(state.roles)})")
     model = build_policy(config, tokenizer)
-    load_weights(model, dict(state.roles["policy"].model), path, strict=not is_lora(model))
+    # A role with frozen parameters (LoRA's base, a VLM's frozen tower) checkpoints only its trainable
+    # ones (`checkpoint_weights`); the frozen ones come from the model source, as the run built them.
+    frozen = any(not param.requires_grad for param in model.parameters())
+    load_weights(model, dict(state.roles["policy"].model), path, strict=not frozen)
     return model, step
 
 

@@ -28,12 +28,12 @@ TINY_VL_PRESET = "tiny-qwen2-vl"
 def check_vision(config: TrainConfig) -> None:
     """Refuse what a vision run cannot do yet, naming the key (docs/vlm.md lists these)."""
     refused = {"runtime.runtime": config.runtime.runtime != "local",
-               "runtime.engine": config.runtime.engine != "native", "model.lora": config.model.lora is not None, "env": config.env is not None,
+               "runtime.engine": config.runtime.engine != "native", "env": config.env is not None,
                "model.teachers": bool(config.model.teachers)}
     for key, bad in refused.items():
         if bad:
             raise ConfigError(f"{key}: a vision run (the vision: section) is built for the local runtime and the "
-                              f"native engine, without LoRA, teachers or an environment; {key} asks for more",
+                              f"native engine (LoRA included), without teachers or an environment; {key} asks for more",
                               fix=f"remove {key} (or set it to its default) for a vision run; docs/vlm.md says what is "
                                   "supported")
 

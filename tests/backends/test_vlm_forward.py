@@ -19,6 +19,7 @@ from rlgraph.backends.local.models import build_causal_lm
 from rlgraph.backends.local.vlm import (
     ImageTokenError, build_image_processor, build_vision_lm, build_vl_tokenizer, vl_prompts,
 )
+from rlgraph.backends.local.vlm_forward import continued_positions
 from rlgraph.testing.tiny import length_parity_reward
 
 # 8x8 px -> 2x2 patches of 4 px -> 1 image token (2x2 merge); 16x8 -> 2 tokens; 16x16 -> 4 tokens
@@ -66,6 +67,43 @@ def test_generation_runs_the_vision_tower_once_a_prompt_and_training_recomputes_
     with torch.no_grad():
         recomputed = sequence_logprobs(model, rollouts)  # [N, T]
     assert torch.allclose(recomputed, rollouts.logprobs, atol=1e-5), (recomputed - rollouts.logprobs).abs().max()
+
+
+def test_the_training_forward_runs_a_prompts_tower_and_rope_index_once_for_its_samples(vl):
+    """The n samples of a prompt (rows `generate` repeats) share one tower run and one `get_rope_index`
+    over the prompt; the positions equal the model's `get_rope_index` over every whole row, and with a
+    trainable tower the log-probs and gradients equal row-by-row forwards (shared features' gradients
+    add up), fp32 1e-5."""
+    tokenizer, _, processor = vl
+    model = build_vision_lm(tokenizer=tokenizer, seed=0, train_vision=True).eval()
+    prompts = _prompts(vl, MIXED)
+    rollouts = _generate((tokenizer, model, processor), prompts, n=3)
+    width = rollouts.prompt_ids.shape[1]
+    ids = torch.cat([rollouts.prompt_ids, rollouts.response_ids], 1)  # [N, P+T]
+    real = torch.cat([rollouts.prompt_mask, rollouts.attention_mask], 1)  # [N, P+T]
+    image = (ids == model.config.image_token_id) & torch.cat([rollouts.prompt_mask, torch.zeros_like(rollouts.mask)], 1)
+    grid = rollouts.image_grid_thw.reshape(-1, 3)
+    whole, _ = model.model.get_rope_index(ids, mm_token_type_ids=image.int(), image_grid_thw=grid[grid.prod(-1) > 0],
+                                          attention_mask=real.long())  # [3, N, P+T]
+    assert torch.equal(continued_positions(model, ids, real, image, rollouts.image_grid_thw, width)[:, real],
+                       whole[:, real])
+    seen = []
+    hook = model.model.visual.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    try:
+        model.zero_grad()
+        shared = sequence_logprobs(model, rollouts)  # [N, T]
+        shared.sum().backward()
+    finally:
+        hook.remove()
+    assert seen == [int(prompts.image_grid_thw.prod(-1).sum())]  # the 3 prompts' patches, not the 9 rows'
+    tower = {name: param.grad.clone() for name, param in model.model.visual.named_parameters()}
+    model.zero_grad()
+    alone = torch.cat([sequence_logprobs(model, rollouts.select([row])) for row in range(len(rollouts))])  # [N, T]
+    alone.sum().backward()
+    assert torch.allclose(shared, alone, atol=1e-5)
+    for name, param in model.model.visual.named_parameters():
+        assert torch.allclose(tower[name], param.grad, atol=1e-5), name
+    assert max(grad.abs().max() for grad in tower.values()) > 1e-3  # the tower did get a gradient
 
 
 def test_the_images_change_what_the_model_says(vl):

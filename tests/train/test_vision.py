@@ -7,13 +7,19 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from transformers import AutoModelForImageTextToText
 
+from rlgraph.backends.local.vlm import build_vision_lm, build_vl_tokenizer
 from rlgraph.errors import ConfigError
 from rlgraph.data.images import ImageError
 from rlgraph.train.config import load_config
-from rlgraph.train.run import train
+from rlgraph.train.evaluation import evaluate_run
+from rlgraph.train.export import export_run
+from rlgraph.train.run import load_run_config, train
 from rlgraph.train.setup import prepare
+from tests.train.test_run import assert_same_run, policy_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("vision_shapes_data", ROOT / "examples" / "vision_shapes" / "make_data.py")
@@ -62,6 +68,14 @@ def test_a_vision_run_warm_starts_trains_and_evaluates_with_its_images(tmp_path)
     assert len(trained) == 2 and all(row["policy/grad_norm"] == row["policy/grad_norm"] for row in trained)
     plan = (tmp_path / "run" / "plan.txt").read_text()
     assert "vision policy: tower" in plan and "pixel budget 256 px" in plan  # the plan counts the images
+    # the checkpoint holds the trained language model, the frozen tower comes from the seeded source again
+    assert evaluate_run(tmp_path / "run")["eval/accuracy"] == result.eval_after
+    exported = AutoModelForImageTextToText.from_pretrained(str(export_run(tmp_path / "run", tmp_path / "hf")))
+    assert type(exported).__name__ == "Qwen2VLForConditionalGeneration"
+    seeded = build_vision_lm(tokenizer=build_vl_tokenizer(), seed=0).model.visual.state_dict()  # as the run built it
+    assert all(torch.equal(seeded[name], tensor) for name, tensor in exported.model.visual.state_dict().items())
+    trained = policy_weights(tmp_path / "run")
+    assert all(torch.equal(exported.state_dict()[name], tensor) for name, tensor in trained.items())
 
 
 @pytest.mark.parametrize("override, message", [
@@ -90,3 +104,36 @@ def test_a_bad_image_is_named_by_file_row_and_field_before_step_1(tmp_path, imag
     with pytest.raises(ImageError, match=message):
         train(config)
     assert not (tmp_path / "run").exists()  # refused before the run wrote anything, before any model was built
+
+
+def test_lora_on_a_vision_run_trains_only_the_adapters_and_resumes_exactly(tmp_path):
+    """model.lora on the tiny Qwen2-VL (local runtime): the warm start's merged base, then adapters on the
+    language model's attention only; the checkpoints hold only the adapters (the tower and the base stay
+    in RUN_DIR/base.safetensors, unchanged), the KL reference is the base (adapters off, kl 0.04 here),
+    and a run cut at step 1 and resumed equals the uninterrupted run (metrics and weights, exactly)."""
+    from safetensors.torch import load_file
+
+    lora = {"lora": {"r": 4}}
+    vowel = [{"name": "format_regex", "options": {"pattern": "[aeiou]"}}]  # varies within groups: a gradient
+    whole = _config(tmp_path, ["checkpoint.every=1", "checkpoint.keep_last=2", "eval.every=1"], model=lora,
+                    rewards=vowel)
+    train(whole)
+    adapters = policy_weights(tmp_path / "run")
+    assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters)
+    assert not any("visual" in name for name in adapters)  # the tower has no adapters: it is frozen with the base
+    assert any(".self_attn.q_proj.lora_B." in name and (tensor != 0).any() for name, tensor in adapters.items())
+    base = load_file(str(tmp_path / "run" / "base.safetensors"))
+    assert any(name.startswith("model.visual.") for name in base)  # the base holds the tower
+    assert 0.0 <= evaluate_run(tmp_path / "run")["eval/accuracy"] <= 1.0  # eval builds base + adapters
+    merged = AutoModelForImageTextToText.from_pretrained(str(export_run(tmp_path / "run", tmp_path / "hf"))).state_dict()
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], base[q])  # the adapters merged into the exported weights
+    assert all(torch.equal(merged[name], tensor) for name, tensor in base.items() if name.startswith("model.visual."))
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
+    cut = _config(cut_dir, ["train.steps=1", "checkpoint.every=1", "checkpoint.keep_last=2", "eval.every=1"],
+                  model=lora, rewards=vowel)
+    train(cut)
+    assert train(load_run_config(cut_dir / "run", ["train.steps=2"]), resume=True).steps == 2
+    assert_same_run(tmp_path / "run", cut_dir / "run")
+    assert load_file(str(cut_dir / "run" / "base.safetensors")).keys() == base.keys()

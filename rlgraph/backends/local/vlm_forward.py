@@ -73,8 +73,23 @@ def flat_images(pixels: torch.Tensor | None, grid: torch.Tensor | None
         return None, None
     used = grid.prod(-1).sum(-1)  # [R]: each row's real patches
     keep = torch.arange(pixels.shape[1], device=pixels.device)[None] < used[:, None].to(pixels.device)  # [R, K]
-    flat_grid = grid.reshape(-1, 3)  # [R*I, 3]
-    return pixels[keep], flat_grid[flat_grid.prod(-1) > 0]
+    return pixels[keep], _flat_grid(grid)
+
+
+def _flat_grid(grid: torch.Tensor) -> torch.Tensor:
+    """The grids [images, 3] of rows' images (`grid` [R, I, 3], zero rows padding), rows in order."""
+    flat = grid.reshape(-1, 3)  # [R*I, 3]
+    return flat[flat.prod(-1) > 0]
+
+
+def _text_positions(real: torch.Tensor) -> torch.Tensor:
+    """Positions [3, R, L] of text-only rows: all three rotary axes the plain position, padding 0."""
+    return (real.long().cumsum(-1) - 1).clamp(min=0)[None].expand(3, -1, -1)
+
+
+def _tower(model: Any, flat_pixels: torch.Tensor, flat_grid: torch.Tensor) -> torch.Tensor:
+    """The vision tower's features [image tokens, H] of images laid out as `flat_images` gives them."""
+    return torch.cat(_body(model).get_image_features(flat_pixels, flat_grid).pooler_output)
 
 
 def image_inputs(model: Any, ids: torch.Tensor, real: torch.Tensor, image: torch.Tensor,
@@ -86,12 +101,69 @@ def image_inputs(model: Any, ids: torch.Tensor, real: torch.Tensor, image: torch
     body = _body(model)
     embeds = body.get_input_embeddings()(ids)  # [R, L, H]
     if flat_grid is None or not bool(image.any()):  # text only: all three rotary axes are the plain position
-        return embeds, (real.long().cumsum(-1) - 1).clamp(min=0)[None].expand(3, -1, -1)
-    features = torch.cat(body.get_image_features(flat_pixels, flat_grid).pooler_output)  # [image tokens, H]
+        return embeds, _text_positions(real)
+    features = _tower(model, flat_pixels, flat_grid)  # [image tokens, H]
     embeds = embeds.masked_scatter(image[..., None], features.to(embeds.dtype))  # [R, L, H]
+    return embeds, _rope_index(body, ids, real, image, flat_grid)
+
+
+def _rope_index(body: torch.nn.Module, ids: torch.Tensor, real: torch.Tensor, image: torch.Tensor,
+                flat_grid: torch.Tensor) -> torch.Tensor:
+    """The model's own mrope positions [3, R, L] of rows `ids` (a Python loop over the rows inside)."""
     positions, _ = body.get_rope_index(ids, mm_token_type_ids=image.int(), image_grid_thw=flat_grid,
                                        attention_mask=real.long())  # [3, R, L]
-    return embeds, positions
+    return positions
+
+
+def _runs(*fields: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(heads i64[U], run i64[R]): consecutive rows equal in every field [R, ...] form a run (a prompt's
+    n samples: `generate` repeats its rows); `heads` are each run's first row, `run[r]` row r's run."""
+    rows = fields[0].shape[0]
+    new = torch.ones(rows, dtype=torch.bool, device=fields[0].device)  # [R]: a row that starts a run
+    if rows > 1:
+        same = torch.ones(rows - 1, dtype=torch.bool, device=new.device)  # [R-1]
+        for field in fields:
+            same &= (field[1:] == field[:-1]).flatten(1).all(1)
+        new[1:] = ~same
+    return new.nonzero().flatten(), new.long().cumsum(0) - 1
+
+
+def shared_image_features(model: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Features [image tokens, H] of the rows' images (`pixels` [R, K, D], `grid` [R, I, 3]) in row order,
+    the tower run once for each run of consecutive rows holding the same images: a batch of N = B*n
+    samples costs B prompts' tower work, as in generation. When the tower trains, a shared feature's
+    gradient is the sum over its rows (the gather's backward), what N separate tower runs would give."""
+    heads, run = _runs(pixels, grid)
+    features = _tower(model, *flat_images(pixels[heads], grid[heads]))  # [image tokens of the heads, H]
+    if len(heads) == len(run):
+        return features
+    merge = model.config.vision_config.spatial_merge_size
+    tokens = (grid.prod(-1) // (merge * merge)).sum(-1)  # [R]: each row's image tokens
+    head_tokens = tokens[heads]  # [U]
+    row_start = (head_tokens.cumsum(0) - head_tokens)[run]  # [R]: where row r's head's features start
+    within = torch.arange(int(tokens.sum()), device=tokens.device) - (tokens.cumsum(0) - tokens).repeat_interleave(tokens)
+    return features[row_start.repeat_interleave(tokens) + within]  # [image tokens of all rows, H]
+
+
+def continued_positions(model: Any, ids: torch.Tensor, real: torch.Tensor, image: torch.Tensor, grid: torch.Tensor,
+                        width: int) -> torch.Tensor:
+    """mrope positions [3, R, L] of rows [prompt (`width` columns) | response] with their grids
+    `grid` [R, I, 3]: the model's `get_rope_index` over each run of identical prompts once, and a
+    response of text continuing the prompt's next position one a token on all three axes, which is
+    what `get_rope_index` gives text after the prompt (and the engine's decode positions). A batch
+    with an image in a response (an environment's observation) goes through `get_rope_index` whole:
+    its grids are not all the prompts'."""
+    body = _body(model)
+    if bool(image[:, width:].any()):
+        return _rope_index(body, ids, real, image, _flat_grid(grid))
+    prompt_real = real[:, :width]  # [R, P]
+    heads, run = _runs(ids[:, :width], prompt_real, grid)
+    prompt = _rope_index(body, ids[heads, :width], prompt_real[heads], image[heads, :width],
+                         _flat_grid(grid[heads]))[:, run]  # [3, R, P]
+    following = torch.where(prompt_real[None], prompt, -1).amax(dim=(0, 2)) + 1  # [R]: the next text position
+    response_real = real[:, width:]  # [R, T]
+    response = (following[:, None] + response_real.long().cumsum(-1) - 1) * response_real  # [R, T], padding 0
+    return torch.cat([prompt, response[None].expand(3, -1, -1)], dim=2)  # [3, R, P+T]
 
 
 def prompt_inputs(model: Any, ids: torch.Tensor, mask: torch.Tensor, pixels: torch.Tensor | None,
@@ -112,10 +184,15 @@ def vision_response_states(model: Any, rollouts: Rollouts, *, packed: bool = Fal
     shown = torch.cat([rollouts.prompt_mask, rollouts.attention_mask & ~rollouts.mask], dim=1).bool()  # [N, P+T]
     image = check_row_images(ids, shown, rollouts.image_grid_thw, model,
                              "a forward over rollouts (rg.logprobs / rg.update)")  # [N, P+T]
-    images = flat_images(rollouts.pixel_values, rollouts.image_grid_thw)
-    embeds, positions = image_inputs(model, ids, real, image, *images)  # [N, P+T, H], [3, N, P+T]
-    before = predicting_columns(real, width, steps)  # [N, T]
     body = _body(model)
+    embeds = body.get_input_embeddings()(ids)  # [N, P+T, H]
+    if rollouts.image_grid_thw is None or not bool(image.any()):  # text only
+        positions = _text_positions(real)  # [3, N, P+T]
+    else:  # a prompt's tower and rope index once for its n samples
+        features = shared_image_features(model, rollouts.pixel_values, rollouts.image_grid_thw)  # [image tokens, H]
+        embeds = embeds.masked_scatter(image[..., None], features.to(embeds.dtype))
+        positions = continued_positions(model, ids, real, image, rollouts.image_grid_thw, width)  # [3, N, P+T]
+    before = predicting_columns(real, width, steps)  # [N, T]
     if packed:
         mask = packed_attention_mask(real.sum(1), model.config._attn_implementation, embeds.dtype)  # [1, 1, L, L]
         hidden = body(inputs_embeds=embeds[real][None], attention_mask=mask, position_ids=positions[:, real][:, None],
