@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from rlgraph.backends.local.vlm import build_image_processor, build_vl_tokenizer, vl_config, vl_prompts
+from rlgraph.backends.vllm.convert import VISION_ON_VLLM
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.data.images import open_row_images
 from rlgraph.data.prompts import encode_responses, to_prompts
@@ -27,13 +28,16 @@ TINY_VL_PRESET = "tiny-qwen2-vl"
 
 def check_vision(config: TrainConfig) -> None:
     """Refuse what a vision run cannot do yet, naming the key (docs/vlm.md lists these)."""
-    refused = {"runtime.runtime": config.runtime.runtime != "local",
-               "runtime.engine": config.runtime.engine != "native", "env": config.env is not None,
+    if config.runtime.engine != "native":
+        raise ConfigError(f"runtime.engine: {config.runtime.engine!r} for a vision run (the vision: section); "
+                          f"{VISION_ON_VLLM}", fix="runtime.engine: native, which generates with the images and "
+                          "mrope positions (docs/vlm.md, 'On vLLM')")
+    refused = {"runtime.runtime": config.runtime.runtime != "local", "env": config.env is not None,
                "model.teachers": bool(config.model.teachers)}
     for key, bad in refused.items():
         if bad:
-            raise ConfigError(f"{key}: a vision run (the vision: section) is built for the local runtime and the "
-                              f"native engine (LoRA included), without teachers or an environment; {key} asks for more",
+            raise ConfigError(f"{key}: a vision run (the vision: section) is built for the local runtime (LoRA "
+                              f"included), without teachers or an environment; {key} asks for more",
                               fix=f"remove {key} (or set it to its default) for a vision run; docs/vlm.md says what is "
                                   "supported")
 

@@ -13,7 +13,8 @@ from rlgraph.backends.local.executor import StaleVersionError
 from rlgraph.backends.local.counter_sampling import SamplingParams, sampling_keys
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm import (
-    VLLMEngine, VLLMError, check_head_dim, import_vllm, request_seeds, rollouts_from_outputs, sampling_kwargs, token_prompts,
+    VISION_ON_VLLM, VLLMEngine, VLLMError, check_head_dim, check_text_model, import_vllm, request_seeds,
+    rollouts_from_outputs, sampling_kwargs, token_prompts,
 )
 from rlgraph.batches import Prompts
 from rlgraph.testing import tiny_executor, tiny_prompts
@@ -82,6 +83,24 @@ def test_token_prompts_strip_the_left_padding():
 def test_prompts_that_are_not_left_padded_are_refused(mask, message):
     with pytest.raises(ValueError, match=message):
         token_prompts(Prompts(PROMPTS.ids, torch.tensor(mask)))
+
+
+def image_prompts(grids):
+    """PROMPTS with images: row r's grids `grids[r]` ((t, h, w) each; all zero: no image), 8 patches a row."""
+    grid = torch.tensor(grids, dtype=torch.long)  # [B, I, 3]
+    return Prompts(PROMPTS.ids, PROMPTS.mask, pixel_values=torch.zeros(2, 8, 12), image_grid_thw=grid)
+
+
+@pytest.mark.parametrize("grids, rows", [
+    ([[[0, 0, 0]], [[1, 2, 2]]], "\\[1\\]"),                           # one row of two holds an image
+    ([[[1, 2, 2]], [[1, 2, 4]]], "\\[0, 1\\]"),                         # both do
+    ([[[1, 2, 2], [0, 0, 0]], [[0, 0, 0], [1, 2, 2]]], "\\[0, 1\\]"),   # images in different slots
+])
+def test_prompts_carrying_images_are_refused_naming_the_rows_never_sent_without_them(grids, rows):
+    with pytest.raises(ValueError, match=f"prompt rows {rows} carry images; vLLM cannot generate for a vision"):
+        token_prompts(image_prompts(grids))
+    padded_only = token_prompts(image_prompts([[[0, 0, 0]], [[0, 0, 0]]]))  # image fields, no image: text rows
+    assert padded_only == token_prompts(PROMPTS)
 
 
 def test_outputs_become_rollouts_with_the_native_conventions():
@@ -446,6 +465,28 @@ def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_before_
     model = build_causal_lm(tokenizer=tokenizer)
     with pytest.raises(VLLMError, match=r"model.path: head_dim 16 .*\n  fix: .*tiny_qwen2_vllm.json"):
         build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=32)
+
+
+@pytest.mark.parametrize("config", [{"model_type": "qwen2_vl", "text_config": {"hidden_size": 64}},
+                                    {"model_type": "qwen2_5_vl"}, {"model_type": "my_vlm", "vision_config": {}}])
+def test_vision_language_configs_are_refused_with_the_reason_before_vllm_starts(config):
+    with pytest.raises(VLLMError, match=r"model.path: a .* model; vLLM cannot generate for a vision-language model "
+                                        r"here: \(1\) .*torchvision.*\(2\) .*expands again.*\n  fix: runtime.engine: native"):
+        check_text_model(config, "model.path")
+    check_text_model({"model_type": "qwen2", "hidden_size": 64}, "model.path")  # a text model passes
+
+
+def test_the_local_runtimes_engine_refuses_a_vlm_whose_heads_vllm_could_run_before_vllm_starts():
+    from rlgraph.backends.local.vlm import build_vision_lm, build_vl_tokenizer, tiny_vl_config
+    from rlgraph.backends.vllm.local import build_local_engine
+
+    tokenizer = build_vl_tokenizer()
+    config = tiny_vl_config(tokenizer)
+    config["text_config"].update(num_attention_heads=2, num_key_value_heads=1,  # head_dim 32, as vLLM's CPU needs
+                                 rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})
+    model = build_vision_lm(config, tokenizer=tokenizer)
+    with pytest.raises(VLLMError, match="model.path: a qwen2_vl model; " + VISION_ON_VLLM[:40]):
+        build_local_engine(model, role="policy", tokenizer=tokenizer, seed=0, max_model_len=64)
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft, on the lm_head case

