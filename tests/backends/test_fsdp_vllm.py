@@ -55,3 +55,17 @@ def test_vllm_sleeps_while_the_trainer_works_and_wakes_for_generation(executor):
     assert engine.asleep == {"kv_cache"}        # weights woke to be loaded; the KV cache waits for generation
     executor.offload("policy", "offload")      # before generate
     assert not engine.asleep and engine.llm.calls[-1] == ("wake_up", ["kv_cache"])
+
+
+def test_a_ranks_vllm_engine_for_a_vision_language_role_is_refused_with_the_reason_before_vllm_starts():
+    from types import SimpleNamespace
+
+    from rlgraph.backends.fsdp.build import _vllm_engine
+    from rlgraph.backends.local.vlm import build_vl_tokenizer, tiny_vl_config
+    from rlgraph.backends.vllm import VISION_ON_VLLM, VLLMError
+
+    tokenizer = build_vl_tokenizer()
+    spec = RoleSpec(source=tiny_vl_config(tokenizer))
+    group = SimpleNamespace(generate=SimpleNamespace(tp=1))
+    with pytest.raises(VLLMError, match=r"role 'policy' \(model .*\): a qwen2_vl model; " + VISION_ON_VLLM[:40]):
+        _vllm_engine(SimpleNamespace(seed=0), spec, "policy", group, 0, tokenizer, torch.device("cpu"))

@@ -470,8 +470,8 @@ def test_the_local_runtimes_engine_refuses_the_shipped_head_dim_16_model_before_
 @pytest.mark.parametrize("config", [{"model_type": "qwen2_vl", "text_config": {"hidden_size": 64}},
                                     {"model_type": "qwen2_5_vl"}, {"model_type": "my_vlm", "vision_config": {}}])
 def test_vision_language_configs_are_refused_with_the_reason_before_vllm_starts(config):
-    with pytest.raises(VLLMError, match=r"model.path: a .* model; vLLM cannot generate for a vision-language model "
-                                        r"here: \(1\) .*torchvision.*\(2\) .*expands again.*\n  fix: runtime.engine: native"):
+    reason = r"vLLM cannot generate for a vision-language model here: \(1\) .*torchvision.*\(2\) .*expands again"
+    with pytest.raises(VLLMError, match=rf"model.path: a .* model; {reason}.*\n  fix: runtime.engine: native"):
         check_text_model(config, "model.path")
     check_text_model({"model_type": "qwen2", "hidden_size": 64}, "model.path")  # a text model passes
 

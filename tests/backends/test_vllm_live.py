@@ -149,3 +149,33 @@ def test_a_kv_cache_that_cannot_fit_at_start_up_is_named_and_leaves_the_process_
                          load_format="dummy", enforce_eager=True, max_model_len=64, dtype="float32", block_size=32,
                          kv_cache_memory_bytes=24 << 10)
     test_greedy_tokens_equal_the_native_engines(vllm_live)  # the running engine is untouched
+
+
+def test_the_reasons_a_vision_language_model_is_refused_hold_on_the_installed_vllm():
+    """VISION_ON_VLLM's two reasons, pinned on vLLM itself (if one stops holding, revisit the refusal):
+    Qwen2-VL's rule (qwen2_vl.py `_get_prompt_updates`: each <|image_pad|> becomes t*h*w / merge^2 of them)
+    expands rlgraph's already-expanded ids again, while one pad an image expands to exactly rlgraph's ids;
+    and without torchvision vLLM's Qwen2-VL module does not import."""
+    import importlib
+
+    from PIL import Image
+    from vllm.multimodal.processing.processor import PromptReplacement, apply_token_matches
+
+    from rlgraph.backends.local.vlm import (
+        IMAGE_PAD, build_image_processor, build_vl_tokenizer, encode_vl_batch, vl_config,
+    )
+
+    tokenizer = build_vl_tokenizer()
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    processor = build_image_processor(vl_config(None)[0], max_pixels=256)
+    batch = encode_vl_batch(tokenizer, processor, ["colour="], [[Image.new("RGB", (16, 16), (200, 30, 30))]])
+    ids, tokens = batch.ids[0].tolist(), int(batch.image_grid_thw[0].prod()) // processor.merge_size ** 2  # 4
+    rule = PromptReplacement(modality="image", target=[pad], replacement=lambda item: [pad] * tokens)
+    updates = {"image": [[rule.resolve(0)]]}
+    again, _ = apply_token_matches(ids, updates)
+    assert ids.count(pad) == tokens == 4 and again.count(pad) == 2 * tokens - 1  # 4 pads become 7
+    collapsed = [token for at, token in enumerate(ids) if not (token == pad and ids[at - 1] == pad)]
+    assert apply_token_matches(collapsed, updates)[0] == ids  # one pad an image: vLLM's expansion is rlgraph's
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(ModuleNotFoundError, match="torchvision"):
+            importlib.import_module("vllm.model_executor.models.qwen2_vl")

@@ -221,10 +221,11 @@ def _vllm_engine(world: Any, spec: Any, served: str, group: Any, rank: int, toke
     rank, tp=`group.generate.tp`), built from the role's config with dummy weights: the plan's
     sync_weights step before its first generate loads the gathered FSDP2 weights. It joins this
     process's torch.distributed world, so every rank builds one at this point (`check_vllm_ranks`)."""
+    from rlgraph.backends.local.vlm import build_language_model
     from rlgraph.backends.vllm.engine import engine_from_config
 
-    with parameters_on_meta():  # the config is all the engine needs: no weights are read or drawn
-        module = build_causal_lm(config_only(spec.source), tokenizer=tokenizer, seed=spec.seed)
+    with parameters_on_meta():  # the config is all the engine needs (a VLM's too: it is refused with the reason)
+        module = build_language_model(config_only(spec.source), tokenizer=tokenizer, seed=spec.seed)
     return engine_from_config(module.config.to_dict(), role=served, tokenizer=tokenizer, rank=rank, seed=world.seed,
                               where=f"role {served!r} (model {spec.source!r})", tensor_parallel_size=group.generate.tp,
                               enforce_eager=device.type == "cpu")  # CPU: no compiled graphs to warm up
