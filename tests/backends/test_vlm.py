@@ -99,3 +99,33 @@ def test_bad_sources_and_budgets_are_named(vl, tmp_path):
     for budget in (0, 63, 1e6):
         with pytest.raises(ValueError, match="max_pixels"):
             build_image_processor(model.config, max_pixels=budget)
+
+
+def tiny_qwen2_5_vl_config(tokenizer) -> dict:
+    """The tiny Qwen2-VL's language model under a tiny Qwen2.5-VL tower: RMSNorm, a gated SiLU MLP, window
+    attention (16-pixel windows: 2x2 merged patches) in block 0 and full attention in block 1."""
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 48, "num_heads": 2,
+              "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "window_size": 16, "fullatt_block_indexes": [1]}
+    return {**tiny_vl_config(tokenizer), "model_type": "qwen2_5_vl",
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": vision}
+
+
+def test_a_qwen2_5_vl_loads_from_a_local_directory_and_scores_a_row_as_it_does_alone(vl, tmp_path):
+    tokenizer, _, _ = vl
+    model = build_vision_lm(tiny_qwen2_5_vl_config(tokenizer), tokenizer=tokenizer, seed=1)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    model.save_pretrained(tmp_path)
+    loaded = build_vision_lm(tmp_path, tokenizer=tokenizer)
+    assert type(loaded).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert not any(p.requires_grad for p in loaded.model.visual.parameters())
+    processor = build_image_processor(loaded.config, max_pixels=32 * 32)
+    batch = encode_vl_batch(tokenizer, processor, ["how many=", "ab="], [[RED], [TALL]])
+    with torch.no_grad():
+        both = vl_token_logprobs(loaded, batch)
+        alone = vl_token_logprobs(loaded, encode_vl_batch(tokenizer, processor, ["ab="], [[TALL]]))
+        torch.testing.assert_close(vl_token_logprobs(model, batch), both, atol=0, rtol=0)  # the same weights, read back
+        blank = vl_token_logprobs(loaded, encode_vl_batch(tokenizer, processor, ["ab="], [[Image.new("RGB", (24, 40))]]))
+    width = alone.shape[1]
+    torch.testing.assert_close(both[1, -width:], alone[0], atol=1e-5, rtol=0)  # a few ulps of log-probs ~4, as above
+    assert (blank - alone).abs().max() > 1e-4  # the pixels reach the text through the windowed tower

@@ -138,3 +138,23 @@ def test_lora_on_a_vision_run_trains_only_the_adapters_and_resumes_exactly(tmp_p
     assert train(load_run_config(cut_dir / "run", ["train.steps=2"]), resume=True).steps == 2
     assert_same_run(tmp_path / "run", cut_dir / "run")
     assert load_file(str(cut_dir / "run" / "base.safetensors")).keys() == base.keys()
+
+
+def test_a_qwen2_5_vl_from_a_local_directory_trains_evaluates_and_exports(tmp_path):
+    """The run as above on a tiny Qwen2.5-VL saved with save_pretrained (its windowed tower, RMSNorms):
+    `model.path` names the directory, and the export is that architecture with the tower it was given."""
+    from tests.backends.test_vlm import tiny_qwen2_5_vl_config
+
+    tokenizer = build_vl_tokenizer()
+    model = build_vision_lm(tiny_qwen2_5_vl_config(tokenizer), tokenizer=tokenizer, seed=1)
+    model.save_pretrained(tmp_path / "qwen2_5_vl")
+    tokenizer.save_pretrained(tmp_path / "qwen2_5_vl")
+    result = train(_config(tmp_path, model={"path": str(tmp_path / "qwen2_5_vl")}))
+    assert result.steps == 2 and result.eval_after is not None
+    exported = AutoModelForImageTextToText.from_pretrained(str(export_run(tmp_path / "run", tmp_path / "hf")))
+    assert type(exported).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    given = model.model.visual.state_dict()
+    assert all(torch.equal(given[name], tensor) for name, tensor in exported.model.visual.state_dict().items())
+    trained = policy_weights(tmp_path / "run")
+    assert all(torch.equal(exported.state_dict()[name], tensor) for name, tensor in trained.items())
+    assert any(not torch.equal(model.state_dict()[name], tensor) for name, tensor in trained.items())  # it trained
