@@ -27,15 +27,39 @@ TINY_VL_PRESET = "tiny-qwen2-vl"
 
 def check_vision(config: TrainConfig) -> None:
     """Refuse what a vision run cannot do yet, naming the key (docs/vlm.md lists these)."""
-    refused = {"runtime.runtime": config.runtime.runtime != "local",
-               "runtime.engine": config.runtime.engine != "native", "env": config.env is not None,
+    refused = {"runtime.engine": config.runtime.engine != "native", "env": config.env is not None,
                "model.teachers": bool(config.model.teachers)}
     for key, bad in refused.items():
         if bad:
-            raise ConfigError(f"{key}: a vision run (the vision: section) is built for the local runtime and the "
-                              f"native engine (LoRA included), without teachers or an environment; {key} asks for more",
+            raise ConfigError(f"{key}: a vision run (the vision: section) is built for the native engine, without "
+                              f"teachers or an environment; {key} asks for more",
                               fix=f"remove {key} (or set it to its default) for a vision run; docs/vlm.md says what is "
                                   "supported")
+    runtime = config.runtime
+    if runtime.runtime == "local":
+        return
+    if runtime.runtime == "ray":  # the same recipe would reach the actors, but no test has run it there
+        raise ConfigError("runtime.runtime=ray: a vision run is tested on the local and spmd runtimes only (the "
+                          "Ray actors would build the same roles, but no vision run has been checked against the "
+                          "local one there)", fix="runtime.runtime: spmd (same machine) or local")
+    for key, bad, why in _VISION_ON_RANKS:
+        if bad(config):
+            raise ConfigError(f"{key}={_value(config, key)!r} with runtime.runtime={runtime.runtime}: {why}",
+                              fix=f"remove {key} (or use runtime.runtime: local) for this vision run")
+
+
+def _value(config: TrainConfig, key: str) -> Any:
+    section, field = key.split(".")
+    return getattr(getattr(config, section), field)
+
+
+# (key, refused when, why) for a vision run on worker ranks (spmd)
+_VISION_ON_RANKS = (
+    ("model.lora", lambda config: config.model.lora is not None,
+     "the ranks build a LoRA role's base on the meta device as a text model (no vision tower)"),
+    ("runtime.placement", lambda config: str(config.runtime.placement).startswith("split"),
+     "a split placement syncs the policy into a generator built as a text model; vision runs are colocated"),
+)
 
 
 def vision_tokenizer(source: str | None) -> Any:
