@@ -38,28 +38,16 @@ def check_vision(config: TrainConfig) -> None:
     runtime = config.runtime
     if runtime.runtime == "local":
         return
-    if runtime.runtime == "ray":  # the same recipe would reach the actors, but no test has run it there
-        raise ConfigError("runtime.runtime=ray: a vision run is tested on the local and spmd runtimes only (the "
-                          "Ray actors would build the same roles, but no vision run has been checked against the "
-                          "local one there)", fix="runtime.runtime: spmd (same machine) or local")
-    for key, bad, why in _VISION_ON_RANKS:
-        if bad(config):
-            raise ConfigError(f"{key}={_value(config, key)!r} with runtime.runtime={runtime.runtime}: {why}",
-                              fix=f"remove {key} (or use runtime.runtime: local) for this vision run")
-
-
-def _value(config: TrainConfig, key: str) -> Any:
-    section, field = key.split(".")
-    return getattr(getattr(config, section), field)
-
-
-# (key, refused when, why) for a vision run on worker ranks (spmd)
-_VISION_ON_RANKS = (
-    ("model.lora", lambda config: config.model.lora is not None,
-     "the ranks build a LoRA role's base on the meta device as a text model (no vision tower)"),
-    ("runtime.placement", lambda config: str(config.runtime.placement).startswith("split"),
-     "a split placement syncs the policy into a generator built as a text model; vision runs are colocated"),
-)
+    if runtime.runtime == "ray":  # the same recipe reaches the actors; what is missing is a test that fits the suite
+        raise ConfigError("runtime.runtime=ray: a vision run is tested on the local and spmd runtimes only; the Ray "
+                          "actors build the same roles, but no test checks a vision run there against the local run "
+                          "(a Ray cluster start is more than the test suite's time allows)",
+                          fix="runtime.runtime: spmd (worker processes on this machine) or local")
+    if config.model.lora is not None:  # `RoleSpec.build_lora_on_meta` builds the base with `build_causal_lm`
+        raise ConfigError(f"model.lora with runtime.runtime={runtime.runtime}: a vision run's LoRA trains on the local "
+                          "runtime only (the ranks build a LoRA role's base on the meta device as a text model, "
+                          "which a Qwen2-VL config is not)",
+                          fix="runtime.runtime: local for a LoRA vision run, or remove model.lora (full weights on spmd)")
 
 
 def vision_tokenizer(source: str | None) -> Any:
