@@ -200,6 +200,7 @@ class WorldSpec:
     roles: Mapping[str, RoleSpec]
     rewards: Mapping[str, Callable[..., Any]] = attrs.field(factory=dict)
     tokenizer: str | None = None  # a directory; None: the shipped character tokenizer
+    vision_tokens: bool = False  # add Qwen2-VL's three vision tokens to it (a vision run's tokenizer, `build_vl_tokenizer`)
     max_new_tokens: int = 16
     seed: int = 0
     fsdp_unit_params: int = 1_000_000  # a decoder layer with at least this many parameters is its own FSDP2 unit
@@ -244,9 +245,12 @@ class WorldSpec:
                    envs=dict(getattr(executor, "envs", {})))
 
     def load_tokenizer(self) -> Any:
+        """The run's tokenizer, rebuilt in each process from plain data: with `vision_tokens`, the same
+        ids the controller's vision tokenizer gives (they are appended in a fixed order)."""
         from rlgraph.backends.local.models import load_tokenizer
+        from rlgraph.backends.local.vlm import build_vl_tokenizer
 
-        return load_tokenizer(self.tokenizer)
+        return build_vl_tokenizer(self.tokenizer) if self.vision_tokens else load_tokenizer(self.tokenizer)
 
     def build_local(self, device: torch.device | str = "cpu") -> Any:
         """Every role in this process: the local executor, its models on `device` (fp32 weights;

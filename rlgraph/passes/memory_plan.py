@@ -50,6 +50,13 @@ def image_tokens(options: CompileOptions, role: str) -> int:
     return options.images_per_prompt * per_image
 
 
+def pixel_bytes_per_row(options: CompileOptions) -> int:
+    """Bytes the images of one `Prompts` / `Rollouts` row add to a move of it (each row carries its
+    prompt's pixels and grids, at the pixel budget): 0 for a text policy."""
+    vision = model_shape(options, "policy").vision
+    return 0 if vision is None else options.images_per_prompt * vision.pixel_bytes_per_image(pixel_budget(options))
+
+
 def vision_memory(options: CompileOptions, role: str, images: int, *, training: bool) -> M.MemoryBreakdown:
     """The activations `images` images hold in one forward of `role`'s vision tower (none for a text
     model, or a prompt with no image); a frozen tower keeps no activations for backward."""

@@ -13,7 +13,8 @@ A field read of a record that is moved anyway is re-read at the destination inst
 (and the source's read, left without users, is dropped: it would be work the plan shows for nothing).
 
 Guarantees: after this pass, every edge joins equal layouts or passes through exactly one
-transfer node, and a transfer's `bytes` is the size of the value it moves.
+transfer node, and a transfer's `bytes` is the size of the value it moves (a VLM's `Prompts` and
+`Rollouts` rows with their images, at the pixel budget).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rlgraph.ir import specs as S
 from rlgraph.ir.primitives import GENERATORS, primitive_name
 from rlgraph.ir.program import Program, copy_program
 from rlgraph.ir.infer import get_field
+from rlgraph.passes.memory_plan import pixel_bytes_per_row
 from rlgraph.passes.options import CompileOptions
 from rlgraph.plan.layouts import CONTROLLER
 from rlgraph.passes.partition import value_bytes
@@ -63,7 +65,12 @@ def _movable(node: fx.Node) -> bool:
 def reshard(program: Program, options: CompileOptions) -> Program:
     out, _ = copy_program(program)
     groups = {group.name: group for group in out.annotations["groups"]}
-    sizes = options.concrete(program.hparams.get("n"))
+    sizes, pixel_row = options.concrete(program.hparams.get("n")), pixel_bytes_per_row(options)
+
+    def measure(spec: S.Spec) -> int:  # a value's bytes; a batch record's rows carry their images too
+        images = pixel_row * S.f32(spec.rows).numel(sizes) if _carries_images(spec) else 0  # rows x bytes a row
+        return value_bytes(spec, sizes) + images
+
     moved: dict[tuple[fx.Node, tuple], fx.Node] = {}
     for node in list(out.graph.nodes):
         if node.op in ("placeholder", "output"):
@@ -76,16 +83,21 @@ def reshard(program: Program, options: CompileOptions) -> Program:
                 continue
             key = (arg, consumer_layout)
             if key not in moved:
-                moved[key] = _bring(out, arg, node, consumer_layout, groups, sizes, moved)
+                moved[key] = _bring(out, arg, node, consumer_layout, groups, measure, moved)
             node.replace_input_with(arg, moved[key])
-    _gather_outputs(out, groups, sizes, moved)
+    _gather_outputs(out, groups, measure, moved)
     for node in list(out.graph.nodes):  # a read whose record moved and was re-read at the destination
         if node.target is get_field and not node.users:
             out.graph.erase_node(node)
     return out.verify(after="reshard")
 
 
-def _gather_outputs(program: Program, groups: dict[str, Group], sizes, moved) -> None:
+def _carries_images(spec: S.Spec) -> bool:
+    """`Prompts` and `Rollouts` rows hold their prompt's images (`pixel_values`, `image_grid_thw`)."""
+    return isinstance(spec, S.RecordSpec) and spec.kind in ("Prompts", "Rollouts")
+
+
+def _gather_outputs(program: Program, groups: dict[str, Group], measure, moved) -> None:
     """The algorithm's `outputs` are handed to the caller on the controller, whole: each one that
     lives on a worker group gets a gather the plan shows (every data-parallel rank's rows, not the
     first rank's)."""
@@ -98,13 +110,13 @@ def _gather_outputs(program: Program, groups: dict[str, Group], sizes, moved) ->
         if _movable(value) and layout_of(value, groups) != (CONTROLLER,):
             key_moved = (value, (CONTROLLER,))
             if key_moved not in moved:
-                moved[key_moved] = _bring(program, value, output, (CONTROLLER,), groups, sizes, moved)
+                moved[key_moved] = _bring(program, value, output, (CONTROLLER,), groups, measure, moved)
             value = moved[key_moved]
         gathered[key] = value
     output.kwargs = {**output.kwargs, "outputs": gathered}
 
 
-def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, groups, sizes, moved) -> fx.Node:
+def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, groups, measure, moved) -> fx.Node:
     """A node holding `value` in `layout`: a local field read of a moved record, or a transfer."""
     graph = program.graph
     if value.target is get_field and (value.args[0], layout) in moved:
@@ -119,7 +131,7 @@ def _bring(program: Program, value: fx.Node, consumer: fx.Node, layout: tuple, g
     with graph.inserting_before(consumer):
         node = graph.create_node(
             "call_function", transfer, (value,),
-            {"kind": kind, "src": value.meta["role"], "dst": consumer.meta["role"], "nbytes": value_bytes(spec, sizes)},
+            {"kind": kind, "src": value.meta["role"], "dst": consumer.meta["role"], "nbytes": measure(spec)},
             name=f"{kind}_{value.name}",
         )
     node.meta.update(spec=spec, role=consumer.meta["role"], phase="transfer", transfer=True, source=value.meta.get("source"),

@@ -92,6 +92,12 @@ class VisionShape:
         """The most language-model tokens one image gives under `pixel_budget` pixels."""
         return pixel_budget // (self.patch * self.merge) ** 2
 
+    def pixel_bytes_per_image(self, pixel_budget: int) -> int:
+        """Bytes of one image as a batch row carries it at the budget's most patches: its fp32
+        `pixel_values` (channels x temporal x patch^2 values a patch) and its i64 (t, h, w) grid."""
+        patches = self.image_tokens(pixel_budget) * self.merge ** 2
+        return patches * self.channels * self.temporal * self.patch ** 2 * 4 + 3 * 8
+
     def flops_per_image(self, pixel_budget: int, *, training: bool) -> float:
         """Matmul FLOPs of one image at the budget's most patches: 2 per weight per patch (the merger's
         per merged token), plus 4 * patches^2 * width per block for full attention (Qwen2.5-VL windows most

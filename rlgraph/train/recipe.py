@@ -68,6 +68,7 @@ def world_of_config(setup: Setup, *, start: Start = None, roles: Sequence[str] |
             raise ValueError(f"world_of_config: no recipe for role {role!r}; the roles are {', '.join(MODEL_ROLES)}")
     envs: dict[str, Any] = {"env": setup.env} if setup.env is not None else {}
     return WorldSpec(specs, {"reward": setup.rewards}, tokenizer=tokenizer_source(config),
+                     vision_tokens=config.vision is not None,
                      max_new_tokens=config.rollout.max_new_tokens, seed=seed, envs=envs,
                      decode_compile=decode_policy(setup))
 

@@ -198,9 +198,12 @@ def test_a_vlm_grpo_step_runs_the_same_compiled_as_eager(vl):
 
 
 @pytest.mark.slow
-def test_a_vlm_grpo_step_on_two_fsdp_ranks_one_without_images_matches_local(vl, tmp_path):
-    """Rank 1's prompt has no image: it runs no vision tower (the tower is part of the root FSDP2 unit,
-    gathered with the root, so no collective waits on it), and both ranks' steps equal one process's."""
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_a_vlm_grpo_step_on_two_fsdp_ranks_one_without_images_matches_local(vl, tmp_path, placement):
+    """Colocated: rank 1's prompt has no image: it runs no vision tower (the tower is part of the root
+    FSDP2 unit, gathered with the root, so no collective waits on it). Split: rank 1 generates from the
+    policy synced from rank 0 (tower included) and the rollouts move to rank 0 with their pixels. Both
+    ranks' steps equal one process's."""
     import rlgraph as rg
     from rlgraph.backends.local.vlm import TINY_VL_CONFIG
     from rlgraph.backends.world import RoleSpec, WorldSpec
@@ -213,7 +216,9 @@ def test_a_vlm_grpo_step_on_two_fsdp_ranks_one_without_images_matches_local(vl, 
     world = WorldSpec({"policy": RoleSpec(source=str(TINY_VL_CONFIG), optimizer="sgd", lr=0.1)},
                       {"reward": length_parity_reward}, tokenizer=str(tmp_path / "tokenizer"), max_new_tokens=4)
     prompts = _prompts(vl, [("ab=", [(16, 16, 0)]), ("no image=", [])])
-    compiled = rg.compile(grpo, mesh="cpu:2", placement=rg.colocated(offload=False, checkpointing=False),
+    chosen = (rg.colocated(offload=False, checkpointing=False) if placement == "colocated"
+              else rg.split({"policy": 1, "rollout": 1}, checkpointing=False))
+    compiled = rg.compile(grpo, mesh="cpu:2", placement=chosen,
                           sizes={"B": 2, "P": prompts.ids.shape[1], "T": 4}, n=4, max_new_tokens=4)
     local_executor = world.build_local()
     before = state_of(local_executor.models["policy"])

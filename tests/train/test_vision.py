@@ -27,22 +27,25 @@ shapes = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(shapes)  # the example's own drawing: one source of the task
 
 
-def _write(tmp_path, rows=24, seed=0):
+def _write(tmp_path, rows=24, seed=0, text_every=0):
+    """`rows` rows of the example's task; with `text_every`, every such row (from the second) has no image."""
     rng = random.Random(seed)
     lines = []
-    for _ in range(rows):
+    for i in range(rows):
         uri, colour = shapes.draw(rng)
-        lines.append(json.dumps({"prompt": "colour=", "image": uri, "answer": colour}))
+        image = [] if text_every and i % text_every == 1 else uri
+        lines.append(json.dumps({"prompt": "colour=", "image": image, "answer": colour}))
     path = tmp_path / "shapes.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def _config(tmp_path, overrides=(), **sections):
+def _config(tmp_path, overrides=(), *, rows=24, text_every=0, **sections):
     config = {
         "name": "v", "run_dir": str(tmp_path / "run"),
         "vision": {"pixel_budget": 256},
-        "data": {"train": str(_write(tmp_path)), "eval_fraction": 0.25, "chat_template": False},
+        "data": {"train": str(_write(tmp_path, rows, text_every=text_every)), "eval_fraction": 0.25,
+                 "chat_template": False},
         "rewards": [{"name": "exact_match"}],
         "algorithm": {"name": "grpo", "hparams": {"kl": 0.04}},
         "rollout": {"prompts_per_step": 4, "n": 2, "max_new_tokens": 4},
@@ -78,15 +81,20 @@ def test_a_vision_run_warm_starts_trains_and_evaluates_with_its_images(tmp_path)
     assert all(torch.equal(exported.state_dict()[name], tensor) for name, tensor in trained.items())
 
 
-@pytest.mark.parametrize("override, message", [
-    ("runtime.runtime=spmd", "runtime.runtime: a vision run"),
-    ("runtime.engine=vllm", r"runtime.engine: 'vllm' for a vision run .*; vLLM cannot generate for a vision-language "
-                            r"model here: \(1\) .*torchvision.*\n  fix: runtime.engine: native"),
-    ("vision.pixel_budget=16", "vision.pixel_budget: build_image_processor: max_pixels=16 must be an int >= 64"),
+SPMD = ["runtime.runtime=spmd", "runtime.nproc=2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["runtime.runtime=ray", "runtime.nproc=2"], r"runtime.runtime=ray: a vision run is tested on the local and spmd "
+                                                 r"(.|\n)*fix: runtime.runtime: spmd"),
+    ([*SPMD, "model.lora.r=4"], r"model.lora with runtime.runtime=spmd: (.|\n)*fix: runtime.runtime: local for a LoRA"),
+    ([*SPMD, "runtime.engine=vllm"], r"runtime.engine: 'vllm' for a vision run .*; vLLM cannot generate for a "
+                                     r"vision-language model here: \(1\) .*torchvision.*\n  fix: runtime.engine: native"),
+    (["vision.pixel_budget=16"], "vision.pixel_budget: build_image_processor: max_pixels=16 must be an int >= 64"),
 ])
-def test_what_a_vision_run_cannot_do_is_refused_before_a_model_exists(tmp_path, override, message):
+def test_what_a_vision_run_cannot_do_is_refused_before_a_model_exists(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
-        prepare(_config(tmp_path, [override]))
+        prepare(_config(tmp_path, overrides))
 
 
 @pytest.mark.parametrize("image, message", [
@@ -158,3 +166,48 @@ def test_a_qwen2_5_vl_from_a_local_directory_trains_evaluates_and_exports(tmp_pa
     trained = policy_weights(tmp_path / "run")
     assert all(torch.equal(exported.state_dict()[name], tensor) for name, tensor in trained.items())
     assert any(not torch.equal(model.state_dict()[name], tensor) for name, tensor in trained.items())  # it trained
+
+
+@pytest.mark.slow
+def test_a_vision_run_on_two_spmd_ranks_equals_the_local_run_and_resumes_on_it(tmp_path):
+    """Every other row has no image: spmd step 1 has no image on either rank, step 2 one on rank 1 only
+    (checked below from the run's own sampler): a rank without one runs no tower, none waits for it. The
+    controller ships each prompt's pixels with its rows (the data are decoded and checked once, before
+    step 1). The workers warm-start (1 SFT step), train 2 GRPO steps and evaluate; the run then resumes
+    from their checkpoint on the local runtime for step 3. Metrics per step agree within the helpers'
+    bounds (`RTOL`: the tiny model's reduction chain; the tower is frozen and each rank runs it on its
+    own prompts with the same weights), evaluations exactly (greedy), and the weights after step 3
+    within 2 * sum(lr) per element (an element whose gradient is rounding noise can take an AdamW
+    step of ~lr on one runtime and not the other: 1 warm step at 2e-3, 3 RL steps at 1e-3)."""
+    from rlgraph.data.sampler import Sampler
+    from tests.helpers import assert_rows_close
+    from tests.train.test_run import metrics_of, train_rows
+
+    common = dict(rows=12, text_every=2, rewards=[{"name": "format_regex", "options": {"pattern": "[aeiou]"}}])
+    sizes = ["rollout.prompts_per_step=2", "eval.max_prompts=2", "warm_start.steps=1", "warm_start.batch_size=2", "checkpoint.every=1",
+             "checkpoint.keep_last=3"]
+    local_dir, spmd_dir = tmp_path / "local", tmp_path / "spmd"
+    local_dir.mkdir(), spmd_dir.mkdir()
+    local = _config(local_dir, [*sizes, "train.steps=3"], **common)
+    train(local)
+    train(_config(spmd_dir, [*sizes, "train.steps=2", *SPMD], **common))
+    assert not (spmd_dir / "run" / "start_weights").exists()  # the warm-started policy's file is gone
+    resumed = load_run_config(spmd_dir / "run", ["train.steps=3", "runtime.runtime=local"])
+    assert train(resumed, resume=True).steps == 3
+    rows = prepare(local).train_rows
+    sampler = Sampler(rows, 2, seed=0)
+    has_image = [[bool(row.fields["image"]) for row in sampler.next_batch()] for _ in range(3)]
+    # the spmd steps: no image on either rank, then an image on one rank only (the local step 3: on both)
+    assert has_image == [[False, False], [False, True], [True, True]], has_image
+    assert_rows_close(train_rows(spmd_dir / "run"), train_rows(local_dir / "run"))
+    assert min(row["policy/grad_norm"] for row in train_rows(local_dir / "run")) > 0  # every step moved the policy
+    def evaluations(run_dir):  # step -> greedy accuracy and length (the spmd run also evaluated where it stopped)
+        return {row["step"]: (row["eval/accuracy"], row["eval/response_length"])
+                for row in metrics_of(run_dir) if "eval/accuracy" in row}
+
+    want = evaluations(local_dir / "run")
+    assert sorted(want) == [0, 3] and {step: evaluations(spmd_dir / "run")[step] for step in want} == want
+    want, got = policy_weights(local_dir / "run"), policy_weights(spmd_dir / "run")
+    assert want.keys() == got.keys() and not any("visual" in name for name in got)  # the frozen tower is not saved
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=2 * (2e-3 + 3 * 1e-3))
