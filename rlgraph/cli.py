@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import_modules(args.imports)  # rlgraph.train.user_code: the same rules as a config's `imports`
         return commands[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C outside a run: one line, and the shell's exit status for SIGINT
+        print(f"rlgraph {args.command}: interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - a command line answers every failure with a message, not a traceback
         if args.debug:
             traceback.print_exc()
@@ -284,11 +287,25 @@ def _train(args) -> int:
     if args.dry_run:
         dry_run(config)
         return 0
-    result = train(config, resume=bool(args.resume), checkpoint=args.checkpoint, overwrite=args.overwrite)
+    try:
+        result = train(config, resume=bool(args.resume), checkpoint=args.checkpoint, overwrite=args.overwrite)
+    except KeyboardInterrupt:  # Ctrl-C: the run's `with` blocks have stopped its workers on the way out
+        print(f"rlgraph train: interrupted; {_last_checkpoint(config.directory)}", file=sys.stderr)
+        return 130
     shown = (f"; held-out accuracy {result.eval_before:.1%} -> {result.eval_after:.1%}"
              if result.eval_before is not None and result.eval_after is not None else "")
     print(f"run {result.run_dir}: {result.steps} steps in {result.seconds:.0f} s{shown}")
     return 0
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    """Where an interrupted run stands: its last whole checkpoint and the command that goes on from it."""
+    from rlgraph.train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if last is None:
+        return f"{run_dir} holds no checkpoint yet (the first is written after the warm start)"
+    return f"the last checkpoint of {run_dir} is {last.name}; rlgraph train --resume {run_dir} goes on from it"
 
 
 _RUNTIME_FLAGS = {"--runtime": ("runtime", "runtime.runtime"), "--nproc": ("nproc", "runtime.nproc"),

@@ -320,6 +320,26 @@ def test_any_error_is_one_message_and_debug_shows_the_traceback(capsys, monkeypa
         assert code == 1 and "Traceback" in err and "KeyError: 'deep inside'" in err
 
 
+def test_ctrl_c_is_one_line_and_the_exit_status_of_sigint(capsys, monkeypatch, tmp_path):
+    import rlgraph.cli as cli
+    import rlgraph.train.run as run_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_plan", interrupted)
+    code, _, err = run(capsys, "plan", "grpo")
+    assert (code, err.strip()) == (130, "rlgraph plan: interrupted")
+    monkeypatch.setattr(run_module, "train", interrupted)  # before its warm start: no checkpoint to name
+    from tests.train.test_run import make_config
+
+    _, config = make_config(tmp_path, "run")
+    code, _, err = run(capsys, "train", str(config))
+    assert code == 130 and "Traceback" not in err
+    assert err.strip() == f"rlgraph train: interrupted; {tmp_path / 'run'} holds no checkpoint yet (the first is " \
+                          "written after the warm start)"
+
+
 USER_ALGORITHM = '''
     import rlgraph as rg
 
