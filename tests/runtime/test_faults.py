@@ -202,34 +202,3 @@ def test_a_stopped_ray_actor_is_named_and_ended():
         for pid in _gone(box[0].pids if box else []):
             os.kill(pid, signal.SIGKILL)  # where ray.kill did not end a stopped actor: never leave it behind
         ray.shutdown()
-
-
-def test_ctrl_c_on_a_spmd_run_prints_one_line_naming_the_checkpoint_and_leaves_nothing_running(tmp_path):
-    """A terminal's Ctrl-C (SIGINT to the whole foreground group) mid-run: the workers and the fork server
-    ignore it and the controller stops them; the command prints one line naming the last checkpoint and the
-    resume command, no traceback, and exits 130 (a traceback and death by SIGINT before)."""
-    from tests.train.test_run import ROOT, make_config
-
-    _, path = make_config(tmp_path, "run", runtime={"runtime": "spmd", "nproc": 2, "timeout_s": TIMEOUT_S},
-                          train={"steps": 200, "seed": 0})  # far more steps than pass before the interrupt
-    target = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "rlgraph", "train", str(path)], cwd=ROOT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None and _steps_saved(target) < 1:
-            time.sleep(0.1)  # a checkpoint after an RL step: the workers are running steps
-        assert process.poll() is None, process.stderr.read()[-2000:]
-        family = [child.pid for child in psutil.Process(process.pid).children(recursive=True)]
-        os.killpg(process.pid, signal.SIGINT)
-        _, errors = process.communicate(timeout=TIMEOUT_S + CLOSE_S + SLACK_S)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-    assert process.returncode == 130, errors[-2000:]
-    assert "Traceback" not in errors and "KeyboardInterrupt" not in errors, errors[-2000:]
-    assert f"rlgraph train: interrupted; the last checkpoint of {target} is step-{_steps_saved(target):06d}; " \
-           f"rlgraph train --resume {target} goes on from it" in errors, errors[-2000:]
-    assert _gone(family) == []
